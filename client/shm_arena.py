@@ -1,0 +1,297 @@
+"""Shared-memory staging arena: data plane 2 (DESIGN.md §6).
+
+Contract
+========
+
+A client that shares a host with the daemon moves block bytes through an
+*arena* instead of ZMQ frames: one file in ``/dev/shm`` cut into ``num_slots``
+equal slots of ``slot_bytes`` each (slot ``i`` is the byte range
+``[i * slot_bytes, (i + 1) * slot_bytes)``). Messages carry slot numbers, never
+bytes.
+
+- The **client** calls ``ShmArena.create(num_slots, slot_bytes)``. The file is
+  named ``kvtier-<session prefix>-<random>``, created exclusively with mode
+  0600, and its pages are reserved up front (``posix_fallocate``) so that a
+  full ``/dev/shm`` fails here with an error, not later with SIGBUS.
+- The **daemon** calls ``ShmArena.attach(name, num_slots, slot_bytes)`` with
+  what the client announced. Attach refuses any name that is not a plain
+  ``kvtier-...`` file name (no ``/``, no ``..``, no other prefix), refuses
+  symlinks and non-regular files, and refuses a file whose size is not exactly
+  ``num_slots * slot_bytes``.
+- Either side may ``unlink()`` (the client when it is done, the daemon when
+  the session's lease expires); unlinking twice is harmless. A mapping stays
+  valid after unlink until it is closed.
+- ``close()`` never unmaps memory that a live view still points at: the
+  mapping is released when the last view (``buffer``, ``slot_view``,
+  ``as_numpy``, a tensor made with ``torch.frombuffer``) is gone. Closing
+  therefore can never turn a view into a dangling pointer.
+- Used as a context manager, an arena closes on exit, and the creator also
+  unlinks.
+
+Implementation: ``os.open`` on ``/dev/shm`` plus ``mmap``, not
+``multiprocessing.shared_memory``. The latter registers every segment with a
+resource tracker that unlinks it when *any* attaching process exits (and
+warns about "leaked" segments), which is wrong for a daemon that attaches to
+clients' arenas.
+
+Trust: the daemon maps memory a client controls. A client can scribble over
+its own slots at any time (the daemon copies, then validates nothing about
+content), and a same-user process that truncates the file under the daemon's
+mapping can make the daemon fault. ``/dev/shm`` files cannot be sealed, so
+this is not a privilege boundary: clients of one daemon must be processes the
+daemon's user trusts (same user, or a group given access explicitly).
+
+Linux only. Imports no torch (numpy only inside ``as_numpy``).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["SHM_DIR", "NAME_PREFIX", "ShmArena", "ShmArenaError", "validate_arena_name"]
+
+SHM_DIR = Path("/dev/shm")
+NAME_PREFIX = "kvtier"
+
+# Plain file names only: letters, digits, '_' and '-' after the fixed prefix.
+# No '.', so neither '..' nor hidden files; no '/', so no path traversal.
+_NAME_RE = re.compile(r"kvtier-[A-Za-z0-9_-]{1,200}")
+_PREFIX_RE = re.compile(r"kvtier(-[A-Za-z0-9_]{1,64})*")
+_RANDOM_HEX_CHARS = 16
+
+
+class ShmArenaError(Exception):
+    """A bad name, size or slot, or a shared-memory file that cannot be made or used."""
+
+
+def validate_arena_name(name: str) -> str:
+    """Return ``name`` if it is an acceptable arena file name, else raise ``ShmArenaError``."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ShmArenaError(
+            f"bad arena name {name!r}: must be 'kvtier-' followed by 1-200 letters, digits, '_' or '-'"
+        )
+    return name
+
+
+def _check_geometry(num_slots: int, slot_bytes: int) -> int:
+    for what, value in (("num_slots", num_slots), ("slot_bytes", slot_bytes)):
+        # bool is an int subclass; True slots is a caller bug, not 1 slot.
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ShmArenaError(f"{what} must be a positive int, got {value!r}")
+    return num_slots * slot_bytes
+
+
+class ShmArena:
+    """A ``/dev/shm`` file mapped read-write and cut into equal slots. See the module docstring."""
+
+    def __init__(self, *, name: str, num_slots: int, slot_bytes: int, mapping: mmap.mmap, owner: bool) -> None:
+        # Use create() or attach(); this constructor trusts its arguments.
+        self._name = name
+        self._num_slots = num_slots
+        self._slot_bytes = slot_bytes
+        self._mmap: mmap.mmap | None = mapping
+        self._view: memoryview | None = memoryview(mapping)
+        self._owner = owner
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def create(cls, num_slots: int, slot_bytes: int, *, name_prefix: str = NAME_PREFIX) -> ShmArena:
+        """Create a new arena file of ``num_slots * slot_bytes`` bytes and map it.
+
+        ``name_prefix`` is ``"kvtier"`` or ``"kvtier-<something>"`` (e.g. the
+        session id's first characters); a random suffix makes the name unique.
+        """
+        size_bytes = _check_geometry(num_slots, slot_bytes)
+        if not isinstance(name_prefix, str) or not _PREFIX_RE.fullmatch(name_prefix):
+            raise ShmArenaError(
+                f"bad name_prefix {name_prefix!r}: must be 'kvtier' or 'kvtier-<letters, digits, _>'"
+            )
+        name = validate_arena_name(f"{name_prefix}-{secrets.token_hex(_RANDOM_HEX_CHARS // 2)}")
+        path = SHM_DIR / name
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise ShmArenaError(f"cannot create shared-memory file {path}: {exc.strerror}") from exc
+        try:
+            try:
+                # Reserve the pages now: a sparse tmpfs file that cannot be
+                # backed later kills the writer with SIGBUS instead.
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                    raise ShmArenaError(
+                        f"cannot reserve {size_bytes} bytes in {SHM_DIR} for arena {name}: {exc.strerror} "
+                        f"(is {SHM_DIR} too small? see `df -h {SHM_DIR}`)"
+                    ) from exc
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise ShmArenaError(f"cannot size arena {name}: {exc.strerror}") from exc
+                os.ftruncate(fd, size_bytes)
+            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        # The mmap keeps its own reference to the file; our descriptor is not needed.
+        os.close(fd)
+        return cls(name=name, num_slots=num_slots, slot_bytes=slot_bytes, mapping=mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, num_slots: int, slot_bytes: int) -> ShmArena:
+        """Map an existing arena created by another process (the daemon side)."""
+        size_bytes = _check_geometry(num_slots, slot_bytes)
+        validate_arena_name(name)
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise ShmArenaError(f"arena {name} does not exist in {SHM_DIR}") from exc
+        except OSError as exc:
+            # ELOOP from O_NOFOLLOW means the name is a symlink: refuse it.
+            raise ShmArenaError(f"cannot open arena {name}: {exc.strerror}") from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ShmArenaError(f"arena {name} is not a regular file")
+            if st.st_size != size_bytes:
+                raise ShmArenaError(
+                    f"arena {name} is {st.st_size} bytes, expected {num_slots} slots x {slot_bytes} bytes = {size_bytes}"
+                )
+            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name=name, num_slots=num_slots, slot_bytes=slot_bytes, mapping=mapping, owner=False)
+
+    # -- geometry -------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def path(self) -> Path:
+        return SHM_DIR / self._name
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def size_bytes(self) -> int:
+        return self._num_slots * self._slot_bytes
+
+    @property
+    def owner(self) -> bool:
+        """True in the process that created the arena."""
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        return self._view is None
+
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of ``slot`` from the start of the arena."""
+        return self._check_slot(slot) * self._slot_bytes
+
+    # -- views ----------------------------------------------------------------------
+
+    @property
+    def buffer(self) -> memoryview:
+        """A writable memoryview over the whole arena (``size_bytes`` unsigned bytes)."""
+        # A fresh view each time: close() releases our own view, and must not
+        # invalidate views already handed out.
+        return self._live_view()[:]
+
+    def slot_view(self, slot: int) -> memoryview:
+        """A writable memoryview over one slot."""
+        start = self._check_slot(slot) * self._slot_bytes
+        return self._live_view()[start : start + self._slot_bytes]
+
+    def as_numpy(self) -> np.ndarray:
+        """The arena as a writable uint8 numpy array of shape ``[num_slots, slot_bytes]``, no copy."""
+        import numpy as np
+
+        return np.frombuffer(self._live_view(), dtype=np.uint8).reshape(self._num_slots, self._slot_bytes)
+
+    # -- lifetime -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop this object's mapping. Idempotent.
+
+        If views handed out earlier are still alive, the memory stays mapped
+        until the last of them is released; it is never unmapped under a view.
+        """
+        view, mapping = self._view, self._mmap
+        self._view = None
+        self._mmap = None
+        if view is not None:
+            try:
+                view.release()
+            except BufferError:
+                # Something (numpy, torch.frombuffer) holds a buffer exported
+                # from this very view; it keeps the view, and so the mapping, alive.
+                pass
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                # Exported views are alive; the mmap object is freed (and the
+                # memory unmapped) when the last of them goes away.
+                pass
+
+    def unlink(self) -> None:
+        """Remove the arena's file name. Idempotent; existing mappings stay valid."""
+        _unlink_quietly(self.path)
+
+    def __enter__(self) -> ShmArena:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+        if self._owner:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        role = "owner" if self._owner else "attached"
+        return f"ShmArena({self._name!r}, {self._num_slots} x {self._slot_bytes} bytes, {role}, {state})"
+
+    # -- internals ------------------------------------------------------------------
+
+    def _live_view(self) -> memoryview:
+        if self._view is None:
+            raise ShmArenaError(f"arena {self._name} is closed")
+        return self._view
+
+    def _check_slot(self, slot: Any) -> int:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self._num_slots:
+            raise IndexError(f"slot {slot!r} out of range for arena {self._name} with {self._num_slots} slots")
+        return slot
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
