@@ -1,0 +1,171 @@
+"""The CPU tier: fixed-size slots in one host allocation, evicted by a policy.
+
+Contract (the pool is the only caller; one thread):
+
+- Entries are keyed by block hash. An entry is *ready* once its bytes are
+  valid; while the copy that writes it is in flight it is reserved but not
+  ready, invisible to lookups and never evicted.
+- ``reserve(keys)`` plans slots for new keys: free slots first, then
+  victims in the policy's order, skipping entries that are pinned, being
+  read, or not ready. If there is not enough room it raises ``CpuTierFull``
+  and changes nothing (fail fast, counted; no waiting). Otherwise it evicts
+  the chosen victims and returns one not-ready entry per key.
+- ``commit(entry)`` marks a write finished (the policy learns the key);
+  ``abort(entry)`` frees a reserved slot whose write failed.
+- ``begin_read`` / ``end_read`` bracket a copy out of a slot; ``pin`` /
+  ``unpin`` bracket a client's hold. Neither kind of entry is evicted.
+- ``storage`` is a ``BlockLayout`` slab of ``capacity_blocks`` rows, or None
+  in bookkeeping-only mode (trace replay): then no bytes exist at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.tiers.eviction import EvictionPolicy
+from kvtier.tiers.layout import BlockLayout
+
+
+class CpuTierFull(RuntimeError):
+    """No room can be made without evicting pinned or busy blocks."""
+
+
+@dataclass(slots=True, eq=False)
+class CpuEntry:
+    key: bytes
+    slot: int
+    pins: int = 0
+    readers: int = 0
+    ready: bool = False
+
+    @property
+    def evictable(self) -> bool:
+        return self.ready and self.pins == 0 and self.readers == 0
+
+
+class CpuTier:
+    """See the module docstring."""
+
+    def __init__(self, capacity_blocks: int, policy: EvictionPolicy, storage: BlockLayout | None = None) -> None:
+        if capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        if storage is not None and storage.num_blocks != capacity_blocks:
+            raise ValueError(f"storage has {storage.num_blocks} slots, capacity is {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self.policy = policy
+        self.storage = storage
+        self._entries: dict[bytes, CpuEntry] = {}
+        # Pop from the end: low slots are reused first, which keeps tests readable.
+        self._free_slots = list(range(capacity_blocks - 1, -1, -1))
+        self.evictions = 0
+        self.full_failures = 0
+        self.not_admitted = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(1 for e in self._entries.values() if e.pins)
+
+    def get(self, key: bytes) -> CpuEntry | None:
+        """The entry for ``key`` in any state (ready or being written)."""
+        return self._entries.get(key)
+
+    def get_ready(self, key: bytes) -> CpuEntry | None:
+        entry = self._entries.get(key)
+        return entry if entry is not None and entry.ready else None
+
+    def contains(self, key: bytes) -> bool:
+        return self.get_ready(key) is not None
+
+    def admit(self, key: bytes) -> bool:
+        if self.policy.admit(key):
+            return True
+        self.not_admitted += 1
+        return False
+
+    def reserve(self, keys: Sequence[bytes]) -> list[CpuEntry]:
+        if len(set(keys)) != len(keys):
+            raise ValueError("reserve got the same key twice")
+        for key in keys:
+            if key in self._entries:
+                raise ValueError(f"key {key.hex()} is already in the CPU tier")
+        shortfall = len(keys) - len(self._free_slots)
+        victims: list[CpuEntry] = []
+        if shortfall > 0:
+            for key in self.policy.victims():
+                entry = self._entries[key]
+                if entry.evictable:
+                    victims.append(entry)
+                    if len(victims) == shortfall:
+                        break
+            if len(victims) < shortfall:
+                self.full_failures += 1
+                raise CpuTierFull(
+                    f"CPU tier cannot make room for {len(keys)} blocks: {len(self._free_slots)} free, "
+                    f"{len(victims)} evictable of {len(self._entries)}"
+                )
+        for victim in victims:
+            self._drop(victim)
+            self.evictions += 1
+        entries = []
+        for key in keys:
+            entry = CpuEntry(key, self._free_slots.pop())
+            self._entries[key] = entry
+            entries.append(entry)
+        return entries
+
+    def commit(self, entry: CpuEntry) -> None:
+        if entry.ready or self._entries.get(entry.key) is not entry:
+            raise ValueError(f"entry {entry.key.hex()} is not a pending write")
+        entry.ready = True
+        self.policy.on_insert(entry.key)
+
+    def abort(self, entry: CpuEntry) -> None:
+        if entry.ready or self._entries.get(entry.key) is not entry:
+            raise ValueError(f"entry {entry.key.hex()} is not a pending write")
+        del self._entries[entry.key]
+        self._free_slots.append(entry.slot)
+
+    def hit(self, key: bytes) -> None:
+        self.policy.on_hit(key)
+
+    def begin_read(self, entry: CpuEntry) -> None:
+        entry.readers += 1
+
+    def end_read(self, entry: CpuEntry) -> None:
+        if entry.readers <= 0:
+            raise ValueError(f"entry {entry.key.hex()} has no read in flight")
+        entry.readers -= 1
+
+    def pin(self, entry: CpuEntry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: CpuEntry) -> None:
+        if entry.pins <= 0:
+            raise ValueError(f"entry {entry.key.hex()} is not pinned")
+        entry.pins -= 1
+
+    def discard(self, keys: Iterable[bytes]) -> int:
+        """Drop the evictable entries among ``keys``; returns how many went."""
+        dropped = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry.evictable:
+                self._drop(entry)
+                dropped += 1
+        return dropped
+
+    def clear(self) -> int:
+        return self.discard(list(self._entries))
+
+    def _drop(self, entry: CpuEntry) -> None:
+        del self._entries[entry.key]
+        self.policy.on_remove(entry.key)
+        self._free_slots.append(entry.slot)
