@@ -9,7 +9,7 @@ newcomers. The classic algorithms below are written as "on a miss, evict then
 insert"; here that single step is split across those calls, and the
 differences that follow are listed with each policy.
 
-Both ``victims()`` below yield, in order, exactly the keys that that many
+Both ``victims()`` below yield, in order, exactly the keys that as many
 successive evictions would take (``victims()``, evict the first, repeat) as
 long as nothing is skipped, so a batch eviction is the algorithm's own
 sequence. A skipped (pinned) key is treated as if it had gone, which keeps
@@ -26,10 +26,11 @@ resident are no-ops.
     lists B1/B2 of keys recently evicted from T1/T2, and a target size ``p``
     for T1 that ghost hits move: a re-inserted B1 ghost raises ``p`` (recency
     was under-provisioned), a B2 ghost lowers it. ``victims()`` applies the
-    paper's REPLACE rule (T1's LRU end if ``len(T1) > p``, else T2's) over and
-    over, counting T1 down as it yields from it, until both lists are spent. ``on_remove`` of a resident key always moves it to
-    its ghost list: the tier calls it for evictions and explicit drops alike,
-    and a dropped key that comes back is still a useful signal.
+    paper's REPLACE rule (T1's LRU end if ``len(T1) > p``, else T2's) over
+    and over, counting T1 down as it yields from it, until both lists are
+    spent. ``on_remove`` of a resident key always moves it to its ghost list:
+    the tier calls it for evictions and explicit drops alike, and a dropped
+    key that comes back is still a useful signal.
     Bounds as in the paper: ``|T1|+|B1| <= c`` and ``|T1|+|T2|+|B1|+|B2| <= 2c``.
     Differences from the paper: ``p`` is adapted in ``on_insert``, after the
     tier already chose its victim, so adaptation lags one eviction; REPLACE's
@@ -50,8 +51,8 @@ resident are no-ops.
     non-zero). ``victims()`` does those moves for the first victim eagerly,
     before it yields anything, and replays the algorithm on a lazy scratch
     copy for the following ones, so the iterator never changes state.
-    Differences from the paper: one eviction is settled per ``victims()``
-    call, and the choice between S and M is re-made after every promotion
+    Differences from the paper: each eviction is one step (the tier's), and
+    the choice between S and M is re-made after every promotion
     (the paper's evictS keeps draining S in the same call, and may evict
     from M as a side effect of promoting into a full M); any key leaving S
     goes to G, used or not, since a key that left S still used is the very
@@ -67,8 +68,9 @@ resident are no-ops.
 ``"<policy>+admit2"`` -- ``AdmissionWrapper``
     Second-sighting admission (the "doorkeeper" idea of TinyLFU, G. Einziger,
     R. Friedman, B. Manes, "TinyLFU: A Highly Efficient Cache Admission
-    Policy", ACM ToS 2017, and of the 2Q/"cache on second hit" rule used by
-    CDNs): a key is cached only once it has been seen before, so blocks of
+    Policy", ACM ToS 2017, and the "cache on second hit" rule of CDNs, B. M.
+    Maggs and R. K. Sitaraman, "Algorithmic Nuggets in Content Delivery", ACM
+    SIGCOMM CCR 2015): a key is cached only once it has been seen before, so blocks of
     one-off prompts never displace reused ones. The rule is spelled out on
     the class. The seen-set is a bounded LRU of keys. Everything but
     ``admit`` and ``record_request`` is delegated to the wrapped policy.
@@ -290,7 +292,7 @@ class S3FIFOPolicy(EvictionPolicy):
         main_tail: deque[tuple[bytes, int]] = deque()
         while small_left or main_real_left or main_tail:
             main_left = main_real_left + len(main_tail)
-            if small_left:
+            if small_left and (small_left >= self.small_target or not main_left):
                 key, freq = next(small_items)
                 small_left -= 1
                 if freq >= self._threshold:
