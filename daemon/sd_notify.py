@@ -1,0 +1,91 @@
+"""systemd's notify protocol, without a dependency: READY, STATUS, WATCHDOG, STOPPING.
+
+Contract:
+
+- ``Notifier.from_environ(environ)`` reads ``$NOTIFY_SOCKET`` (a filesystem
+  path, or an abstract socket written with a leading ``@``) and
+  ``$WATCHDOG_USEC`` / ``$WATCHDOG_PID``. Without ``$NOTIFY_SOCKET`` every
+  call is a no-op, so the daemon runs the same outside systemd.
+- ``notify(**fields)`` sends one datagram ``KEY=value\\n...``; failures are
+  logged once and never raised (a lost status line must not stop a daemon).
+- ``ready(status)``, ``status(text)``, ``stopping(status)``,
+  ``watchdog_due(now_s)`` + ``watchdog()``: the daemon's loop pings at half
+  of ``WatchdogSec`` so one slow iteration does not get it killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+
+
+class Notifier:
+    def __init__(self, address: str | None, watchdog_interval_s: float | None = None) -> None:
+        self.address = address
+        self.watchdog_interval_s = watchdog_interval_s
+        self._next_watchdog_s = 0.0
+        self._warned = False
+        self._sock: socket.socket | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Notifier:
+        env = os.environ if environ is None else environ
+        address = env.get("NOTIFY_SOCKET") or None
+        interval_s = None
+        usec = env.get("WATCHDOG_USEC")
+        pid = env.get("WATCHDOG_PID")
+        if usec and (pid is None or pid == str(os.getpid())):
+            try:
+                interval_s = int(usec) / 1e6 / 2
+            except ValueError:
+                log.warning("ignoring WATCHDOG_USEC=%r: not an integer", usec)
+        return cls(address, interval_s)
+
+    @property
+    def enabled(self) -> bool:
+        return self.address is not None
+
+    def notify(self, **fields: str) -> bool:
+        if self.address is None:
+            return False
+        payload = "".join(f"{k.upper()}={v}\n" for k, v in fields.items()).encode()
+        target = "\0" + self.address[1:] if self.address.startswith("@") else self.address
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock.sendto(payload, target)
+            return True
+        except OSError as exc:
+            if not self._warned:
+                log.warning("sd_notify to %s failed: %s", self.address, exc)
+                self._warned = True
+            return False
+
+    def ready(self, status: str) -> bool:
+        return self.notify(ready="1", status=status, mainpid=str(os.getpid()))
+
+    def status(self, text: str) -> bool:
+        return self.notify(status=text)
+
+    def stopping(self, status: str = "draining") -> bool:
+        return self.notify(stopping="1", status=status)
+
+    def watchdog_due(self, now_s: float | None = None) -> bool:
+        if self.watchdog_interval_s is None or self.address is None:
+            return False
+        return (time.monotonic() if now_s is None else now_s) >= self._next_watchdog_s
+
+    def watchdog(self, now_s: float | None = None) -> bool:
+        now = time.monotonic() if now_s is None else now_s
+        self._next_watchdog_s = now + (self.watchdog_interval_s or 0.0)
+        return self.notify(watchdog="1")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
