@@ -1,0 +1,535 @@
+"""kvtier wire protocol, version 1: the one place that defines it.
+
+Contract
+========
+
+Transport: ZMQ. The daemon binds a ROUTER socket; a client connects DEALER
+sockets. A request is a multipart message::
+
+    [header, *payload]
+
+``header`` is one MessagePack map (str keys); ``payload`` frames are raw block
+bytes (data plane "inline"). The ROUTER prepends the peer identity; the reply
+goes back to that identity as ``[header, *payload]``.
+
+Request header: ``{"v": PROTOCOL_VERSION, "op": str, "id": uint, "sid": str,
+...op fields}``. ``sid`` (session id) is absent for ``hello`` and optional for
+``health`` and ``stats``. ``id`` is chosen by the client, 1 .. 2**63-1, and
+comes back unchanged in the reply; id 0 is reserved for replies to messages
+whose id could not be read (undecodable header, missing or bad ``id``).
+
+Reply header: ``{"v": 1, "id": id, "ok": True, ...result}`` or
+``{"v": 1, "id": id, "ok": False, "error": {"code": int, "name": str,
+"message": str}}``. Exactly one reply per request.
+
+Every field a request may carry is listed in ``OPS`` with its type; unknown
+fields, missing required fields, wrong types and out-of-range values are
+INVALID_FIELD errors. Block hashes are 16-byte MessagePack ``bin`` values in a
+list, in prefix order. Tiers in replies are the strings ``"gpu"`` / ``"cpu"``.
+
+Error codes (``ErrorCode``) are stable numbers; new codes may be added, the
+meaning of a number never changes. Hundreds group them: 1xx the request was
+malformed (a client bug, never retry), 2xx the request does not fit the
+daemon's state, 3xx capacity, 4xx the daemon failed or is going away.
+
+This module imports msgpack only (no zmq, no torch) so that any process, and
+the docs generator, can use it. ``docs/protocol.md`` is the prose version.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+HASH_BYTES = 16
+
+# Soft limits the daemon checks on every request (an error reply, the sender
+# stays connected). The daemon may configure lower payload limits and reports
+# its limits in the hello reply; the ZMQ hard limit (MAXMSGSIZE, per frame) is
+# set above them, and a frame over it makes libzmq drop the connection.
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_HASHES = 65536
+MAX_PAYLOAD_FRAMES = 1
+MAX_STR_LEN = 256
+MAX_REGISTERED_TENSORS = 1024
+DEFAULT_MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+RESERVED_ID = 0
+MAX_ID = 2**63 - 1
+
+TIERS = ("gpu", "cpu")
+MODES = ("store", "engine")
+HASH_ALGOS = ("xxh3_128", "sha256")
+PLANES = ("inline", "shm", "kv")
+
+
+class ErrorCode(IntEnum):
+    """Stable error numbers (see the module docstring for the grouping)."""
+
+    MALFORMED = 100  # not a MessagePack map, or frames missing
+    UNSUPPORTED_VERSION = 101
+    UNKNOWN_OP = 102
+    INVALID_FIELD = 103  # missing, unknown, wrong type, out of range
+    TOO_LARGE = 104  # header, hash list or payload over the limits
+
+    UNKNOWN_SESSION = 200  # no such session (expired, closed, daemon restarted)
+    LAYOUT_MISMATCH = 201  # hello for an existing pool with another layout
+    WRONG_MODE = 202  # verb not available in this pool's mode
+    NOT_FOUND = 203  # hash, request, registration or slot does not exist
+    INVALID_STATE = 204  # well-formed but contradicts current state
+
+    NO_SPACE = 300  # the tier cannot make room (nothing changed)
+
+    TRANSFER_FAILED = 400  # a copy failed; nothing was committed
+    SHUTTING_DOWN = 401  # the daemon is draining and takes no new work
+    INTERNAL = 402  # a daemon bug; the daemon runs on
+
+
+class KvtierError(Exception):
+    """Base of every error the kvtier client library raises."""
+
+
+class ProtocolError(KvtierError):
+    """A message that breaks the protocol (raised on either side)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+# ---- field types -----------------------------------------------------------
+
+
+class FieldType:
+    """Checks one decoded value; returns it (possibly normalised) or raises ProtocolError."""
+
+    wire: str = ""
+
+    def check(self, name: str, value: Any) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def _bad(name: str, why: str) -> ProtocolError:
+        return ProtocolError(ErrorCode.INVALID_FIELD, f"field {name!r}: {why}")
+
+
+@dataclass(frozen=True)
+class UInt(FieldType):
+    lo: int = 0
+    hi: int = 2**64 - 1
+
+    @property
+    def wire(self) -> str:  # type: ignore[override]
+        return f"uint {self.lo}..{self.hi}" if self.hi < 2**64 - 1 else f"uint >= {self.lo}"
+
+    def check(self, name: str, value: Any) -> int:
+        # bool is an int subclass in Python; on the wire it is its own type.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._bad(name, f"expected an unsigned integer, got {type(value).__name__}")
+        if not self.lo <= value <= self.hi:
+            raise self._bad(name, f"{value} is outside {self.lo}..{self.hi}")
+        return value
+
+
+@dataclass(frozen=True)
+class Seconds(FieldType):
+    lo_s: float = 0.0
+    hi_s: float = 86400.0
+
+    @property
+    def wire(self) -> str:  # type: ignore[override]
+        return f"float or int, seconds, {self.lo_s} < x <= {self.hi_s}"
+
+    def check(self, name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._bad(name, f"expected a number of seconds, got {type(value).__name__}")
+        if not (math.isfinite(value) and self.lo_s < value <= self.hi_s):
+            raise self._bad(name, f"{value} is outside ({self.lo_s}, {self.hi_s}]")
+        return float(value)
+
+
+@dataclass(frozen=True)
+class Str(FieldType):
+    min_len: int = 1
+    max_len: int = MAX_STR_LEN
+
+    @property
+    def wire(self) -> str:  # type: ignore[override]
+        return f"str, {self.min_len}..{self.max_len} chars"
+
+    def check(self, name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise self._bad(name, f"expected a string, got {type(value).__name__}")
+        if not self.min_len <= len(value) <= self.max_len:
+            raise self._bad(name, f"length {len(value)} is outside {self.min_len}..{self.max_len}")
+        return value
+
+
+@dataclass(frozen=True)
+class Enum(FieldType):
+    values: tuple[str, ...] = ()
+
+    @property
+    def wire(self) -> str:  # type: ignore[override]
+        return "str, one of " + ", ".join(f'"{v}"' for v in self.values)
+
+    def check(self, name: str, value: Any) -> str:
+        if not isinstance(value, str) or value not in self.values:
+            raise self._bad(name, f"expected one of {list(self.values)}, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Bool(FieldType):
+    wire: str = "bool"
+
+    def check(self, name: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise self._bad(name, f"expected a bool, got {type(value).__name__}")
+        return value
+
+
+@dataclass(frozen=True)
+class Hashes(FieldType):
+    max_count: int = MAX_HASHES
+
+    @property
+    def wire(self) -> str:  # type: ignore[override]
+        return f"array of bin16 (block hashes), at most {self.max_count}"
+
+    def check(self, name: str, value: Any) -> list[bytes]:
+        if not isinstance(value, list):
+            raise self._bad(name, f"expected an array of 16-byte bin, got {type(value).__name__}")
+        if len(value) > self.max_count:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {len(value)} hashes, limit {self.max_count}")
+        for i, h in enumerate(value):
+            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+                got = f"{len(h)} bytes" if isinstance(h, bytes) else type(h).__name__
+                raise self._bad(name, f"element {i}: expected bin of {HASH_BYTES} bytes, got {got}")
+        return value
+
+
+@dataclass(frozen=True)
+class UIntList(FieldType):
+    max_count: int = MAX_HASHES
+    hi: int = 2**32 - 1
+
+    @property
+    def wire(self) -> str:  # type: ignore[override]
+        return f"array of uint (0..{self.hi}), at most {self.max_count}"
+
+    def check(self, name: str, value: Any) -> list[int]:
+        if not isinstance(value, list):
+            raise self._bad(name, f"expected an array of uint, got {type(value).__name__}")
+        if len(value) > self.max_count:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {len(value)} entries, limit {self.max_count}")
+        for i, v in enumerate(value):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= self.hi:
+                raise self._bad(name, f"element {i}: expected uint 0..{self.hi}, got {v!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One field of a request (or of a nested map)."""
+
+    type: FieldType
+    required: bool = True
+    default: Any = None
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Map(FieldType):
+    fields: Mapping[str, Spec] = field(default_factory=dict)
+    # Opaque maps (kv_share descriptors) are passed through after a shallow check.
+    opaque: bool = False
+    max_keys: int = 64
+
+    @property
+    def wire(self) -> str:  # type: ignore[override]
+        return "map (opaque)" if self.opaque else "map, see its fields"
+
+    def check(self, name: str, value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self._bad(name, f"expected a map, got {type(value).__name__}")
+        if len(value) > self.max_keys:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {len(value)} keys, limit {self.max_keys}")
+        if self.opaque:
+            for key in value:
+                if not isinstance(key, str):
+                    raise self._bad(name, "map keys must be strings")
+            return value
+        return check_fields(value, self.fields, prefix=f"{name}.")
+
+
+@dataclass(frozen=True)
+class MapList(FieldType):
+    item: Map = field(default_factory=Map)
+    max_count: int = MAX_REGISTERED_TENSORS
+
+    @property
+    def wire(self) -> str:  # type: ignore[override]
+        return f"array of map, 1..{self.max_count}"
+
+    def check(self, name: str, value: Any) -> list[dict[str, Any]]:
+        if not isinstance(value, list) or not value:
+            raise self._bad(name, "expected a non-empty array of maps")
+        if len(value) > self.max_count:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {len(value)} entries, limit {self.max_count}")
+        return [self.item.check(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
+def check_fields(values: Mapping[str, Any], specs: Mapping[str, Spec], *, prefix: str = "") -> dict[str, Any]:
+    """Validate ``values`` against ``specs``: every key known, every required key present."""
+    out: dict[str, Any] = {}
+    for key in values:
+        if not isinstance(key, str):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"field names must be strings, got {key!r}")
+        if key not in specs:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"unknown field {prefix}{key!r}")
+    for key, spec in specs.items():
+        if key in values and not (values[key] is None and not spec.required):
+            out[key] = spec.type.check(prefix + key, values[key])
+        elif spec.required:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"missing field {prefix}{key!r}")
+        else:
+            out[key] = spec.default
+    return out
+
+
+# ---- the schema ------------------------------------------------------------
+
+LAYOUT_FIELDS: dict[str, Spec] = {
+    "model": Spec(Str(), doc="model identity (name or path + revision)"),
+    "block_size": Spec(UInt(1, 2**32 - 1), doc="tokens per block"),
+    "block_bytes": Spec(UInt(1, 2**40), doc="bytes of one block, all layers, K and V"),
+    "dtype": Spec(Str(1, 32), doc='KV element type, e.g. "bfloat16"'),
+    "num_layers": Spec(UInt(1, 2**20)),
+    "kv_heads": Spec(UInt(1, 2**20), doc="KV heads on this rank"),
+    "head_dim": Spec(UInt(1, 2**20)),
+    "tp_rank": Spec(UInt(0, 2**20)),
+    "tp_size": Spec(UInt(1, 2**20)),
+    "hash_algo": Spec(Enum(HASH_ALGOS)),
+    "mode": Spec(Enum(MODES), doc='"store": the daemon owns the GPU tier; "engine": the engine\'s registered KV tensors are the GPU tier'),
+}
+LAYOUT = Map(LAYOUT_FIELDS)
+
+# One registered tensor: the kv_share descriptor (opaque to the protocol; the
+# daemon's importer validates it) plus which dimension indexes blocks.
+KV_TENSOR = Map(
+    {
+        "desc": Spec(Map(opaque=True), doc="tensor descriptor produced by kvtier.client.kv_share"),
+        "block_dim": Spec(UInt(0, 16), doc="dimension of the tensor that indexes blocks"),
+    }
+)
+
+HASHES = Spec(Hashes(), doc="block hashes, bin16 each, prefix order")
+REQ = Spec(Str(1, MAX_STR_LEN), doc="engine request id (unique within the session)")
+PLANE_FIELDS: dict[str, Spec] = {
+    "plane": Spec(Enum(PLANES), required=False, default="inline", doc="where the block bytes are"),
+    "slots": Spec(UIntList(), required=False, doc='plane "shm": arena slots; plane "kv": slots of the registered tensors; one per hash'),
+    "reg": Spec(Str(1, 128), required=False, doc='plane "kv": name of the registration'),
+}
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    fields: Mapping[str, Spec]
+    session: str = "required"  # "required" | "none" | "optional"
+    payload: bool = False  # may carry a payload frame
+    renews_lease: bool = True
+    idempotent: bool = False  # safe for a client to resend after a timeout
+    doc: str = ""
+
+
+OPS: dict[str, OpSpec] = {
+    "hello": OpSpec(
+        {
+            "pool": Spec(Str(1, 128), doc="pool name; the first hello creates the pool"),
+            "layout": Spec(LAYOUT),
+            "client": Spec(Str(0, 128), required=False, default="", doc="free text for logs"),
+            "lease_s": Spec(Seconds(0.0, 3600.0), required=False, doc="requested lease; the daemon may shorten it"),
+        },
+        session="none",
+        idempotent=True,
+        doc="open a session on a pool (creating the pool), negotiate version and layout",
+    ),
+    "heartbeat": OpSpec({}, idempotent=True, doc="renew the session lease"),
+    "bye": OpSpec({}, idempotent=True, doc="end the session, releasing everything it holds"),
+    "attach_arena": OpSpec(
+        {
+            "name": Spec(Str(1, 255), doc="file name in /dev/shm made by kvtier.client.shm_arena (kvtier-...)"),
+            "num_slots": Spec(UInt(1, 2**32 - 1)),
+            "slot_bytes": Spec(UInt(1, 2**40), doc="must equal the pool's block_bytes"),
+        },
+        doc="map the client's shared-memory staging arena (data plane shm); the daemon unlinks it when the session ends",
+    ),
+    "register_kv": OpSpec(
+        {
+            "name": Spec(Str(1, 128), doc="registration name, unique within the session"),
+            "tensors": Spec(MapList(KV_TENSOR), doc="one per layer, or one for all layers; block byte order is tensor by tensor"),
+        },
+        doc="register engine KV tensors (engine mode: they become the pool's GPU tier)",
+    ),
+    "unregister_kv": OpSpec({"name": Spec(Str(1, 128))}, doc="drop a registration"),
+    "lookup": OpSpec(
+        {"hashes": HASHES, "pin": Spec(Bool(), required=False, default=False)},
+        renews_lease=False,
+        idempotent=True,
+        doc="longest cached prefix and the tier of each block; optionally pin it atomically",
+    ),
+    "pin": OpSpec({"hashes": HASHES}, doc="pin the longest available prefix (never evicted while pinned)"),
+    "unpin": OpSpec({"hashes": HASHES}, doc="drop this session's pins on these hashes"),
+    "allocate": OpSpec(
+        {"req": REQ, "hashes": HASHES, "num_tokens": Spec(UInt(0, 2**40))},
+        doc="engine mode: block table for a new request; CPU hits are restored into slots before the reply",
+    ),
+    "append": OpSpec(
+        {"req": REQ, "num_tokens": Spec(UInt(0, 2**40), doc="NEW tokens"), "hashes": HASHES},
+        doc="engine mode: grow a request; hashes of the blocks these tokens filled",
+    ),
+    "free": OpSpec({"req": REQ}, doc="engine mode: release a request's blocks"),
+    "store": OpSpec(
+        {"hashes": HASHES, **PLANE_FIELDS},
+        payload=True,
+        idempotent=True,
+        doc="copy blocks into the pool (content-addressed; present hashes are skipped)",
+    ),
+    "restore": OpSpec(
+        {"hashes": HASHES, **PLANE_FIELDS},
+        idempotent=True,
+        doc="copy the longest available prefix out of the pool",
+    ),
+    "stats": OpSpec({}, session="optional", renews_lease=False, idempotent=True, doc="counters"),
+    "health": OpSpec({}, session="optional", renews_lease=False, idempotent=True, doc="liveness/readiness"),
+    "clear": OpSpec({}, idempotent=True, doc="drop every unpinned, unused cached block of the session's pool"),
+}
+
+HEADER_FIELDS = ("v", "op", "id", "sid")
+
+
+@dataclass(slots=True)
+class Request:
+    """A validated request. ``fields`` holds every field of the op (defaults filled in)."""
+
+    op: str
+    id: int
+    sid: str | None
+    fields: dict[str, Any]
+    payload: list[Any]  # raw frames (zmq.Frame or bytes)
+
+    @property
+    def spec(self) -> OpSpec:
+        return OPS[self.op]
+
+
+def encode(header: Mapping[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def decode(data: bytes | memoryview) -> Any:
+    # Limits keep a hostile header from building huge containers; the header
+    # size itself is capped before decoding.
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        max_bin_len=MAX_HEADER_BYTES,
+        max_str_len=MAX_HEADER_BYTES,
+        max_array_len=MAX_HASHES * 2,
+        max_map_len=1024,
+        max_ext_len=0,
+    )
+
+
+def recoverable_id(header: Any) -> int:
+    """The id to answer with: the request's own if readable, else RESERVED_ID."""
+    if isinstance(header, dict):
+        rid = header.get("id")
+        if isinstance(rid, int) and not isinstance(rid, bool) and 0 < rid <= MAX_ID:
+            return rid
+    return RESERVED_ID
+
+
+def decode_header(data: bytes | memoryview) -> dict[str, Any]:
+    """Decode a header frame, raising ProtocolError(MALFORMED / TOO_LARGE)."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header is {len(data)} bytes, limit {MAX_HEADER_BYTES}")
+    try:
+        header = decode(data)
+    except Exception as exc:  # msgpack raises a zoo of types for bad input
+        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid MessagePack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, f"header must be a map, got {type(header).__name__}")
+    return header
+
+
+def validate_request(header: Mapping[str, Any], payload: Sequence[Any] = (), *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Request:
+    """Check a decoded request header (and its payload frames) against the schema."""
+    version = header.get("v")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ProtocolError(ErrorCode.MALFORMED, "header field 'v' (protocol version) missing or not an integer")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version} not supported; this daemon speaks {PROTOCOL_VERSION}")
+    rid = header.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, int) or not 0 < rid <= MAX_ID:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header field 'id' must be an integer 1..{MAX_ID}")
+    op = header.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(ErrorCode.MALFORMED, "header field 'op' missing or not a string")
+    spec = OPS.get(op)
+    if spec is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op[:64]!r}")
+    sid = header.get("sid")
+    if spec.session == "none":
+        if sid is not None:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"op {op!r} takes no 'sid'")
+    elif sid is None:
+        if spec.session == "required":
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"op {op!r} needs a session: field 'sid' missing")
+    elif not isinstance(sid, str) or not 0 < len(sid) <= 64:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "field 'sid' must be a string of 1..64 chars")
+    if len(payload) > (MAX_PAYLOAD_FRAMES if spec.payload else 0):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"op {op!r} takes {MAX_PAYLOAD_FRAMES if spec.payload else 0} payload frame(s), got {len(payload)}")
+    payload_bytes = sum(frame_nbytes(f) for f in payload)
+    if payload_bytes > max_payload_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"payload is {payload_bytes} bytes, limit {max_payload_bytes}")
+    body = {k: v for k, v in header.items() if k not in HEADER_FIELDS}
+    fields = check_fields(body, spec.fields)
+    return Request(op=op, id=rid, sid=sid, fields=fields, payload=list(payload))
+
+
+def frame_nbytes(frame: Any) -> int:
+    """Bytes in a payload frame (zmq.Frame, bytes or any buffer)."""
+    buf = getattr(frame, "buffer", frame)
+    return memoryview(buf).nbytes
+
+
+def request_header(op: str, rid: int, sid: str | None, **fields: Any) -> dict[str, Any]:
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": op, "id": rid}
+    if sid is not None:
+        header["sid"] = sid
+    header.update({k: v for k, v in fields.items() if v is not None})
+    return header
+
+
+def ok_reply(rid: int, **result: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, **result}
+
+
+def error_reply(rid: int, code: ErrorCode, message: str) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {"code": int(code), "name": code.name, "message": message}}
+
+
+def error_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return f"UNKNOWN_{code}"
