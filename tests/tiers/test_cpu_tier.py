@@ -1,0 +1,208 @@
+"""The CPU tier (DESIGN §4): LRU over evictable entries, fail-fast reserve, commit/abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.tiers.cpu_tier import CpuEntry, CpuTier, CpuTierFull
+from kvtier.tiers.eviction import LRUPolicy
+from kvtier.tiers.layout import BlockLayout
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def make_tier(capacity: int, storage: bool = False) -> CpuTier:
+    layout = BlockLayout.contiguous(capacity, 32) if storage else None
+    return CpuTier(capacity, LRUPolicy(capacity), layout)
+
+
+def put(tier: CpuTier, *keys: bytes) -> list[CpuEntry]:
+    entries = tier.reserve(list(keys))
+    for e in entries:
+        tier.commit(e)
+    return entries
+
+
+def state(tier: CpuTier) -> tuple:
+    return (
+        {key: (e.slot, e.pins, e.readers, e.ready) for key, e in tier._entries.items()},
+        list(tier._free_slots),
+        list(tier.policy.victims()),
+        tier.evictions,
+    )
+
+
+def check(tier: CpuTier) -> None:
+    slots = [e.slot for e in tier._entries.values()] + tier._free_slots
+    assert sorted(slots) == list(range(tier.capacity_blocks)), "slots leaked or shared"
+    assert len(tier) <= tier.capacity_blocks
+    assert set(tier.policy.victims()) == {key for key, e in tier._entries.items() if e.ready}
+
+
+def test_lru_order_evicts_least_recently_used_first() -> None:
+    tier = make_tier(3)
+    put(tier, k(1), k(2), k(3))
+    assert tier.num_free_slots == 0
+    tier.hit(k(1))  # order now 2 3 1
+    (e4,) = tier.reserve([k(4)])
+    assert tier.get(k(2)) is None and tier.evictions == 1
+    assert e4.ready is False and not tier.contains(k(4))  # invisible until committed
+    tier.commit(e4)
+    assert tier.contains(k(4))
+    assert list(tier.policy.victims()) == [k(3), k(1), k(4)]
+    # Two at once: the two least recent go, in order.
+    tier.hit(k(3))  # order 1 4 3
+    tier.reserve([k(5), k(6)])
+    assert tier.get(k(1)) is None and tier.get(k(4)) is None and tier.contains(k(3))
+    assert tier.evictions == 3
+    check(tier)
+
+
+def test_free_slots_are_used_before_evicting() -> None:
+    tier = make_tier(4)
+    put(tier, k(1), k(2))
+    tier.reserve([k(3), k(4)])
+    assert tier.evictions == 0 and tier.num_free_slots == 0
+    assert {tier.get(k(i)).slot for i in range(1, 5)} == {0, 1, 2, 3}
+    check(tier)
+
+
+@pytest.mark.parametrize("hold", ["pin", "read", "not_ready"])
+def test_pinned_being_read_and_not_ready_entries_are_never_evicted(hold: str) -> None:
+    tier = make_tier(3)
+    if hold == "not_ready":
+        (held,) = tier.reserve([k(1)])  # a write in flight
+        put(tier, k(2), k(3))
+    else:
+        held, _, _ = put(tier, k(1), k(2), k(3))
+        (tier.pin if hold == "pin" else tier.begin_read)(held)
+    # k1 is the oldest (or not in the LRU at all); k2 and k3 go instead.
+    tier.reserve([k(4), k(5)])
+    assert tier.get(k(1)) is held
+    assert tier.get(k(2)) is None and tier.get(k(3)) is None
+    check(tier)
+    # No more room: everything left is held or not ready.
+    before = state(tier)
+    failures = tier.full_failures
+    with pytest.raises(CpuTierFull):
+        tier.reserve([k(6)])
+    assert tier.full_failures == failures + 1
+    assert state(tier) == before
+    # Releasing the hold makes it evictable again.
+    if hold == "pin":
+        tier.unpin(held)
+    elif hold == "read":
+        tier.end_read(held)
+    else:
+        tier.commit(held)
+    for e in (tier.get(k(4)), tier.get(k(5))):
+        if not e.ready:
+            tier.commit(e)
+    victims = list(tier.policy.victims())
+    tier.reserve([k(6)])
+    assert tier.get(victims[0]) is None and tier.get(k(6)) is not None
+    check(tier)
+
+
+def test_reserve_fails_fast_counted_and_changes_nothing() -> None:
+    tier = make_tier(4)
+    e1, e2, e3, e4 = put(tier, k(1), k(2), k(3), k(4))
+    tier.pin(e1)
+    tier.begin_read(e2)
+    # Two evictable entries; three are asked for.
+    before = state(tier)
+    with pytest.raises(CpuTierFull) as info:
+        tier.reserve([k(10), k(11), k(12)])
+    assert "3" in str(info.value)
+    assert tier.full_failures == 1
+    assert state(tier) == before
+    # Exactly two fit, evicting exactly the two evictable ones.
+    tier.reserve([k(10), k(11)])
+    assert tier.get(k(3)) is None and tier.get(k(4)) is None
+    assert tier.get(k(1)) is e1 and tier.get(k(2)) is e2
+    assert tier.full_failures == 1 and tier.evictions == 2
+    check(tier)
+
+
+def test_zero_capacity_tier_refuses_everything() -> None:
+    tier = make_tier(0)
+    with pytest.raises(CpuTierFull):
+        tier.reserve([k(1)])
+    assert tier.full_failures == 1 and len(tier) == 0
+    assert tier.reserve([]) == []
+
+
+def test_reserve_rejects_duplicates_and_present_keys() -> None:
+    tier = make_tier(4)
+    put(tier, k(1))
+    before = state(tier)
+    with pytest.raises(ValueError):
+        tier.reserve([k(2), k(2)])
+    with pytest.raises(ValueError):
+        tier.reserve([k(2), k(1)])
+    assert state(tier) == before and tier.full_failures == 0
+
+
+def test_commit_and_abort() -> None:
+    tier = make_tier(2, storage=True)
+    e1, e2 = tier.reserve([k(1), k(2)])
+    assert tier.get(k(1)) is e1 and tier.get_ready(k(1)) is None
+    assert len(tier.policy) == 0
+    tier.commit(e1)
+    assert tier.get_ready(k(1)) is e1 and list(tier.policy.victims()) == [k(1)]
+    with pytest.raises(ValueError):
+        tier.commit(e1)  # not pending any more
+    with pytest.raises(ValueError):
+        tier.abort(e1)
+    tier.abort(e2)
+    assert tier.get(k(2)) is None and tier.num_free_slots == 1
+    assert k(2) not in list(tier.policy.victims())
+    with pytest.raises(ValueError):
+        tier.commit(e2)  # aborted: gone
+    # The aborted slot is reusable.
+    (e3,) = tier.reserve([k(3)])
+    assert e3.slot == e2.slot and tier.evictions == 0
+    check(tier)
+
+
+def test_pins_and_reads_are_counted() -> None:
+    tier = make_tier(2)
+    (e,) = put(tier, k(1))
+    tier.pin(e)
+    tier.pin(e)
+    tier.unpin(e)
+    assert not e.evictable and tier.num_pinned == 1
+    tier.unpin(e)
+    assert e.evictable and tier.num_pinned == 0
+    with pytest.raises(ValueError):
+        tier.unpin(e)
+    tier.begin_read(e)
+    tier.end_read(e)
+    with pytest.raises(ValueError):
+        tier.end_read(e)
+
+
+def test_discard_and_clear_drop_only_evictable_entries() -> None:
+    tier = make_tier(4)
+    e1, e2, e3 = put(tier, k(1), k(2), k(3))
+    (pending,) = tier.reserve([k(4)])
+    tier.pin(e1)
+    tier.begin_read(e2)
+    assert tier.discard([k(1), k(2), k(3), k(4), k(99)]) == 1
+    assert tier.get(k(3)) is None
+    assert tier.clear() == 0
+    assert {key for key in tier._entries} == {k(1), k(2), k(4)}
+    tier.unpin(e1)
+    tier.end_read(e2)
+    tier.commit(pending)
+    assert tier.clear() == 3 and len(tier) == 0 and tier.num_free_slots == 4
+    check(tier)
+
+
+def test_storage_must_match_capacity() -> None:
+    with pytest.raises(ValueError):
+        CpuTier(4, LRUPolicy(4), BlockLayout.contiguous(3, 32))
+    with pytest.raises(ValueError):
+        CpuTier(-1, LRUPolicy(0))
