@@ -1,0 +1,173 @@
+"""The example engine (examples/engine): prefix reuse through kvtier gives the outputs of a full recompute.
+
+A tiny random-init Llama (2 layers, hidden 128; random weights are fine: reuse
+must be exact for any weights) serves prompts that share long prefixes. Each
+prompt is served three ways: with its prefix hit in the GPU tier, with its
+prefix demoted to the CPU tier and restored, and with caching disabled. The
+last prompt token's logits must agree to 1e-4 and the greedy continuations
+must be identical. A cache salt must prevent reuse.
+
+The in-process backend (kvtier.tiers.TieredPool over the engine's KV tensor)
+always runs; the daemon backend runs when kvtierd and kvtier.client.kv_share
+are importable.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+ENGINE_DIR = Path(__file__).resolve().parents[2] / "examples" / "engine"
+sys.path.insert(0, str(ENGINE_DIR))
+
+from block_backends import InProcessBackend  # noqa: E402
+from engine import Engine, RequestResult  # noqa: E402
+from paged_llama import KVGeometry, PagedKVPool, build_model  # noqa: E402
+
+LOGIT_TOL = 1e-4
+NEW_TOKENS = 12
+VOCAB = 1024
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    return build_model("tiny", seed=0)
+
+
+def make_engine(model: torch.nn.Module, *, gpu_blocks: int, cpu_blocks: int = 256,
+                enable_caching: bool = True) -> Engine:
+    kv = PagedKVPool.allocate(KVGeometry.of(model.config), gpu_blocks)
+    return Engine(model, InProcessBackend(kv, cpu_blocks=cpu_blocks, enable_caching=enable_caching))
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """Prompts sharing a 320-token prefix (20 blocks); suffixes of odd and block-aligned lengths."""
+    rng = random.Random(1234)
+    prefix = tokens(rng, 320)
+    return [
+        prefix + tokens(rng, 7),
+        prefix + tokens(rng, 45),
+        prefix + tokens(rng, 32),  # block-aligned: every full block can be a hit
+        prefix[:250] + tokens(rng, 19),  # shares a prefix that ends mid-block
+    ]
+
+
+@pytest.fixture(scope="module")
+def recomputed(model: torch.nn.Module, prompts: list[list[int]]) -> list[RequestResult]:
+    """The reference: caching disabled, every token computed."""
+    eng = make_engine(model, gpu_blocks=64, cpu_blocks=0, enable_caching=False)
+    results = [eng.generate(p, NEW_TOKENS) for p in prompts]
+    for r in results:
+        assert r.num_cached_tokens == 0 and r.hit_tier == "miss"
+    return results
+
+
+def assert_same_outputs(got: RequestResult, ref: RequestResult) -> None:
+    diff = (got.last_prompt_logits - ref.last_prompt_logits).abs().max().item()
+    assert diff <= LOGIT_TOL, f"max abs logit difference {diff:.3g} > {LOGIT_TOL}"
+    assert got.output_ids == ref.output_ids
+
+
+def test_gpu_tier_hits_match_recompute(model: torch.nn.Module, prompts: list[list[int]],
+                                       recomputed: list[RequestResult]) -> None:
+    eng = make_engine(model, gpu_blocks=128)
+    first = eng.generate(prompts[0], NEW_TOKENS)  # computes the shared prefix
+    assert first.hit_tier == "miss"
+    assert_same_outputs(first, recomputed[0])
+    for prompt, ref in zip(prompts[1:], recomputed[1:]):
+        got = eng.generate(prompt, NEW_TOKENS)
+        assert got.hit_tier == "gpu"
+        assert got.num_cached_tokens >= 240  # at least the 15 full blocks every prompt shares
+        assert got.num_computed_tokens < len(prompt) - 200
+        assert_same_outputs(got, ref)
+
+
+def test_cpu_tier_hits_after_demotion_match_recompute(model: torch.nn.Module, prompts: list[list[int]],
+                                                      recomputed: list[RequestResult]) -> None:
+    # A GPU tier of 26 blocks holds one request: every request evicts the
+    # previous one's blocks, which the pool demotes into the CPU tier.
+    eng = make_engine(model, gpu_blocks=26, cpu_blocks=512)
+    rng = random.Random(99)
+    eng.generate(prompts[0], NEW_TOKENS)
+    for prompt, ref in zip(prompts[1:], recomputed[1:]):
+        for _ in range(2):  # unrelated traffic pushes the shared prefix out of the GPU tier
+            eng.generate(tokens(rng, 380), 2)
+        got = eng.generate(prompt, NEW_TOKENS)
+        assert got.hit_tier == "cpu", got.hit_tiers
+        assert got.num_cached_tokens >= 240
+        assert_same_outputs(got, ref)
+    stats = eng.backend.stats()
+    assert stats["restores"] > 0 and stats["demotions"] > 0 and stats["hit_blocks_cpu"] > 0
+
+
+def test_repeated_prompt_reuses_every_full_block(model: torch.nn.Module, prompts: list[list[int]],
+                                                 recomputed: list[RequestResult]) -> None:
+    eng = make_engine(model, gpu_blocks=64)
+    prompt = prompts[2]  # 352 tokens = 22 full blocks
+    eng.generate(prompt, NEW_TOKENS)
+    again = eng.generate(prompt, NEW_TOKENS)
+    assert again.num_hit_blocks == len(prompt) // 16
+    # The last prompt token is run again to get its logits; its slot (a shared hit) is not rewritten.
+    assert again.num_computed_tokens == 1
+    assert_same_outputs(again, recomputed[2])
+
+
+def test_multi_turn_reuses_previous_turn_and_its_answer(model: torch.nn.Module) -> None:
+    rng = random.Random(7)
+    eng = make_engine(model, gpu_blocks=96)
+    ref = make_engine(model, gpu_blocks=96, cpu_blocks=0, enable_caching=False)
+    history = tokens(rng, 100)
+    for turn in range(3):
+        history = history + tokens(rng, 21)
+        got = eng.generate(history, 20)
+        want = ref.generate(history, 20)
+        assert_same_outputs(got, want)
+        if turn:
+            # Everything up to the previous turn's last fed-back answer token is cached.
+            assert got.num_cached_tokens >= (prev_len // 16) * 16
+        history = history + got.output_ids
+        prev_len = len(history) - 1
+
+
+def test_salt_prevents_reuse(model: torch.nn.Module, prompts: list[list[int]],
+                             recomputed: list[RequestResult]) -> None:
+    eng = make_engine(model, gpu_blocks=128)
+    eng.generate(prompts[0], NEW_TOKENS)
+    salted = eng.generate(prompts[1], NEW_TOKENS, cache_salt="tenant-a")
+    assert salted.num_hit_blocks == 0 and salted.num_computed_tokens == len(prompts[1])
+    assert_same_outputs(salted, recomputed[1])
+    same_salt = eng.generate(prompts[1], NEW_TOKENS, cache_salt="tenant-a")
+    assert same_salt.hit_tier == "gpu"
+    other_salt = eng.generate(prompts[1], NEW_TOKENS, cache_salt="tenant-b")
+    assert other_salt.num_hit_blocks == 0
+    unsalted = eng.generate(prompts[1], NEW_TOKENS)
+    assert unsalted.hit_tier == "gpu"  # the unsalted prefix from prompts[0]
+    assert unsalted.num_hit_blocks == 320 // 16
+
+
+def test_pool_slots_hold_the_model_kv(model: torch.nn.Module, prompts: list[list[int]]) -> None:
+    """The K/V the engine wrote into its slots are the model's own post-RoPE K/V."""
+    eng = make_engine(model, gpu_blocks=64)
+    prompt = prompts[1][:100]
+    rid = "probe"
+    alloc = eng.backend.allocate(rid, eng.hasher.hash_blocks(prompt), len(prompt))
+    cache = eng.kv.make_cache(alloc.block_ids, 0, capacity_tokens=len(prompt))
+    with torch.inference_mode():
+        eng.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        full = eng.model(input_ids=torch.tensor([prompt]), use_cache=True).past_key_values
+    stored = eng.kv.read_tokens(alloc.block_ids, len(prompt))  # [L, 2, H, T, D]
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(stored[layer, 0], full.layers[layer].keys[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(stored[layer, 1], full.layers[layer].values[0], rtol=0, atol=1e-5)
+    eng.backend.free(rid)
