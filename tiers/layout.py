@@ -107,7 +107,7 @@ class BlockLayout:
 
     def gather(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
         idx = _as_index(slots, self.num_blocks, self.device)
-        parts = [v.index_select(0, idx).reshape(idx.numel(), -1) for v in self._views]
+        parts = [v.index_select(0, idx).reshape(idx.numel(), n) for v, n in zip(self._views, self._part_bytes)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def scatter(self, slots: Sequence[int] | torch.Tensor, data: torch.Tensor) -> None:
