@@ -206,3 +206,61 @@ def test_storage_must_match_capacity() -> None:
         CpuTier(4, LRUPolicy(4), BlockLayout.contiguous(3, 32))
     with pytest.raises(ValueError):
         CpuTier(-1, LRUPolicy(0))
+
+
+# ---- host memory for the CPU tier ----------------------------------------------------------
+
+
+class _VM:
+    def __init__(self, available: int) -> None:
+        self.available = available
+
+
+def test_check_host_capacity_refuses_absurd_size_with_the_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.tiers import host_memory
+
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: _VM(8 * 1024**3))
+    absurd = 1 << 50  # 1 PiB
+    with pytest.raises(host_memory.HostMemoryError) as info:
+        host_memory.check_host_capacity(absurd)
+    msg = str(info.value)
+    assert "1048576.00 GiB" in msg  # what was asked
+    assert "8.00 GiB" in msg  # what is available
+    assert "7.50 GiB" in msg  # what is usable after the reserve
+    assert isinstance(info.value, MemoryError)
+    # A size that fits passes.
+    host_memory.check_host_capacity(1024**3)
+
+
+def test_check_host_capacity_with_the_real_machine() -> None:
+    import psutil
+
+    from kvtier.tiers import host_memory
+
+    absurd = 1 << 60
+    with pytest.raises(host_memory.HostMemoryError, match=r"\d+\.\d\d GiB") as info:
+        host_memory.check_host_capacity(absurd, what="test tier")
+    assert f"{absurd / 1024**3:.2f} GiB" in str(info.value) and "test tier" in str(info.value)
+    assert psutil.virtual_memory().available > 0
+    host_memory.check_host_capacity(4096)
+
+
+def test_check_host_capacity_pinned_respects_memlock(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.tiers import host_memory
+
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: _VM(64 * 1024**3))
+    monkeypatch.setattr(host_memory.resource, "getrlimit", lambda _which: (64 * 1024**2, 64 * 1024**2))
+    with pytest.raises(host_memory.HostMemoryError) as info:
+        host_memory.check_host_capacity(1024**3, pin=True)
+    assert "1.00 GiB" in str(info.value) and "0.06 GiB" in str(info.value) and "MEMLOCK" in str(info.value)
+    host_memory.check_host_capacity(1024**3, pin=False)  # unpinned: the limit does not apply
+
+
+def test_allocate_host_slab_refuses_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.tiers import host_memory
+
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: _VM(1024**3))
+    with pytest.raises(host_memory.HostMemoryError):
+        host_memory.allocate_host_slab(1 << 20, 1 << 20, pin=False)  # 1 TiB
+    slab = host_memory.allocate_host_slab(4, 64, pin=False)
+    assert slab.is_slab and slab.num_blocks == 4 and slab.block_bytes == 64
