@@ -1,0 +1,744 @@
+"""A remote tier below the CPU tier: KV blocks in Redis or Valkey (standalone or Cluster).
+
+A ``RemoteTier`` is self-contained: it knows block hashes, bytes and one
+server (or cluster), nothing of the pool, slots or copies. The pool asks it
+whether the blocks after its CPU-held prefix exist, fetches them into the CPU
+tier, and hands it the blocks the CPU tier evicts.
+
+Contract:
+
+- ``RemoteTier(url, pool_key, block_bytes, ...)``. ``url`` chooses the mode:
+  ``redis://host:port/db`` (also ``rediss://``, ``unix://``, ``valkey://``,
+  ``valkeys://``) is one server; ``redis+cluster://host:port[,host:port...]``
+  (also ``rediss+cluster://``, ``valkey+cluster://``) is a Redis Cluster, the
+  listed nodes being startup nodes. Construction never raises for an
+  unreachable server: the tier starts unavailable and connects on its own.
+- Keys: ``b"kvtier:v1:" + pool_key + b":" + block_hash.hex()``. ``pool_key``
+  identifies pool (layout) *and* tenant, so neither ever sees another's
+  blocks; it is restricted to ``[A-Za-z0-9._-]`` (no glob or hash-tag
+  characters, so ``SCAN MATCH kvtier:v1:<pool_key>:*`` is exact and Cluster
+  spreads a pool's keys over all slots). ``make_pool_key(...)`` derives one.
+- Values: a 24-byte header ``struct "<4sBxxxQQ"`` = magic ``b"KVT1"``, format
+  version (1), payload length, xxh3-64 of the payload; then the payload
+  (exactly ``block_bytes`` bytes).
+- ``exists_prefix(hashes) -> int``: one pipelined round trip of ``EXISTS``;
+  the number of leading hashes present. Never raises: when the tier is
+  unavailable or the round trip fails it returns 0 (counted). A block it
+  reports may still be gone (evicted) or bad by the time it is fetched.
+- ``fetch(hashes) -> list[memoryview | None]``: pipelined ``GET`` (split per
+  node by redis-py in Cluster mode; in round trips of at most
+  ``fetch_round_trip_bytes``), each value checked (magic, version, length,
+  xxh3-64). A missing value is ``None`` (``remote_misses``), a bad one is
+  ``None`` (``remote_corrupt``, and the key is queued for deletion), a
+  failed round trip gives ``None`` for its blocks (``remote_errors``). Never a
+  wrong block, never raises. A payload is a read-only memoryview of exactly
+  ``block_bytes`` bytes (no copy). ``fetch_async`` runs it on a reader
+  thread and returns a ``concurrent.futures.Future``.
+- ``write_back(key, data, copy=True) -> bool``: write-back of one block,
+  never blocking on the server. Admission (if given) is asked first; the
+  block is copied (unless ``copy=False``: the caller hands over a buffer it
+  will never change) and queued. Full queue, unavailable tier or closed tier:
+  dropped and counted, returns False. Worker threads send queued blocks as
+  pipelined ``SET``s (``EX ttl_s`` when given). Thread: the caller's (one
+  thread, as the admission object is not required to be thread-safe).
+- Availability: any connection-level failure (refused, reset, timeout,
+  CLUSTERDOWN, uncovered slot) marks the tier unavailable; while unavailable
+  reads answer "miss" without touching the network and writes are dropped.
+  A health thread reconnects with exponential backoff (``retry_initial_s``
+  doubling up to ``retry_max_s``, +-``retry_jitter``) and, while available,
+  pings every ``health_interval_s`` so a dead server is noticed without
+  traffic. Recovery needs no caller action. Cluster MOVED/ASK (resharding)
+  and topology refreshes are redis-py's; a failover shows as a short
+  unavailability.
+- ``stats() -> dict``: counters (see ``COUNTERS``) plus ``available``,
+  ``write_queue_depth_blocks`` and the mode; ``close(timeout_s)`` drains the
+  write queue for up to ``timeout_s`` and stops every thread.
+- Thread safety: every public method may be called from any thread.
+
+Capacity and eviction are the server's: run it with ``maxmemory`` and
+``maxmemory-policy allkeys-lru`` (see docs/remote-tier.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import queue
+import random
+import re
+import struct
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import xxhash
+
+try:
+    import redis
+    import redis.cluster
+    import redis.exceptions
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError:  # pragma: no cover - exercised only where redis-py is absent
+    redis = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = b"kvtier:v1:"
+MAGIC = b"KVT1"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sBxxxQQ")  # magic, version, 3 pad, payload length, xxh3-64 of payload
+HEADER_BYTES = HEADER.size  # 24
+
+_POOL_KEY_RE = re.compile(rb"[A-Za-z0-9._-]{1,128}")
+
+COUNTERS = (
+    "exists_calls",
+    "exists_blocks",  # hashes asked about
+    "exists_hit_blocks",  # hashes reported present (the returned prefixes)
+    "remote_hits",  # blocks fetch returned, verified
+    "remote_misses",  # blocks fetch found absent
+    "remote_corrupt",  # blocks fetch found present but bad (header, length, checksum)
+    "remote_errors",  # blocks not read because a round trip failed
+    "skipped_unavailable",  # exists/fetch calls answered "miss" because the tier was unavailable
+    "bytes_fetched",  # payload bytes of remote_hits
+    "writes_queued",
+    "writes_done",
+    "writes_failed",  # sent but refused or lost (server error, connection lost mid-batch)
+    "writes_dropped_full",
+    "writes_dropped_unavailable",
+    "writes_not_admitted",
+    "bytes_written",
+    "deletes_queued",  # corrupt keys queued for deletion
+    "unavailable_events",  # transitions available -> unavailable
+    "reconnects",  # transitions unavailable -> available after a loss
+)
+
+
+class Admission(Protocol):
+    """What ``RemoteTier`` needs of an admission filter (an ``EvictionPolicy`` fits)."""
+
+    def admit(self, key: bytes) -> bool: ...
+
+
+class RemoteTierError(RuntimeError):
+    """Bad configuration (URL, pool key, sizes) or redis-py missing."""
+
+
+def make_pool_key(*parts: object) -> bytes:
+    """A pool key from the things that must never mix (layout identity, tenant).
+
+    Canonical (JSON, sorted keys) and hashed, so any values work and the key
+    stays short and within the allowed characters.
+    """
+    canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=repr).encode()
+    return hashlib.sha256(canonical).hexdigest()[:32].encode()
+
+
+@dataclass(frozen=True, slots=True)
+class _Endpoint:
+    cluster: bool
+    url: str  # standalone: a URL redis-py understands; cluster: unused
+    nodes: tuple[tuple[str, int], ...]  # cluster startup nodes
+    options: tuple[tuple[str, Any], ...]  # username, password, ssl (cluster)
+    display: str  # the URL without credentials, for logs and stats
+
+
+def _parse_url(url: str) -> _Endpoint:
+    parsed = urllib.parse.urlsplit(url)
+    scheme = parsed.scheme.lower()
+    base, _, variant = scheme.partition("+")
+    aliases = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss", "unix": "unix"}
+    if base not in aliases or variant not in ("", "cluster") or (variant and base == "unix"):
+        raise RemoteTierError(
+            f"remote tier URL {url!r}: scheme must be redis://, rediss://, unix://, valkey:// "
+            "or redis+cluster:// / rediss+cluster:// / valkey+cluster://"
+        )
+    hostpart = parsed.netloc.rpartition("@")[2]
+    display = urllib.parse.urlunsplit((scheme, hostpart, parsed.path, parsed.query, ""))
+    if not variant:
+        rest = url[len(parsed.scheme):]
+        return _Endpoint(False, aliases[base] + rest, (), (), display)
+    nodes = []
+    for item in hostpart.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise RemoteTierError(f"remote tier URL {url!r}: cluster nodes must be host:port[,host:port...]")
+        nodes.append((host.strip("[]"), int(port)))
+    options: list[tuple[str, Any]] = []
+    userinfo = parsed.netloc.rpartition("@")[0]
+    if userinfo:
+        user, sep, password = userinfo.partition(":")
+        if sep:
+            options += [("username", urllib.parse.unquote(user) or None), ("password", urllib.parse.unquote(password))]
+        else:
+            options.append(("password", urllib.parse.unquote(user)))
+    if aliases[base] == "rediss":
+        options.append(("ssl", True))
+    return _Endpoint(True, "", tuple(nodes), tuple(options), display)
+
+
+def _is_connection_failure(exc: BaseException) -> bool:
+    """Does this error say "the server (or part of the cluster) is not there"?
+
+    Those make the tier unavailable until a probe succeeds. Other server
+    errors (OOM refusal of a SET, WRONGTYPE on a foreign key) are per-command
+    and only counted.
+    """
+    if redis is None:
+        return True
+    if isinstance(exc, redis.exceptions.ClusterDownError):
+        return True
+    if isinstance(exc, redis.exceptions.ResponseError):
+        return False
+    # ConnectionError, TimeoutError, ClusterError, RedisClusterException
+    # (e.g. slot not covered), OSError and anything unexpected.
+    return True
+
+
+def _byte_view(data: Any) -> memoryview:
+    """A flat C-contiguous byte view of a buffer (bytes, bytearray, memoryview, numpy, CPU tensor)."""
+    if hasattr(data, "numpy") and not isinstance(data, memoryview):
+        data = data.numpy()  # a CPU torch tensor; torch tensors lack the buffer protocol
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("write_back needs a C-contiguous buffer")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+class RemoteTier:
+    """Blocks of one pool in Redis/Valkey. See the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        pool_key: bytes,
+        block_bytes: int,
+        *,
+        write_queue_blocks: int = 1024,
+        writer_threads: int = 2,
+        write_batch_blocks: int = 32,
+        reader_threads: int = 1,
+        fetch_round_trip_bytes: int = 64 << 20,
+        timeout_s: float = 0.5,
+        connect_timeout_s: float = 0.5,
+        admission: Admission | None = None,
+        ttl_s: int | None = None,
+        retry_initial_s: float = 0.05,
+        retry_max_s: float = 5.0,
+        retry_jitter: float = 0.2,
+        health_interval_s: float = 2.0,
+        max_connections: int = 64,
+    ) -> None:
+        if redis is None:
+            raise RemoteTierError("the remote tier needs redis-py: pip install 'redis>=5'")
+        if not isinstance(pool_key, bytes) or not _POOL_KEY_RE.fullmatch(pool_key):
+            raise RemoteTierError(
+                f"pool_key must be 1-128 bytes of [A-Za-z0-9._-], got {pool_key!r} (see make_pool_key)"
+            )
+        if block_bytes < 1:
+            raise RemoteTierError(f"block_bytes must be >= 1, got {block_bytes}")
+        if write_queue_blocks < 1 or writer_threads < 1 or write_batch_blocks < 1 or reader_threads < 1:
+            raise RemoteTierError("queue size, batch size and thread counts must be >= 1")
+        if ttl_s is not None and ttl_s < 1:
+            raise RemoteTierError(f"ttl_s must be >= 1 or None, got {ttl_s}")
+        self._endpoint = _parse_url(url)
+        self.url = self._endpoint.display
+        self.cluster = self._endpoint.cluster
+        self.pool_key = pool_key
+        self.block_bytes = block_bytes
+        self.value_bytes = HEADER_BYTES + block_bytes
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.admission = admission
+        self.ttl_s = ttl_s
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.retry_jitter = retry_jitter
+        self.health_interval_s = health_interval_s
+        self.max_connections = max_connections
+        self.write_batch_blocks = write_batch_blocks
+        self._fetch_chunk_blocks = max(1, fetch_round_trip_bytes // self.value_bytes)
+        self._prefix = KEY_PREFIX + pool_key + b":"
+
+        self._lock = threading.Lock()  # guards the counters and the client state below
+        self._counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._seconds = {"exists": 0.0, "fetch": 0.0, "write": 0.0}
+        self._client: Any = None
+        self._generation = 0  # bumped on every (re)connect; stale failures don't mark a fresh client down
+        self._available = False
+        self._ever_available = False
+        self._last_ok_s = 0.0
+        self._closed = False
+        self._draining_deadline: float | None = None
+
+        # Items: (block_hash, value or payload, needs_header). payload None = delete the key.
+        self._queue: queue.Queue[tuple[bytes, bytearray | memoryview | bytes | None, bool]] = queue.Queue(
+            maxsize=write_queue_blocks
+        )
+        self.write_queue_blocks = write_queue_blocks
+        self._wake_health = threading.Event()
+        self._stop = threading.Event()
+
+        # One synchronous attempt so a healthy server is usable as soon as we
+        # return; a dead one costs at most connect_timeout_s here.
+        self._try_connect()
+        self._readers = concurrent.futures.ThreadPoolExecutor(reader_threads, thread_name_prefix="kvtier-remote-read")
+        self._health = threading.Thread(target=self._health_loop, name="kvtier-remote-health", daemon=True)
+        self._health.start()
+        self._writers = [
+            threading.Thread(target=self._writer_loop, name=f"kvtier-remote-write-{i}", daemon=True)
+            for i in range(writer_threads)
+        ]
+        for w in self._writers:
+            w.start()
+
+    # ---- keys and values --------------------------------------------------------------
+
+    def key(self, block_hash: bytes) -> bytes:
+        """The server key of a block of this pool."""
+        return self._prefix + block_hash.hex().encode()
+
+    @staticmethod
+    def encode_header(payload: bytes | bytearray | memoryview) -> bytes:
+        """The 24-byte header of a value (exposed for tests and tools)."""
+        return HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), xxhash.xxh3_64_intdigest(payload))
+
+    def _decode(self, value: bytes) -> memoryview | None:
+        """The verified payload of a value, or None if it is not a block of this tier."""
+        if len(value) != self.value_bytes:
+            return None
+        magic, version, length, digest = HEADER.unpack_from(value)
+        if magic != MAGIC or version != FORMAT_VERSION or length != self.block_bytes:
+            return None
+        payload = memoryview(value)[HEADER_BYTES:]
+        if xxhash.xxh3_64_intdigest(payload) != digest:
+            return None
+        return payload.toreadonly()
+
+    # ---- availability ------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    def wait_available(self, timeout_s: float) -> bool:
+        """Block until the tier is available (tests, start-up); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not self._available:
+            if self._closed or time.monotonic() >= deadline:
+                return False
+            self._wake_health.set()
+            time.sleep(0.01)
+        return True
+
+    def _new_client(self) -> Any:
+        ep = self._endpoint
+        common: dict[str, Any] = dict(
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.connect_timeout_s,
+            socket_keepalive=True,
+            health_check_interval=0,
+        )
+        if not ep.cluster:
+            # No retries inside redis-py: a failure must reach us at once so
+            # the tier goes unavailable instead of stalling the caller.
+            return redis.Redis.from_url(ep.url, retry=Retry(NoBackoff(), 0),
+                                        max_connections=self.max_connections, **common)
+        nodes = [redis.cluster.ClusterNode(h, p) for h, p in ep.nodes]
+        # One retry lets redis-py refresh the slot map after a failover or
+        # MOVED storm; more would multiply the stall on a dead node.
+        return redis.cluster.RedisCluster(
+            startup_nodes=nodes, retry=Retry(NoBackoff(), 1), require_full_coverage=True,
+            max_connections=self.max_connections, **common, **dict(ep.options),
+        )
+
+    def _probe(self, client: Any) -> None:
+        """Raise unless the server (every cluster primary, and the cluster state) answers."""
+        if not self._endpoint.cluster:
+            client.ping()
+            return
+        client.ping(target_nodes=redis.cluster.RedisCluster.PRIMARIES)
+        info = client.cluster_info()
+        state = info.get("cluster_state") if isinstance(info, dict) else None
+        if state != "ok":
+            raise redis.exceptions.ClusterDownError(f"cluster_state is {state!r}")
+
+    def _try_connect(self) -> bool:
+        client = None
+        try:
+            client = self._new_client()
+            self._probe(client)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
+            log.debug("remote tier %s: connect failed: %s", self.url, exc)
+            if client is not None:
+                self._close_client(client)
+            return False
+        with self._lock:
+            if self._closed:
+                self._close_client(client)
+                return False
+            old, self._client = self._client, client
+            self._generation += 1
+            self._available = True
+            self._last_ok_s = time.monotonic()
+            if self._ever_available:
+                self._counters["reconnects"] += 1
+            self._ever_available = True
+        if old is not None:
+            self._close_client(old)
+        log.info("remote tier %s: available (%s)", self.url, "cluster" if self.cluster else "standalone")
+        return True
+
+    @staticmethod
+    def _close_client(client: Any) -> None:
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - closing a broken client may fail; nothing to do
+            pass
+
+    def _current(self) -> tuple[Any, int] | None:
+        with self._lock:
+            if not self._available or self._client is None:
+                return None
+            return self._client, self._generation
+
+    def _failed(self, exc: BaseException, generation: int, what: str) -> None:
+        """A round trip failed: mark the tier unavailable if it is a connection failure."""
+        if not _is_connection_failure(exc):
+            log.warning("remote tier %s: %s failed: %s", self.url, what, exc)
+            return
+        with self._lock:
+            if generation != self._generation or not self._available:
+                return  # already down, or a newer client took over: stale news
+            self._available = False
+            self._counters["unavailable_events"] += 1
+        log.warning("remote tier %s: unavailable after %s failed (%s: %s); reconnecting in the background",
+                    self.url, what, type(exc).__name__, exc)
+        self._wake_health.set()
+
+    def _succeeded(self) -> None:
+        self._last_ok_s = time.monotonic()
+
+    def _health_loop(self) -> None:
+        delay_s = self.retry_initial_s
+        while not self._stop.is_set():
+            if not self._available:
+                if self._try_connect():
+                    delay_s = self.retry_initial_s
+                    continue
+                jitter = 1.0 + self.retry_jitter * (2.0 * random.random() - 1.0)
+                self._stop.wait(delay_s * jitter)
+                delay_s = min(self.retry_max_s, delay_s * 2.0)
+                continue
+            self._wake_health.wait(self.health_interval_s)
+            self._wake_health.clear()
+            if self._stop.is_set() or not self._available:
+                continue
+            if time.monotonic() - self._last_ok_s < self.health_interval_s:
+                continue  # traffic proved it alive recently
+            current = self._current()
+            if current is None:
+                continue
+            client, gen = current
+            try:
+                self._probe(client)
+                self._succeeded()
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc, gen, "health check")
+
+    # ---- counters -------------------------------------------------------------------------
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                self._counters[name] += n
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            s: dict[str, Any] = dict(self._counters)
+            s.update({f"{k}_seconds": round(v, 6) for k, v in self._seconds.items()})
+        s.update(
+            available=self._available,
+            mode="cluster" if self.cluster else "standalone",
+            url=self.url,
+            write_queue_depth_blocks=self._queue.qsize(),
+            write_queue_blocks=self.write_queue_blocks,
+        )
+        return s
+
+    # ---- reads ----------------------------------------------------------------------------
+
+    def _pipeline(self, client: Any) -> Any:
+        # transaction=False: plain pipelining, no MULTI (Cluster pipelines never are).
+        return client.pipeline() if self.cluster else client.pipeline(transaction=False)
+
+    def exists_prefix(self, hashes: Sequence[bytes]) -> int:
+        if not hashes:
+            return 0
+        current = self._current()
+        if current is None:
+            self._count(skipped_unavailable=1)
+            return 0
+        client, gen = current
+        t0 = time.perf_counter()
+        try:
+            pipe = self._pipeline(client)
+            for h in hashes:
+                pipe.exists(self.key(h))
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - never raise to the caller
+            self._failed(exc, gen, f"EXISTS of {len(hashes)} blocks")
+            self._count(exists_calls=1, exists_blocks=len(hashes))
+            return 0
+        n = 0
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._failed(reply, gen, "EXISTS")
+                break
+            if not reply:
+                break
+            n += 1
+        else:
+            self._succeeded()
+        with self._lock:
+            self._counters["exists_calls"] += 1
+            self._counters["exists_blocks"] += len(hashes)
+            self._counters["exists_hit_blocks"] += n
+            self._seconds["exists"] += time.perf_counter() - t0
+        return n
+
+    def fetch(self, hashes: Sequence[bytes]) -> list[memoryview | None]:
+        out: list[memoryview | None] = [None] * len(hashes)
+        if not hashes:
+            return out
+        current = self._current()
+        if current is None:
+            self._count(skipped_unavailable=1, remote_errors=len(hashes))
+            return out
+        client, gen = current
+        t0 = time.perf_counter()
+        hits = misses = corrupt = errors = 0
+        bad_keys: list[bytes] = []
+        step = self._fetch_chunk_blocks
+        for start in range(0, len(hashes), step):
+            chunk = hashes[start : start + step]
+            try:
+                pipe = self._pipeline(client)
+                for h in chunk:
+                    pipe.get(self.key(h))
+                replies = pipe.execute(raise_on_error=False)
+            except Exception as exc:  # noqa: BLE001 - a failed round trip is a miss, never an error
+                self._failed(exc, gen, f"GET of {len(chunk)} blocks")
+                errors += len(hashes) - start
+                break
+            for i, value in enumerate(replies, start):
+                if value is None:
+                    misses += 1
+                elif isinstance(value, Exception):
+                    errors += 1
+                    self._failed(value, gen, "GET")
+                else:
+                    payload = self._decode(value)
+                    if payload is None:
+                        corrupt += 1
+                        bad_keys.append(hashes[i])
+                    else:
+                        out[i] = payload
+                        hits += 1
+        if not errors:
+            self._succeeded()
+        with self._lock:
+            c = self._counters
+            c["remote_hits"] += hits
+            c["remote_misses"] += misses
+            c["remote_corrupt"] += corrupt
+            c["remote_errors"] += errors
+            c["bytes_fetched"] += hits * self.block_bytes
+            self._seconds["fetch"] += time.perf_counter() - t0
+        if bad_keys:
+            log.warning("remote tier %s: %d corrupt blocks in a fetch of %d (queued for deletion)",
+                        self.url, len(bad_keys), len(hashes))
+            for h in bad_keys:
+                self._enqueue_delete(h)
+        return out
+
+    def fetch_async(
+        self, hashes: Sequence[bytes], callback: Callable[[concurrent.futures.Future], None] | None = None
+    ) -> concurrent.futures.Future:
+        """``fetch`` on a reader thread; ``callback(future)`` runs on that thread when done."""
+        future = self._readers.submit(self.fetch, list(hashes))
+        if callback is not None:
+            future.add_done_callback(callback)
+        return future
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def write_back(self, key: bytes, data: Any, *, copy: bool = True) -> bool:
+        """Queue one block for writing; False (counted) if it was dropped. Never blocks."""
+        if self._closed or not self._available:
+            self._count(writes_dropped_unavailable=1)
+            return False
+        if self.admission is not None and not self.admission.admit(key):
+            self._count(writes_not_admitted=1)
+            return False
+        view = _byte_view(data)
+        if view.nbytes != self.block_bytes:
+            raise ValueError(f"write_back of {view.nbytes} bytes; blocks are {self.block_bytes} bytes")
+        if self._queue.full():
+            # Checked before copying so a saturated queue costs no memcpy.
+            self._count(writes_dropped_full=1)
+            return False
+        item: tuple[bytes, bytearray | memoryview | bytes, bool]
+        if copy:
+            # One copy, straight into the value's final layout; the writer fills the header in place.
+            value = bytearray(self.value_bytes)
+            value[HEADER_BYTES:] = view
+            item = (key, value, True)
+        else:
+            item = (key, view, False)
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self._count(writes_dropped_full=1)
+            return False
+        self._count(writes_queued=1)
+        return True
+
+    def _enqueue_delete(self, block_hash: bytes) -> None:
+        try:
+            self._queue.put_nowait((block_hash, None, False))
+            self._count(deletes_queued=1)
+        except queue.Full:
+            pass  # the next fetch finds it corrupt again and retries
+
+    def _finish_value(self, item: tuple[bytes, Any, bool]) -> bytes | bytearray | None:
+        _, data, in_place = item
+        if data is None:
+            return None
+        if in_place:
+            HEADER.pack_into(data, 0, MAGIC, FORMAT_VERSION, self.block_bytes,
+                             xxhash.xxh3_64_intdigest(memoryview(data)[HEADER_BYTES:]))
+            return data
+        return self.encode_header(data) + data  # copy=False: the writer pays the concatenation
+
+    def _take_batch(self) -> list[tuple[bytes, Any, bool]] | None:
+        """Up to write_batch_blocks queued items; None when closing and nothing is left."""
+        try:
+            first = self._queue.get(timeout=0.1)
+        except queue.Empty:
+            return None if self._closed else []
+        batch = [first]
+        while len(batch) < self.write_batch_blocks:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _writer_loop(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
+            if not batch:
+                continue
+            try:
+                self._write_batch(batch)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    def _write_batch(self, batch: list[tuple[bytes, Any, bool]]) -> None:
+        sets = sum(1 for _, data, _ in batch if data is not None)
+        deadline = self._draining_deadline
+        current = self._current()
+        if current is None or (deadline is not None and time.monotonic() > deadline):
+            self._count(writes_dropped_unavailable=sets)
+            return
+        client, gen = current
+        t0 = time.perf_counter()
+        try:
+            pipe = self._pipeline(client)
+            for item in batch:
+                value = self._finish_value(item)
+                if value is None:
+                    pipe.delete(self.key(item[0]))
+                else:
+                    pipe.set(self.key(item[0]), value, ex=self.ttl_s)
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - a writer must never die
+            self._failed(exc, gen, f"SET of {sets} blocks")
+            self._count(writes_failed=sets)
+            return
+        done = failed = 0
+        first_error: Exception | None = None
+        for item, reply in zip(batch, replies):
+            if item[1] is None:
+                continue
+            if isinstance(reply, Exception):
+                failed += 1
+                first_error = first_error or reply
+            else:
+                done += 1
+        if first_error is not None:
+            self._failed(first_error, gen, f"SET ({failed} of {sets} blocks)")
+        else:
+            self._succeeded()
+        with self._lock:
+            self._counters["writes_done"] += done
+            self._counters["writes_failed"] += failed
+            self._counters["bytes_written"] += done * self.block_bytes
+            self._seconds["write"] += time.perf_counter() - t0
+        log.debug("remote tier %s: wrote %d blocks (%d failed)", self.url, done, failed)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued write was sent, failed or dropped (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    # ---- shutdown ---------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop taking writes, send what is queued for up to timeout_s, stop all threads.
+
+        Returns True if every queued write was sent (or failed) in time.
+        """
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+        deadline = time.monotonic() + timeout_s
+        self._draining_deadline = deadline  # writers drop what they cannot send in time
+        for w in self._writers:
+            w.join(max(0.0, deadline - time.monotonic()))
+        drained = not any(w.is_alive() for w in self._writers)
+        self._stop.set()
+        self._wake_health.set()
+        self._health.join(1.0)
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            client, self._client = self._client, None
+            self._available = False
+        if client is not None:
+            self._close_client(client)
+        if not drained:
+            log.warning("remote tier %s: closed with writes still in flight", self.url)
+        return drained
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
