@@ -259,6 +259,11 @@ class ShmArena:
         """Remove the arena's file name. Idempotent; existing mappings stay valid."""
         _unlink_quietly(self.path)
 
+    @staticmethod
+    def unlink_name(name: str) -> None:
+        """Remove the file of arena ``name`` without mapping it (e.g. a dead session's). Idempotent."""
+        _unlink_quietly(SHM_DIR / validate_arena_name(name))
+
     def __enter__(self) -> ShmArena:
         return self
 
