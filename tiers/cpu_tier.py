@@ -14,13 +14,15 @@ Contract (the pool is the only caller; one thread):
   ``abort(entry)`` frees a reserved slot whose write failed.
 - ``begin_read`` / ``end_read`` bracket a copy out of a slot; ``pin`` /
   ``unpin`` bracket a client's hold. Neither kind of entry is evicted.
+- ``on_evict(entry)``, when set, is called for each victim just before its
+  slot is reused (the remote tier's write-back copies the bytes there).
 - ``storage`` is a ``BlockLayout`` slab of ``capacity_blocks`` rows, or None
   in bookkeeping-only mode (trace replay): then no bytes exist at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.tiers.eviction import EvictionPolicy
@@ -58,6 +60,7 @@ class CpuTier:
         self._entries: dict[bytes, CpuEntry] = {}
         # Pop from the end: low slots are reused first, which keeps tests readable.
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
+        self.on_evict: Callable[[CpuEntry], None] | None = None
         self.evictions = 0
         self.full_failures = 0
         self.not_admitted = 0
@@ -112,6 +115,8 @@ class CpuTier:
                     f"{len(victims)} evictable of {len(self._entries)}"
                 )
         for victim in victims:
+            if self.on_evict is not None:
+                self.on_evict(victim)
             self._drop(victim)
             self.evictions += 1
         entries = []

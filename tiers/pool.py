@@ -34,6 +34,13 @@ Contract:
   low priority, the cached blocks nearest the head of the free queue, so
   that an allocation in steady state finds them already in the CPU tier and
   waits for no device-to-host copy.
+- Remote tier (optional, ``remote=RemoteTier``): lookups continue past the
+  CPU tier with one pipelined existence probe; allocate/restore fetch the
+  remote run into the CPU tier (checksummed; a bad or missing value ends the
+  prefix there) and go on as CPU hits, attributed to ``remote``; blocks the
+  CPU tier evicts are written back asynchronously (dropped, never waited
+  for, when the remote tier is slow or down). The fetch is one pipelined
+  round trip on the caller's thread, bounded by the remote tier's timeout.
 - Bookkeeping mode (``data=False``): no bytes and no transfer engine; every
   copy is complete at once. Trace replay uses it to drive the same code.
 """
@@ -59,6 +66,7 @@ log = logging.getLogger(__name__)
 class Tier(str, enum.Enum):
     GPU = "gpu"
     CPU = "cpu"
+    REMOTE = "remote"
 
 
 class PoolError(ValueError):
@@ -153,6 +161,7 @@ class TieredPool:
         cpu_storage: BlockLayout | None = None,
         enable_caching: bool = True,
         clean_ahead_blocks: int = 64,
+        remote: Any = None,
     ) -> None:
         if data and transfer is None:
             raise ValueError("a pool that moves bytes needs a transfer engine")
@@ -166,6 +175,11 @@ class TieredPool:
         self.enable_caching = enable_caching
         self.clean_ahead_blocks = clean_ahead_blocks
         self.cpu = CpuTier(cpu_blocks, make_policy(policy, cpu_blocks), cpu_storage if data else None)
+        self.remote = remote  # kvtier.tiers.remote_tier.RemoteTier or None
+        if remote is not None:
+            if not data:
+                raise ValueError("a remote tier needs a pool that moves bytes")
+            self.cpu.on_evict = self._write_back
         self.bm: BlockManager | None = None
         self.gpu: BlockLayout | None = None
         # Copies in flight per GPU block: a block listed here is not handed
@@ -181,7 +195,10 @@ class TieredPool:
             "looked_up_blocks": 0,
             "hit_blocks_gpu": 0,
             "hit_blocks_cpu": 0,
+            "hit_blocks_remote": 0,
             "miss_blocks": 0,
+            "remote_fetch_short": 0,
+            "remote_write_backs": 0,
             "demotions": 0,
             "demotions_skipped_clean": 0,
             "demotions_not_admitted": 0,
@@ -253,19 +270,81 @@ class TieredPool:
             held.append((Tier.CPU, entry))
         return held
 
+    def _remote_run(self, hashes: Sequence[bytes], start: int) -> int:
+        """How many hashes from ``start`` on the remote tier holds (one round trip)."""
+        if self.remote is None or start >= len(hashes) or not self.enable_caching:
+            return 0
+        return self.remote.exists_prefix(hashes[start:])
+
+    def _pull_remote(self, hashes: Sequence[bytes]) -> list[CpuEntry]:
+        """Fetch blocks from the remote tier into the CPU tier; the verified prefix only."""
+        assert self.remote is not None and self.cpu.storage is not None
+        payloads = self.remote.fetch(hashes)
+        good = 0
+        while good < len(payloads) and payloads[good] is not None:
+            good += 1
+        if good < len(hashes):
+            self.counters["remote_fetch_short"] += 1
+        if good == 0:
+            return []
+        try:
+            entries = self.cpu.reserve(list(hashes[:good]))
+        except CpuTierFull:
+            return []
+        slab = self.cpu.storage.slab()
+        for entry, payload in zip(entries, payloads):
+            # The payload is a read-only view of the reply; copy_ only reads it.
+            slab[entry.slot].numpy()[:] = memoryview(payload)
+            self.cpu.commit(entry)
+        return entries
+
+    def _held_with_remote(self, hashes: Sequence[bytes]) -> tuple[list[tuple[Tier, Block | CpuEntry]], int]:
+        """The held prefix with the remote run pulled into the CPU tier.
+
+        Returns the prefix and how many of its blocks came from the remote tier.
+        """
+        held = self._held_prefix(hashes)
+        n_remote = self._remote_run(hashes, len(held))
+        if not n_remote:
+            return held, 0
+        # Room made for the fetched blocks must not evict the CPU hits before them.
+        cpu_held = [obj for tier, obj in held if tier is Tier.CPU]
+        for e in cpu_held:
+            self.cpu.begin_read(e)  # type: ignore[arg-type]
+        try:
+            entries = self._pull_remote(hashes[len(held) : len(held) + n_remote])
+        finally:
+            for e in cpu_held:
+                self.cpu.end_read(e)  # type: ignore[arg-type]
+        return held + [(Tier.CPU, e) for e in entries], len(entries)
+
+    def _write_back(self, entry: CpuEntry) -> None:
+        assert self.remote is not None and self.cpu.storage is not None
+        row = self.cpu.storage.slab()[entry.slot]
+        if self.remote.write_back(entry.key, memoryview(row.numpy()), copy=True):
+            self.counters["remote_write_backs"] += 1
+
     def _count(self, hashes: Sequence[bytes], tiers: Sequence[Tier]) -> None:
         c = self.counters
         c["lookups"] += 1
         c["looked_up_blocks"] += len(hashes)
         for tier in tiers:
-            c["hit_blocks_gpu" if tier is Tier.GPU else "hit_blocks_cpu"] += 1
+            c["hit_blocks_" + tier.value] += 1
         c["miss_blocks"] += len(hashes) - len(tiers)
         self.cpu.policy.record_request(hashes)
 
     def lookup(self, hashes: Sequence[bytes], *, count: bool = True) -> list[Tier]:
         tiers = [tier for tier, _ in self._held_prefix(hashes)]
+        tiers += [Tier.REMOTE] * self._remote_run(hashes, len(tiers))
         if count:
             self._count(hashes, tiers)
+        return tiers
+
+    @staticmethod
+    def _tiers_of(held: Sequence[tuple[Tier, Block | CpuEntry]], n_remote: int) -> list[Tier]:
+        tiers = [tier for tier, _ in held]
+        if n_remote:
+            tiers[len(tiers) - n_remote :] = [Tier.REMOTE] * n_remote
         return tiers
 
     def pin(self, owner: str, hashes: Sequence[bytes]) -> list[Tier]:
@@ -327,7 +406,9 @@ class TieredPool:
         bm = self._require_gpu()
         if bm.has_request(request_id):
             raise PoolError(f"request {request_id!r} is already allocated; free it first")
-        held = self._held_prefix(hashes)
+        # Remote blocks land in the CPU tier first (a side effect that survives
+        # a failed allocation: the CPU tier is only warmer for it).
+        held, n_remote = self._held_with_remote(hashes)
         num_gpu_prefix = sum(1 for tier, _ in held if tier is Tier.GPU)
         try:
             alloc = bm.allocate(request_id, hashes, num_tokens)
@@ -336,11 +417,12 @@ class TieredPool:
         except ValueError as exc:
             raise PoolError(str(exc)) from None
         assert alloc.num_hit_blocks == num_gpu_prefix or not self.enable_caching
-        tiers = [tier for tier, _ in held]
+        tiers = self._tiers_of(held, n_remote)
         if count:
             self._count(hashes, tiers)
         op = Op(self, "allocate", {"block_ids": alloc.block_ids, "tiers": [t.value for t in tiers],
-                                   "num_gpu_hits": tiers.count(Tier.GPU), "num_cpu_hits": tiers.count(Tier.CPU)})
+                                   "num_gpu_hits": tiers.count(Tier.GPU), "num_cpu_hits": tiers.count(Tier.CPU),
+                                   "num_remote_hits": n_remote})
         cpu_hits = [(obj, alloc.block_ids[pos]) for pos, (tier, obj) in enumerate(held) if tier is Tier.CPU]
         entries = [e for e, _ in cpu_hits]
         # Hold the CPU entries before anything can reserve CPU slots: the
@@ -349,9 +431,11 @@ class TieredPool:
             assert isinstance(e, CpuEntry)
             self.cpu.begin_read(e)
             self.cpu.hit(e.key)
+        # A GPU hit whose bytes are still being written (another op's restore or
+        # store) is only as good as that write: the op fails if it fails.
+        for c in self._busy_copies(alloc.block_ids[: alloc.num_hit_blocks], writes_only=True):
+            self._attach(op, c)
         vacate = self._vacate(alloc.evicted, op)
-        for block_id in alloc.block_ids[: alloc.num_hit_blocks]:
-            self._wait_for(op, self._busy_copies([block_id], writes_only=True))
         restored_blocks = [dst for _, dst in cpu_hits]
         if cpu_hits:
             copy = self._copy(CopyKind.RESTORE, self._cpu_layout(), [e.slot for e in entries],
@@ -361,10 +445,17 @@ class TieredPool:
             self.counters["restores"] += len(cpu_hits)
             self._attach(op, copy)
 
+        restored_keys = [e.key for e in entries]
+
         def undo_on_failure(ok: bool) -> None:
-            if not ok and self.bm is not None and self.bm.has_request(request_id):
-                for block_id in restored_blocks:
+            if ok or self.bm is None:
+                return
+            # Withdraw the hashes whose bytes never arrived, also when the
+            # request was freed while the copy was in flight.
+            for block_id, key in zip(restored_blocks, restored_keys):
+                if self.bm.blocks[block_id].block_hash == key:
                     self.bm.discard_hash(self.bm.blocks[block_id])
+            if self.bm.has_request(request_id):
                 self.bm.free(request_id)
 
         op._finalizers.append(undo_on_failure)
@@ -471,8 +562,8 @@ class TieredPool:
             raise PoolError(f"{len(hashes)} hashes but only {len(dst_slots)} destination slots")
         if self.data and (dst is None or dst.block_bytes != self.spec.block_bytes):
             raise PoolError(f"destination blocks must be {self.spec.block_bytes} bytes")
-        held = self._held_prefix(hashes)
-        tiers = [tier for tier, _ in held]
+        held, n_remote = self._held_with_remote(hashes)
+        tiers = self._tiers_of(held, n_remote)
         if count:
             self._count(hashes, tiers)
         op = Op(self, "restore", {"tiers": [t.value for t in tiers]})
@@ -499,6 +590,7 @@ class TieredPool:
             self._attach(op, copy)
         self.counters["loads"] += len(held)
         self._settle(op)
+        self._clean_ahead()
         return op
 
     # ---- maintenance ---------------------------------------------------------------------
@@ -524,6 +616,10 @@ class TieredPool:
                     if copy is not None:
                         self._finish_copy(copy, transfer.error)
             self._submit_ready()
+            if self._completed:
+                # Completed ops may have released blocks into the free queue (as
+                # bookkeeping mode does at once, inside the call).
+                self._clean_ahead()
             return self._completed
         finally:
             self._completed = None
@@ -560,6 +656,8 @@ class TieredPool:
             copies_in_flight=len(self._inflight) + len(self._deferred),
             block_bytes=self.spec.block_bytes,
         )
+        if self.remote is not None:
+            s["remote"] = self.remote.stats()
         if self.transfer is not None:
             for kind in CopyKind:
                 s[f"bytes_{kind.value}"] = self.transfer.bytes_by_kind[kind]
@@ -575,14 +673,18 @@ class TieredPool:
         """Make evicted blocks' slots safe to reuse; returns the copies reuse must follow."""
         must_follow: set[_Copy] = set()
         urgent: list[Evicted] = []
+        urgent_keys: set[bytes] = set()
         for ev in evicted:
             must_follow |= self._busy_copies([ev.block_id])
             if self.cpu.get(ev.block_hash) is not None:
                 self.counters["demotions_skipped_clean"] += 1
             elif self.bm is not None and self.bm.get_cached(ev.block_hash) is not None:
                 continue  # a duplicate copy still lives in the GPU tier
+            elif ev.block_hash in urgent_keys:
+                continue  # two copies of one hash evicted at once: one demotion
             else:
                 urgent.append(ev)
+                urgent_keys.add(ev.block_hash)
         if urgent:
             demote = self._demote(urgent, high_priority=True)
             if demote is not None:
@@ -706,7 +808,10 @@ class TieredPool:
                     continue
                 self._deferred.remove(copy)
                 progress = True
-                failed = [c for c in copy.after if c.error is not None and c.kind is not CopyKind.DEMOTE]
+                # Only a failed write into this copy's source slots spoils it; the
+                # other dependencies just order the reuse of slots.
+                failed = [c for c in copy.after if c.error is not None and c.dst is copy.src
+                          and not set(c.dst_slots).isdisjoint(copy.src_slots)]
                 if failed:
                     self._finish_copy(copy, TransferError(f"a copy it depends on failed: {failed[0].error}"))
                 elif not self.data or not copy.src_slots:

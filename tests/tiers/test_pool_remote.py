@@ -1,0 +1,135 @@
+"""The pool with a remote tier: two pools (two daemons' worth) sharing one Redis."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.tiers.layout import BlockLayout
+from kvtier.tiers.pool import PoolSpec, Tier, TieredPool
+from kvtier.tiers.remote_tier import RemoteTier
+from kvtier.tiers.transfer import ThreadTransferEngine
+
+
+def _load_servers_module():  # tests/ is not a package; load the helper by path
+    path = Path(__file__).resolve().parents[1] / "redis_servers.py"
+    spec = importlib.util.spec_from_file_location("kvtier_test_redis_servers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rs = _load_servers_module()
+pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
+
+BLOCK = 4096
+FAST = dict(timeout_s=0.5, connect_timeout_s=0.5, retry_initial_s=0.02, retry_max_s=0.2, health_interval_s=0.2)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    srv = rs.RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield srv
+    srv.stop()
+
+
+def _random_layout(n: int) -> BlockLayout:
+    layout = BlockLayout.contiguous(n, BLOCK)
+    layout.slab().copy_(torch.randint(0, 256, (n, BLOCK), dtype=torch.uint8))
+    return layout
+
+
+def make_pool(url: str, *, gpu_blocks: int = 4, cpu_blocks: int = 4) -> TieredPool:
+    remote = RemoteTier(url, b"test-pool", BLOCK, **FAST)
+    assert remote.wait_available(5.0)
+    pool = TieredPool(PoolSpec("p", 16, BLOCK), cpu_blocks=cpu_blocks, transfer=ThreadTransferEngine(),
+                      cpu_storage=BlockLayout.contiguous(cpu_blocks, BLOCK), clean_ahead_blocks=0, remote=remote)
+    pool.attach_gpu(BlockLayout.contiguous(gpu_blocks, BLOCK))
+    return pool
+
+
+def store_in_chunks(pool: TieredPool, hashes: list[bytes], src: BlockLayout, slots: range, chunk: int = 4) -> None:
+    for i in range(0, len(hashes), chunk):
+        op = pool.store(hashes[i : i + chunk], src, slots[i : i + chunk]).wait(5)
+        assert op.error is None
+
+
+def keys(n: int, tag: int) -> list[bytes]:
+    return [bytes([tag, i]) * 8 for i in range(n)]
+
+
+def test_block_stored_through_a_restores_byte_exact_through_b(server: object) -> None:
+    server.client().flushall()
+    a, b = make_pool(server.url), make_pool(server.url)
+    src = BlockLayout.contiguous(12, BLOCK)
+    src.slab().copy_(torch.randint(0, 256, (12, BLOCK), dtype=torch.uint8))
+    first = keys(4, 1)
+    a.store(first, src, range(4)).wait(5)
+    # Push `first` out of A's GPU tier (4 blocks) and CPU tier (4 blocks): CPU
+    # evictions are written back to Redis.
+    store_in_chunks(a, keys(8, 2), src, range(4, 12))
+    assert a.remote.flush(5.0)
+    assert a.counters["remote_write_backs"] >= 4
+    assert a.lookup(first, count=False) == [Tier.REMOTE] * 4
+
+    dst = BlockLayout.contiguous(4, BLOCK)
+    dst.slab().fill_(0xA5)
+    op = b.restore(first, dst, range(4)).wait(5)
+    assert op.error is None and op.result["tiers"] == ["remote"] * 4
+    assert torch.equal(dst.slab(), src.slab()[:4])
+    assert b.counters["hit_blocks_remote"] == 4
+    # Fetched blocks now sit in B's CPU tier: the next restore is a CPU hit.
+    assert b.lookup(first, count=False) == [Tier.CPU] * 4
+    for p in (a, b):
+        p.remote.close(2.0)
+
+
+def test_corrupt_remote_value_ends_the_prefix_never_a_wrong_block(server: object) -> None:
+    server.client().flushall()
+    a, b = make_pool(server.url), make_pool(server.url)
+    src = BlockLayout.contiguous(12, BLOCK)
+    src.slab().copy_(torch.randint(0, 256, (12, BLOCK), dtype=torch.uint8))
+    first = keys(4, 3)
+    a.store(first, src, range(4)).wait(5)
+    store_in_chunks(a, keys(8, 4), src, range(4, 12))
+    assert a.remote.flush(5.0)
+    redis = server.client()
+    k = a.remote.key(first[2])
+    value = bytearray(redis.get(k))
+    value[-1] ^= 0xFF
+    redis.set(k, bytes(value))
+    dst = BlockLayout.contiguous(4, BLOCK)
+    dst.slab().fill_(0x5A)
+    op = b.restore(first, dst, range(4)).wait(5)
+    assert op.result["tiers"] == ["remote", "remote"]
+    assert torch.equal(dst.slab()[:2], src.slab()[:2])
+    assert torch.all(dst.slab()[2:] == 0x5A)
+    assert b.remote.stats()["remote_corrupt"] == 1
+    for p in (a, b):
+        p.remote.close(2.0)
+
+
+def test_remote_down_pool_keeps_serving(tmp_path: Path) -> None:
+    srv = rs.RedisServer(tmp_path).start()
+    pool = make_pool(srv.url)
+    srv.kill()
+    t0 = time.monotonic()
+    store_in_chunks(pool, keys(12, 5), src_big := _random_layout(12), range(12))  # write-backs dropped
+    st = pool.remote.stats()
+    assert st["writes_done"] == 0 and st["writes_dropped_unavailable"] + st["writes_failed"] >= 1, st
+    src = src_big
+    dst = BlockLayout.contiguous(8, BLOCK)
+    op = pool.restore(keys(12, 5)[8:], dst, range(4)).wait(5)
+    assert op.result["tiers"] == ["gpu"] * 4
+    assert torch.equal(dst.slab()[:4], src.slab()[8:])
+    assert pool.lookup(keys(12, 5)[:4], count=False) == []  # evicted from CPU, Redis is down: a miss
+    assert time.monotonic() - t0 < 5
+    pool.remote.close(1.0)
