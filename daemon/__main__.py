@@ -1,0 +1,105 @@
+"""kvtierd: the daemon's entry point (``kvtierd`` / ``python -m kvtier.daemon``).
+
+Contract: ``main(argv) -> int``. Loads the configuration (defaults < TOML <
+``KVTIER_*`` < flags; a bad value prints the key and exits 2), sets up
+logging to stderr, installs the stop-signal flag, and runs the server in the
+foreground until SIGTERM/SIGINT; returns 0 after a clean drain, 1 when the
+daemon cannot start (socket taken, device missing).
+
+This is the composition root: the only place that turns configuration into
+the objects the server uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvtier.daemon.config import DaemonConfig, load_config_or_exit
+from kvtier.daemon.lifecycle import StopFlag
+from kvtier.daemon.sd_notify import Notifier
+
+if TYPE_CHECKING:
+    from kvtier.daemon.server import ServeOptions
+    from kvtier.daemon.sessions import Closeable
+
+log = logging.getLogger("kvtier.daemon")
+
+
+def _setup_logging(level: str) -> None:
+    # Under systemd, journald stamps every line itself.
+    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
+    logging.basicConfig(stream=sys.stderr, level=level.upper(), format=stamp + "%(levelname)s %(name)s: %(message)s")
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device} configured but CUDA is not available")
+    return device
+
+
+def _import_kv_tensor(desc: dict[str, Any]) -> tuple[Any, Closeable]:
+    from kvtier.client import kv_share
+
+    return kv_share.import_tensor(desc)
+
+
+def options_from_config(cfg: DaemonConfig, device: str) -> ServeOptions:
+    from kvtier.daemon.pools import PoolSizing
+    from kvtier.daemon.server import ServeOptions
+
+    on_cuda = device.startswith("cuda")
+
+    def sizing_for(name: str) -> PoolSizing:
+        settings = cfg.pool_settings(name)
+        return PoolSizing(
+            gpu_bytes=settings.resolve_gpu_bytes(on_cuda=on_cuda),
+            cpu_bytes=settings.resolve_cpu_bytes(),
+            policy=settings.policy,
+            clean_ahead_blocks=settings.clean_ahead_blocks,
+        )
+
+    return ServeOptions(
+        endpoint=cfg.socket,
+        device=device,
+        sizing_for=sizing_for,
+        lease_s=cfg.lease_s,
+        heartbeat_s=cfg.heartbeat_s,
+        poll_interval_s=cfg.poll_interval_s,
+        drain_timeout_s=cfg.drain_timeout_s,
+        max_payload_bytes=cfg.max_message_bytes,
+        hash_algo=cfg.hash_algo,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = load_config_or_exit(argv)
+    _setup_logging(cfg.log_level)
+    # Installed before the (possibly slow) start-up so an early SIGTERM is a clean stop.
+    stop = StopFlag()
+    stop.install()
+    # torch (through the tiers) takes seconds to import: config errors and
+    # --help must not wait for it.
+    import zmq
+
+    from kvtier.daemon.server import Server
+
+    try:
+        device = _resolve_device(cfg.device)
+        server = Server(options_from_config(cfg, device), stop, kv_import=_import_kv_tensor,
+                        notifier=Notifier.from_environ())
+        return server.run()
+    except (RuntimeError, OSError, zmq.ZMQError) as exc:
+        log.error("cannot serve: %s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

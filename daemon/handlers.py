@@ -1,0 +1,460 @@
+"""Request handlers: one function per protocol verb.
+
+Contract:
+
+- ``HANDLERS[op](ctx, req, session) -> Reply | Pending``. ``session`` is the
+  request's session (already looked up and, for verbs that renew the lease,
+  renewed by the server) or None for verbs that have none.
+- A handler validates everything it can before it changes anything (plan,
+  then apply): when it raises, nothing changed. It raises ``ProtocolError``
+  for its own refusals and lets the pool's ``NoSpace`` / ``NotFound`` /
+  ``PoolError`` through; the server maps them to error replies.
+- A handler never waits for a copy. When the pool returns an ``Op`` that is
+  still in flight the handler returns ``Pending``: the server parks it and
+  sends ``finish(op)``'s reply when the op is done (or an error reply when
+  the op failed, after calling ``on_error``). ``keep`` holds buffers the
+  copy reads or writes (ZMQ frames, staging tensors) alive until then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.client.protocol import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_HASHES,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ProtocolError,
+    Request,
+    frame_nbytes,
+)
+from kvtier.client.shm_arena import ShmArena, ShmArenaError
+from kvtier.daemon.metrics import Counters
+from kvtier.daemon.pools import PoolEntry, PoolRegistry
+from kvtier.daemon.sessions import Closeable, Registration, Session, SessionTable
+from kvtier.tiers.layout import BlockLayout
+from kvtier.tiers.pool import Op
+
+log = logging.getLogger(__name__)
+
+DAEMON_VERSION = "0.1.0"
+
+
+@dataclass
+class Reply:
+    fields: dict[str, Any] = field(default_factory=dict)
+    frames: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Pending:
+    op: Op
+    finish: Callable[[Op], Reply]
+    on_error: Callable[[Op], None] | None = None
+    keep: Any = None
+
+
+Result = Reply | Pending
+
+# desc -> (tensor, handle to close when the registration goes)
+KvImporter = Callable[[dict[str, Any]], tuple[Any, Closeable]]
+
+
+@dataclass
+class HandlerContext:
+    pools: PoolRegistry
+    sessions: SessionTable
+    metrics: Counters
+    kv_import: KvImporter
+    default_lease_s: float
+    max_lease_s: float
+    heartbeat_s: float | None = None
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    detach_timeout_s: float = 10.0
+    started_s: float = field(default_factory=time.monotonic)
+    draining: bool = False
+
+
+def _entry(ctx: HandlerContext, session: Session) -> PoolEntry:
+    return ctx.pools.get(session.pool_name)
+
+
+def _require_mode(entry: PoolEntry, mode: str, op: str) -> None:
+    if entry.mode != mode:
+        raise ProtocolError(ErrorCode.WRONG_MODE, f"{op} needs a {mode}-mode pool; pool {entry.name!r} is {entry.mode}-mode")
+
+
+def _tiers(tiers: Sequence[Any]) -> list[str]:
+    return [t.value if hasattr(t, "value") else str(t) for t in tiers]
+
+
+def _done_or_pending(op: Op, finish: Callable[[Op], Reply], **kw: Any) -> Result:
+    # An op with nothing to copy is already done; reply at once.
+    if op.done and op.error is None:
+        return finish(op)
+    return Pending(op, finish, **kw)
+
+
+# ---- session verbs -----------------------------------------------------------
+
+
+def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    if ctx.draining:
+        raise ProtocolError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
+    f = req.fields
+    entry = ctx.pools.get_or_create(f["pool"], f["layout"])
+    lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
+    new = ctx.sessions.open(entry.name, f["client"], lease_s)
+    entry.sessions.add(new.sid)
+    log.info("session %s opened on pool %r by %r (lease %.1fs)", new.sid[:8], entry.name, f["client"], lease_s)
+    pool = entry.pool
+    return Reply(
+        {
+            "sid": new.sid,
+            "lease_s": lease_s,
+            "heartbeat_s": min(ctx.heartbeat_s or lease_s / 3, lease_s / 3),
+            "protocol_version": PROTOCOL_VERSION,
+            "daemon_version": DAEMON_VERSION,
+            "pool": {
+                "name": entry.name,
+                "mode": entry.mode,
+                "block_bytes": entry.block_bytes,
+                "gpu_blocks": pool.bm.num_blocks if pool.bm is not None else 0,
+                "cpu_blocks": pool.cpu.capacity_blocks,
+            },
+            "limits": {
+                "max_header_bytes": MAX_HEADER_BYTES,
+                "max_payload_bytes": ctx.max_payload_bytes,
+                "max_hashes": MAX_HASHES,
+            },
+        }
+    )
+
+
+def heartbeat(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    return Reply({"lease_s": session.lease_s})
+
+
+def bye(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    ctx.sessions.end(session, "bye")
+    return Reply()
+
+
+def attach_arena(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    f = req.fields
+    entry = _entry(ctx, session)
+    if session.arena is not None:
+        raise ProtocolError(ErrorCode.INVALID_STATE, "this session already has an arena")
+    if f["slot_bytes"] != entry.block_bytes:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"slot_bytes {f['slot_bytes']} != pool block_bytes {entry.block_bytes}")
+    try:
+        arena = ShmArena.attach(f["name"], f["num_slots"], f["slot_bytes"])
+    except ShmArenaError as exc:
+        raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+    layout = BlockLayout.from_buffer(arena.buffer, arena.num_slots, arena.slot_bytes)
+    session.arena = (arena, layout)
+    return Reply({"num_slots": arena.num_slots})
+
+
+def register_kv(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    f = req.fields
+    entry = _entry(ctx, session)
+    name = f["name"]
+    if name in session.registrations:
+        raise ProtocolError(ErrorCode.INVALID_STATE, f"registration {name!r} exists in this session")
+    if entry.mode == "engine" and entry.gpu_owner is not None:
+        raise ProtocolError(ErrorCode.INVALID_STATE, f"pool {entry.name!r} already has a GPU tier registered")
+    tensors: list[Any] = []
+    handles: list[Closeable] = []
+    try:
+        for i, item in enumerate(f["tensors"]):
+            try:
+                tensor, handle = ctx.kv_import(item["desc"])
+            except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+                raise ProtocolError(ErrorCode.INVALID_FIELD, f"tensors[{i}].desc: {exc}") from None
+            tensors.append(tensor)
+            handles.append(handle)
+        try:
+            layout = BlockLayout(tensors, [item["block_dim"] for item in f["tensors"]])
+        except (ValueError, IndexError) as exc:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"tensors: {exc}") from None
+        if layout.block_bytes != entry.block_bytes:
+            raise ProtocolError(
+                ErrorCode.LAYOUT_MISMATCH,
+                f"registered tensors hold {layout.block_bytes} bytes per block, pool blocks are {entry.block_bytes}",
+            )
+        reg = Registration(name, layout, handles)
+        if entry.mode == "engine":
+            ctx.pools.attach_engine_gpu(entry, (session.sid, name), layout)
+            reg.attached_gpu = True
+    except BaseException:
+        for handle in handles:
+            handle.close()
+        raise
+    session.registrations[name] = reg
+    log.info("session %s registered %r: %d tensors, %d blocks", session.sid[:8], name, len(tensors), layout.num_blocks)
+    return Reply({"num_blocks": layout.num_blocks, "gpu_tier": reg.attached_gpu})
+
+
+def release_registration(ctx: HandlerContext, session: Session, reg: Registration) -> None:
+    """Forget a registration; in engine mode its tensors stop being the GPU tier."""
+    entry = ctx.pools.get(session.pool_name)
+    if reg.attached_gpu:
+        # The GPU tier goes with every request in it, this session's included.
+        ctx.pools.detach_engine_gpu(entry, (session.sid, reg.name), ctx.detach_timeout_s)
+        session.requests.clear()
+    reg.close()
+
+
+def unregister_kv(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    name = req.fields["name"]
+    reg = session.registrations.get(name)
+    if reg is None:
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"no registration {name!r} in this session")
+    if session.in_flight:
+        raise ProtocolError(ErrorCode.INVALID_STATE, "copies of this session are in flight; retry when they are done")
+    del session.registrations[name]
+    release_registration(ctx, session, reg)
+    return Reply()
+
+
+# ---- lookups and pins --------------------------------------------------------
+
+
+def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    pool = _entry(ctx, session).pool
+    hashes = req.fields["hashes"]
+    tiers = pool.lookup(hashes)
+    if req.fields["pin"] and tiers:
+        # Same thread, no copy in between: the pinned prefix is the one looked up.
+        tiers = pool.pin(session.sid, hashes[: len(tiers)])
+        session.num_pins += len(tiers)
+    return Reply({"tiers": _tiers(tiers), "pinned": len(tiers) if req.fields["pin"] else 0})
+
+
+def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    tiers = _entry(ctx, session).pool.pin(session.sid, req.fields["hashes"])
+    session.num_pins += len(tiers)
+    return Reply({"tiers": _tiers(tiers)})
+
+
+def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    n = _entry(ctx, session).pool.unpin(session.sid, req.fields["hashes"])
+    session.num_pins -= n
+    return Reply({"unpinned": n})
+
+
+# ---- engine-managed mode -----------------------------------------------------
+
+
+def allocate(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    entry = _entry(ctx, session)
+    _require_mode(entry, "engine", "allocate")
+    f = req.fields
+    op = entry.pool.allocate(session.pool_request_id(f["req"]), f["hashes"], f["num_tokens"])
+    session.requests.add(f["req"])
+
+    def failed(_op: Op) -> None:
+        session.requests.discard(f["req"])  # the pool freed it when the restore failed
+
+    return _done_or_pending(op, lambda o: Reply(dict(o.result)), on_error=failed)
+
+
+def append(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    entry = _entry(ctx, session)
+    _require_mode(entry, "engine", "append")
+    f = req.fields
+    if f["req"] not in session.requests:
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"no request {f['req']!r} in this session")
+    op = entry.pool.append(session.pool_request_id(f["req"]), f["num_tokens"], f["hashes"])
+    return _done_or_pending(op, lambda o: Reply(dict(o.result)))
+
+
+def free(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    entry = _entry(ctx, session)
+    _require_mode(entry, "engine", "free")
+    name = req.fields["req"]
+    if name not in session.requests:
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"no request {name!r} in this session")
+    entry.pool.free(session.pool_request_id(name))
+    session.requests.discard(name)
+    return Reply()
+
+
+# ---- store mode --------------------------------------------------------------
+
+
+def _plane_layout(ctx: HandlerContext, req: Request, session: Session, n: int) -> tuple[BlockLayout, list[int]]:
+    """Layout and slots for planes shm and kv, checked before any copy is planned."""
+    f = req.fields
+    plane = f["plane"]
+    slots = f["slots"]
+    if slots is None or len(slots) != n:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"plane {plane!r} needs 'slots', one per hash ({n})")
+    if plane == "shm":
+        if f["reg"] is not None:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'shm' takes no 'reg'")
+        if session.arena is None:
+            raise ProtocolError(ErrorCode.INVALID_STATE, "plane 'shm' needs an arena: send attach_arena first")
+        layout = session.arena[1]
+    else:
+        if f["reg"] is None:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'kv' needs 'reg'")
+        reg = session.registrations.get(f["reg"])
+        if reg is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no registration {f['reg']!r} in this session")
+        layout = reg.layout
+    bad = [s for s in slots if s >= layout.num_blocks]
+    if bad:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"slot {bad[0]} out of range (the {plane} layout has {layout.num_blocks} slots)")
+    if len(set(slots)) != len(slots):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "'slots' names a slot twice")
+    return layout, list(slots)
+
+
+def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    entry = _entry(ctx, session)
+    _require_mode(entry, "store", "store")
+    f = req.fields
+    hashes = f["hashes"]
+    n = len(hashes)
+    if len(set(hashes)) != n:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "'hashes' names a hash twice")
+    keep: Any = None
+    if f["plane"] == "inline":
+        if f["slots"] is not None or f["reg"] is not None:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'inline' takes no 'slots' or 'reg'")
+        nbytes = sum(frame_nbytes(fr) for fr in req.payload)
+        if nbytes != n * entry.block_bytes or (n and len(req.payload) != 1):
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"inline store of {n} blocks needs one payload frame of {n * entry.block_bytes} bytes, got {nbytes} in {len(req.payload)} frames",
+            )
+        if n == 0:
+            return Reply({"stored": 0, "present": 0})
+        frame = req.payload[0]
+        # Zero-copy: the pool reads the block bytes straight out of the ZMQ frame.
+        src = BlockLayout.from_buffer(getattr(frame, "buffer", frame), n, entry.block_bytes)
+        slots = list(range(n))
+        keep = frame
+    else:
+        if req.payload:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"plane {f['plane']!r} takes no payload frame")
+        src, slots = _plane_layout(ctx, req, session, n)
+    op = entry.pool.store(hashes, src, slots)
+    return _done_or_pending(op, lambda o: Reply(dict(o.result)), keep=keep)
+
+
+def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    entry = _entry(ctx, session)
+    _require_mode(entry, "store", "restore")
+    f = req.fields
+    hashes = f["hashes"]
+    n = len(hashes)
+    pool = entry.pool
+    if f["plane"] == "inline":
+        if f["slots"] is not None or f["reg"] is not None:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'inline' takes no 'slots' or 'reg'")
+        # Size the staging buffer to what will come back, so a long miss
+        # costs no memory. Nothing runs between this probe and the restore.
+        k = len(pool.lookup(hashes, count=False))
+        if k * entry.block_bytes > ctx.max_payload_bytes:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"restoring {k} blocks makes a {k * entry.block_bytes}-byte reply, limit {ctx.max_payload_bytes}; ask for fewer",
+            )
+        if k == 0:
+            pool.lookup(hashes)  # counted like any restore of a miss
+            return Reply({"tiers": []})
+        staging = BlockLayout.contiguous(k, entry.block_bytes, "cpu")
+        # Slots past the held prefix are never written; they only satisfy the
+        # pool's "one slot per hash" check so its lookup counters see every hash.
+        op = pool.restore(hashes, staging, list(range(k)) + [0] * (n - k))
+
+        def finish(o: Op) -> Reply:
+            got = len(o.result["tiers"])
+            frames = [staging.slab()[:got].numpy()] if got else []
+            return Reply({"tiers": list(o.result["tiers"])}, frames)
+
+        return _done_or_pending(op, finish, keep=staging)
+    dst, slots = _plane_layout(ctx, req, session, n)
+    op = pool.restore(hashes, dst, slots)
+    return _done_or_pending(op, lambda o: Reply({"tiers": list(o.result["tiers"])}))
+
+
+# ---- daemon-wide -------------------------------------------------------------
+
+
+def stats(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    pools: dict[str, Any] = {}
+    for entry in ctx.pools:
+        s = entry.pool.stats()
+        s["mode"] = entry.mode
+        s["sessions"] = len(entry.sessions)
+        s["gpu_registered"] = entry.gpu_owner is not None
+        pools[entry.name] = s
+    return Reply({"pools": pools, "daemon": ctx.metrics.snapshot(), "sessions": len(ctx.sessions)})
+
+
+def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    return Reply(
+        {
+            "status": "draining" if ctx.draining else "ok",
+            "uptime_s": round(time.monotonic() - ctx.started_s, 3),
+            "pools": len(ctx.pools),
+            "sessions": len(ctx.sessions),
+            "protocol_version": PROTOCOL_VERSION,
+            "daemon_version": DAEMON_VERSION,
+            "pid": os.getpid(),
+        }
+    )
+
+
+def clear(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    n = _entry(ctx, session).pool.clear()
+    log.info("session %s cleared pool %r: %d blocks dropped", session.sid[:8], session.pool_name, n)
+    return Reply({"cleared": n})
+
+
+Handler = Callable[[HandlerContext, Request, Session | None], Result]
+
+HANDLERS: dict[str, Handler] = {
+    "hello": hello,
+    "heartbeat": heartbeat,
+    "bye": bye,
+    "attach_arena": attach_arena,
+    "register_kv": register_kv,
+    "unregister_kv": unregister_kv,
+    "lookup": lookup,
+    "pin": pin,
+    "unpin": unpin,
+    "allocate": allocate,
+    "append": append,
+    "free": free,
+    "store": store,
+    "restore": restore,
+    "stats": stats,
+    "health": health,
+    "clear": clear,
+}

@@ -1,0 +1,44 @@
+"""Process lifecycle: the stop flag that SIGTERM and SIGINT set.
+
+Contract:
+
+- ``StopFlag.install()`` makes SIGTERM and SIGINT set the flag and nothing
+  else, except that the first signal also restores the default disposition of
+  both signals: a second signal then ends the process at once, from the
+  kernel, even while the main thread is stuck inside a long C call.
+- ``StopFlag.requested`` is read by the event loop, which then drains
+  (``kvtier.daemon.server``): stop taking requests, finish or fail in-flight
+  copies, reply to everything pending, exit 0 within ``drain_timeout_s``.
+
+systemd notifications live in ``kvtier.daemon.sd_notify``.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+
+class StopFlag:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name = ""
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        # Re-arming the defaults is what lets a second signal kill a daemon
+        # whose main thread cannot get back to the loop.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    def request(self, reason: str) -> None:
+        """Stop without a signal (tests, fatal errors)."""
+        self.requested = True
+        self.signal_name = reason

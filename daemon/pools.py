@@ -1,0 +1,187 @@
+"""The daemon's pools: name -> TieredPool with the layout that created it.
+
+Contract:
+
+- ``get_or_create(name, layout)`` returns the pool called ``name``. The first
+  call creates it from ``layout`` (the validated hello layout) with the sizes
+  and policy the daemon was configured with for that name (``sizing_for``);
+  a later call whose layout differs in any field raises LAYOUT_MISMATCH, and
+  the existing pool is untouched. When the daemon is configured with a hash
+  algorithm, a layout naming another one is a LAYOUT_MISMATCH too (an
+  operator who requires sha256 for tenants sharing a daemon gets it).
+- Store-mode pools get a GPU tier the daemon allocates at creation (device
+  memory on CUDA; host memory standing in for it without a GPU). Engine-mode
+  pools start with a CPU tier only; the engine's registered KV tensors become
+  their GPU tier (``attach_engine_gpu``) for as long as the registration
+  lives (``detach_engine_gpu``).
+- CPU tiers are checked against available host memory before allocation
+  (``tiers.host_memory``); a pool that does not fit is refused with NO_SPACE
+  and nothing is created.
+- Pools outlive sessions: the cache is the point. They go at ``close_all``.
+- Single-threaded: only the event loop calls this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.client.protocol import ErrorCode, ProtocolError
+from kvtier.tiers.host_memory import HostMemoryError, allocate_host_slab
+from kvtier.tiers.layout import BlockLayout
+from kvtier.tiers.pool import PoolSpec, TieredPool
+from kvtier.tiers.transfer import TransferEngine, make_transfer_engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """How a new pool is built (from the daemon's configuration for its name)."""
+
+    gpu_bytes: int  # store mode only; engine mode uses the engine's tensors
+    cpu_bytes: int
+    policy: str = "lru"
+    clean_ahead_blocks: int = 64
+
+
+@dataclass(eq=False)
+class PoolEntry:
+    name: str
+    layout: dict[str, Any]
+    pool: TieredPool
+    transfer: TransferEngine
+    # Engine mode: (sid, registration name) whose tensors are the GPU tier.
+    gpu_owner: tuple[str, str] | None = None
+    sessions: set[str] = field(default_factory=set)
+
+    @property
+    def mode(self) -> str:
+        return str(self.layout["mode"])
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.layout["block_bytes"])
+
+
+class PoolRegistry:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        device: str,
+        sizing_for: Callable[[str], PoolSizing],
+        hash_algo: str | None = None,
+        wakeup: Callable[[], None] | None = None,
+    ) -> None:
+        self.device = device
+        self._sizing_for = sizing_for
+        self._hash_algo = hash_algo
+        self._wakeup = wakeup
+        self._pools: dict[str, PoolEntry] = {}
+
+    def __iter__(self) -> Iterator[PoolEntry]:
+        return iter(list(self._pools.values()))
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    def get(self, name: str) -> PoolEntry:
+        entry = self._pools.get(name)
+        if entry is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no pool {name!r}")
+        return entry
+
+    def get_or_create(self, name: str, layout: Mapping[str, Any]) -> PoolEntry:
+        entry = self._pools.get(name)
+        if entry is not None:
+            if entry.layout != dict(layout):
+                diffs = sorted(k for k in set(entry.layout) | set(layout) if entry.layout.get(k) != layout.get(k))
+                detail = ", ".join(f"{k}: pool has {entry.layout.get(k)!r}, hello has {layout.get(k)!r}" for k in diffs)
+                raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"pool {name!r} exists with another layout ({detail})")
+            return entry
+        if self._hash_algo is not None and layout["hash_algo"] != self._hash_algo:
+            raise ProtocolError(
+                ErrorCode.LAYOUT_MISMATCH,
+                f"this daemon is configured for hash_algo {self._hash_algo!r}, hello has {layout['hash_algo']!r}",
+            )
+        entry = self._create(name, dict(layout))
+        self._pools[name] = entry
+        return entry
+
+    def _create(self, name: str, layout: dict[str, Any]) -> PoolEntry:
+        sizing = self._sizing_for(name)
+        block_bytes = int(layout["block_bytes"])
+        cpu_blocks = sizing.cpu_bytes // block_bytes
+        gpu_blocks = sizing.gpu_bytes // block_bytes
+        try:
+            cpu_storage = allocate_host_slab(cpu_blocks, block_bytes) if cpu_blocks else None
+        except HostMemoryError as exc:
+            raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: {exc}") from None
+        gpu_layout = None
+        if layout["mode"] == "store" and gpu_blocks:
+            try:
+                gpu_layout = BlockLayout.contiguous(gpu_blocks, block_bytes, self.device)
+            except (RuntimeError, MemoryError) as exc:  # torch reports device OOM as RuntimeError
+                raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: cannot allocate the GPU tier: {exc}") from None
+        transfer = make_transfer_engine(self.device)
+        if self._wakeup is not None:
+            transfer.set_wakeup(self._wakeup)
+        spec = PoolSpec(
+            name=name,
+            block_size=int(layout["block_size"]),
+            block_bytes=block_bytes,
+            extra=tuple(sorted((k, v) for k, v in layout.items() if k not in ("block_size", "block_bytes"))),
+        )
+        pool = TieredPool(
+            spec,
+            cpu_blocks=cpu_blocks,
+            policy=sizing.policy,
+            transfer=transfer,
+            cpu_storage=cpu_storage,
+            clean_ahead_blocks=sizing.clean_ahead_blocks,
+        )
+        if gpu_layout is not None:
+            pool.attach_gpu(gpu_layout)
+        log.info(
+            "pool %r created: mode=%s block_bytes=%d gpu_blocks=%d cpu_blocks=%d device=%s",
+            name, layout["mode"], block_bytes, gpu_blocks if gpu_layout is not None else 0, cpu_blocks, self.device,
+        )
+        return PoolEntry(name, layout, pool, transfer)
+
+    def attach_engine_gpu(self, entry: PoolEntry, owner: tuple[str, str], layout: BlockLayout) -> None:
+        if entry.mode != "engine":
+            raise ProtocolError(ErrorCode.WRONG_MODE, "only engine-mode pools take registered tensors as their GPU tier")
+        if entry.gpu_owner is not None:
+            raise ProtocolError(
+                ErrorCode.INVALID_STATE,
+                f"pool {entry.name!r} already has a GPU tier registered (registration {entry.gpu_owner[1]!r})",
+            )
+        entry.pool.attach_gpu(layout)
+        entry.gpu_owner = owner
+        log.info("pool %r: engine KV tensors attached as GPU tier (%d blocks)", entry.name, layout.num_blocks)
+
+    def detach_engine_gpu(self, entry: PoolEntry, owner: tuple[str, str], timeout_s: float) -> None:
+        if entry.gpu_owner != owner:
+            return
+        entry.pool.detach_gpu(timeout_s)
+        entry.gpu_owner = None
+        log.info("pool %r: engine GPU tier detached", entry.name)
+
+    def busy(self) -> bool:
+        return any(e.pool.busy for e in self._pools.values())
+
+    def poll(self) -> None:
+        for entry in self._pools.values():
+            entry.pool.poll()
+
+    def close_all(self, timeout_s: float) -> None:
+        for entry in self._pools.values():
+            try:
+                entry.pool.close(timeout_s)
+            finally:
+                entry.transfer.close(timeout_s)
+        self._pools.clear()

@@ -1,0 +1,435 @@
+"""The event loop: one ROUTER socket, one thread, a dispatch table.
+
+Contract:
+
+- ``Server.run()`` binds, serves until the stop flag is set, drains, and
+  returns the exit code (0 after a clean drain).
+- One loop on one thread polls the ROUTER socket and a wakeup socket (the
+  transfer engines poke it when a copy finishes) with a timeout, so it also
+  sweeps expired leases and feeds the systemd watchdog when idle.
+- Every request is decoded and validated (``client.protocol``) before it
+  reaches a handler; a bad one gets an error reply and a counter and changes
+  nothing. Handlers come from ``daemon.handlers.HANDLERS``.
+- Copies never run on the loop. A handler whose copies are in flight returns
+  ``Pending``; the request is parked and its reply sent from the loop when
+  the pool reports the op done.
+- Exactly one reply per request, carrying its id: every path through
+  ``_handle`` ends in exactly one ``_send`` or one parking, and every parked
+  request leaves the parking lot through exactly one ``_send``.
+- Drain (stop flag set): new requests get SHUTTING_DOWN (``health`` and
+  ``stats`` still answer), parked requests get their replies as their copies
+  finish, and whatever is still parked at ``drain_timeout_s`` gets a
+  SHUTTING_DOWN error. Then sessions are released, pools closed, the socket
+  closed with a bounded linger, and the ipc socket file removed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvtier.client.protocol import (
+    MAX_HEADER_BYTES,
+    ErrorCode,
+    ProtocolError,
+    Request,
+    decode_header,
+    encode,
+    error_reply,
+    ok_reply,
+    recoverable_id,
+    validate_request,
+)
+from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_registration
+from kvtier.daemon.lifecycle import StopFlag
+from kvtier.daemon.metrics import Counters
+from kvtier.daemon.pools import PoolRegistry, PoolSizing
+from kvtier.daemon.sd_notify import Notifier
+from kvtier.daemon.sessions import Session, SessionTable
+from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
+from kvtier.tiers.transfer import TransferError
+
+log = logging.getLogger(__name__)
+
+# Requests handled per loop turn before the loop looks at completions and
+# leases again: keeps one flooding client from starving everything else.
+MAX_MESSAGES_PER_TURN = 64
+# With copies in flight the transfer engine's wakeup ends a poll early; the
+# short timeout only bounds the cost of a lost wakeup.
+BUSY_POLL_MS = 10
+
+
+@dataclass
+class ServeOptions:
+    """What the loop needs from the daemon's configuration."""
+
+    endpoint: str
+    device: str = "cpu"
+    sizing_for: Callable[[str], PoolSizing] = field(default=lambda _name: PoolSizing(256 << 20, 1 << 30))
+    lease_s: float = 10.0  # also the longest lease a client may ask for
+    heartbeat_s: float | None = None  # recommended to clients; None: lease_s / 3
+    poll_interval_s: float = 0.1  # loop wakes at least this often when idle
+    drain_timeout_s: float = 10.0
+    max_payload_bytes: int = 256 << 20
+    hash_algo: str | None = None  # None: pools may use any algorithm
+
+
+@dataclass(eq=False)
+class _Parked:
+    identity: bytes
+    req: Request
+    pending: Pending
+    session: Session | None
+    started_s: float
+
+
+def _error_code_for(exc: BaseException) -> ErrorCode:
+    if isinstance(exc, NoSpace):
+        return ErrorCode.NO_SPACE
+    if isinstance(exc, NotFound):
+        return ErrorCode.NOT_FOUND
+    if isinstance(exc, PoolError):
+        return ErrorCode.INVALID_STATE
+    if isinstance(exc, TransferError):
+        return ErrorCode.TRANSFER_FAILED
+    return ErrorCode.INTERNAL
+
+
+def _message(exc: BaseException) -> str:
+    # KeyError's str() adds quotes around its message.
+    return exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+
+
+class Server:
+    """See the module docstring."""
+
+    def __init__(self, options: ServeOptions, stop: StopFlag, *, kv_import: KvImporter,
+                 notifier: Notifier | None = None) -> None:
+        self.options = options
+        self.stop = stop
+        self.notifier = notifier or Notifier(None)
+        self.metrics = Counters()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.pools = PoolRegistry(
+            device=options.device,
+            sizing_for=options.sizing_for,
+            hash_algo=options.hash_algo,
+            wakeup=self._wakeup,
+        )
+        self.sessions = SessionTable(self._release_session)
+        self.ctx = HandlerContext(
+            pools=self.pools,
+            sessions=self.sessions,
+            metrics=self.metrics,
+            kv_import=kv_import,
+            default_lease_s=options.lease_s,
+            max_lease_s=options.lease_s,
+            heartbeat_s=options.heartbeat_s,
+            max_payload_bytes=options.max_payload_bytes,
+            detach_timeout_s=options.drain_timeout_s,
+        )
+        self._serial = itertools.count(1)
+        self._parked: dict[int, _Parked] = {}
+        self._done: list[int] = []  # serials of parked requests whose op finished
+        self._zctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._ipc_path: str | None = None
+        self._sweep_every_s = min(0.1, options.lease_s / 10)
+        self._next_sweep_s = 0.0
+
+    # ---- setup and teardown --------------------------------------------------
+
+    def _wakeup(self) -> None:
+        # Called from copy worker threads: a full socket buffer already means "wake up".
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+
+    def bind(self) -> None:
+        self._zctx = zmq.Context()
+        sock = self._zctx.socket(zmq.ROUTER)
+        # Above the soft limits, so that oversize requests get an error reply;
+        # a frame above this makes libzmq drop the sender's connection.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(MAX_HEADER_BYTES, self.options.max_payload_bytes))
+        sock.setsockopt(zmq.LINGER, 0)
+        endpoint = self.options.endpoint
+        if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+            self._ipc_path = endpoint[len("ipc://"):]
+            os.makedirs(os.path.dirname(os.path.abspath(self._ipc_path)), mode=0o700, exist_ok=True)
+            _refuse_if_served(self._zctx, endpoint)
+            # The socket file is born 0600: no window where others can connect.
+            old_umask = os.umask(0o177)
+            try:
+                sock.bind(endpoint)
+            finally:
+                os.umask(old_umask)
+            os.chmod(self._ipc_path, 0o600)
+        else:
+            sock.bind(endpoint)
+        self._sock = sock
+
+    def close(self, linger_s: float) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=int(max(0.0, linger_s) * 1000))
+            self._sock = None
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
+        if self._ipc_path is not None:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ---- the loop ------------------------------------------------------------
+
+    def run(self) -> int:
+        self.bind()
+        log.info("kvtierd serving on %s (device %s, protocol v1)", self.options.endpoint, self.options.device)
+        self.notifier.ready(f"serving on {self.options.endpoint}")
+        while not self.stop.requested:
+            self._turn()
+        return self._drain()
+
+    def _turn(self, timeout_ms: int | None = None) -> int:
+        """One poll and what follows it; returns the number of messages handled."""
+        assert self._sock is not None
+        if timeout_ms is None:
+            idle_ms = int(self.options.poll_interval_s * 1000)
+            timeout_ms = min(BUSY_POLL_MS, idle_ms) if (self._parked or self.pools.busy()) else idle_ms
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        events = dict(poller.poll(timeout_ms))
+        handled = 0
+        if self._wake_r.fileno() in events:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._sock in events:
+            for _ in range(MAX_MESSAGES_PER_TURN):
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+                handled += 1
+        self.pools.poll()
+        self._deliver_done()
+        now_s = time.monotonic()
+        if now_s >= self._next_sweep_s:
+            self._next_sweep_s = now_s + self._sweep_every_s
+            expired = self.sessions.sweep()
+            if expired:
+                self.metrics.inc("lease_expiries_total", len(expired))
+        self.metrics.set("sessions", len(self.sessions))
+        self.metrics.set("requests_in_flight", len(self._parked))
+        if self.notifier.watchdog_due(now_s):
+            self.notifier.watchdog(now_s)
+        return handled
+
+    # ---- one request ---------------------------------------------------------
+
+    def _handle(self, frames: list[Any]) -> None:
+        identity = frames[0].bytes
+        started_s = time.monotonic()
+        header: Any = None
+        try:
+            if len(frames) < 2:
+                raise ProtocolError(ErrorCode.MALFORMED, "empty message: expected [header, *payload]")
+            header = decode_header(frames[1].buffer)
+            req = validate_request(header, frames[2:], max_payload_bytes=self.options.max_payload_bytes)
+        except ProtocolError as exc:
+            self.metrics.inc("protocol_errors_total", code=exc.code.name)
+            log.info("rejected a message: %s", exc)
+            self._send_error(identity, recoverable_id(header), exc.code, exc.message)
+            return
+        self.metrics.inc("requests_total", op=req.op)
+        try:
+            session = self._session_for(req)
+            result = HANDLERS[req.op](self.ctx, req, session)
+        except ProtocolError as exc:
+            self._send_error(identity, req.id, exc.code, exc.message, op=req.op)
+            return
+        except (NoSpace, NotFound, PoolError, TransferError) as exc:
+            self._send_error(identity, req.id, _error_code_for(exc), _message(exc), op=req.op)
+            return
+        except Exception as exc:
+            log.exception("%s (id %d) failed", req.op, req.id)
+            self._send_error(identity, req.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", op=req.op)
+            return
+        if isinstance(result, Reply):
+            self._send_ok(identity, req, result, started_s)
+            return
+        serial = next(self._serial)
+        self._parked[serial] = _Parked(identity, req, result, session, started_s)
+        if session is not None:
+            session.in_flight += 1
+        result.op.add_done_callback(lambda _op, s=serial: self._done.append(s))
+
+    def _session_for(self, req: Request) -> Session | None:
+        spec = req.spec
+        if self.ctx.draining and req.op not in ("health", "stats"):
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down; no new requests")
+        if spec.session != "required":
+            return None
+        assert req.sid is not None
+        session = self.sessions.get(req.sid)
+        if spec.renews_lease:
+            self.sessions.touch(session)
+        return session
+
+    def _deliver_done(self) -> None:
+        while self._done:
+            serial = self._done.pop(0)
+            parked = self._parked.pop(serial, None)
+            if parked is None:
+                continue  # already answered (drain timeout)
+            self._finish_parked(parked)
+        if self.sessions.num_ending:
+            self.sessions.sweep_ending()
+
+    def _finish_parked(self, parked: _Parked) -> None:
+        if parked.session is not None:
+            parked.session.in_flight -= 1
+        op: Op = parked.pending.op
+        req = parked.req
+        if op.error is not None:
+            if parked.pending.on_error is not None:
+                try:
+                    parked.pending.on_error(op)
+                except Exception:
+                    log.exception("cleanup after failed %s (id %d)", req.op, req.id)
+            code = _error_code_for(op.error)
+            if code is ErrorCode.INTERNAL:
+                code = ErrorCode.TRANSFER_FAILED  # an op fails only through its copies
+            self._send_error(parked.identity, req.id, code, f"{req.op} failed: {op.error}", op=req.op)
+            return
+        try:
+            reply = parked.pending.finish(op)
+        except Exception as exc:
+            log.exception("finishing %s (id %d)", req.op, req.id)
+            self._send_error(parked.identity, req.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", op=req.op)
+            return
+        self._send_ok(parked.identity, req, reply, parked.started_s)
+
+    # ---- replies -------------------------------------------------------------
+
+    def _send(self, identity: bytes, header: dict[str, Any], frames: list[Any]) -> None:
+        assert self._sock is not None
+        try:
+            # copy=False: block bytes go out without another copy; pyzmq keeps
+            # the buffers alive until libzmq has sent them.
+            self._sock.send_multipart([identity, encode(header), *frames], copy=False)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost, not the daemon
+            self.metrics.inc("replies_dropped_total")
+            log.warning("reply %s to a client dropped: %s", header.get("id"), exc)
+
+    def _send_ok(self, identity: bytes, req: Request, reply: Reply, started_s: float) -> None:
+        elapsed_s = time.monotonic() - started_s
+        self.metrics.inc("request_seconds_total", elapsed_s, op=req.op)
+        if log.isEnabledFor(logging.DEBUG):
+            n = len(req.fields.get("hashes") or ())
+            log.debug("%s id=%d blocks=%d ok in %.3f ms", req.op, req.id, n, elapsed_s * 1e3)
+        self._send(identity, ok_reply(req.id, **reply.fields), reply.frames)
+
+    def _send_error(self, identity: bytes, rid: int, code: ErrorCode, message: str, *, op: str = "") -> None:
+        self.metrics.inc("errors_total", code=code.name)
+        if op:
+            log.info("%s id=%d -> %s: %s", op, rid, code.name, message)
+        self._send(identity, error_reply(rid, code, message), [])
+
+    # ---- sessions --------------------------------------------------------------
+
+    def _release_session(self, session: Session, reason: str) -> None:
+        """Give back everything a session holds (its copies are all done)."""
+        try:
+            entry = self.pools.get(session.pool_name)
+        except ProtocolError:
+            return
+        pool = entry.pool
+        pins = pool.unpin_all(session.sid)
+        requests = len(session.requests)
+        for name in sorted(session.requests):
+            try:
+                pool.free(session.pool_request_id(name))
+            except (NotFound, PoolError):
+                pass  # already gone with a detached GPU tier
+        session.requests.clear()
+        registrations = len(session.registrations)
+        for reg in list(session.registrations.values()):
+            release_registration(self.ctx, session, reg)
+        session.registrations.clear()
+        if session.arena is not None:
+            arena, _layout = session.arena
+            session.arena = None
+            arena.close()
+            if reason != "shutdown":
+                # The client may be dead (expired) or done (bye); after a daemon
+                # shutdown it lives on and may bring its arena to the next daemon.
+                arena.unlink()
+        entry.sessions.discard(session.sid)
+        log.info(
+            "session %s ended (%s): released %d pins, %d requests, %d registrations",
+            session.sid[:8], reason, pins, requests, registrations,
+        )
+
+    # ---- shutdown ----------------------------------------------------------------
+
+    def _drain(self) -> int:
+        self.ctx.draining = True
+        self.notifier.stopping(f"draining {len(self._parked)} requests")
+        deadline_s = time.monotonic() + self.options.drain_timeout_s
+        log.info("stopping (%s): %d requests in flight", self.stop.signal_name or "requested", len(self._parked))
+        # Until the copies in flight are done and the socket has nothing queued:
+        # requests that reached us before we stopped still get their one reply.
+        while time.monotonic() < deadline_s:
+            if not self._turn(BUSY_POLL_MS) and not self._parked:
+                break
+        for serial in list(self._parked):
+            parked = self._parked.pop(serial)
+            if parked.session is not None:
+                parked.session.in_flight -= 1
+            self._send_error(parked.identity, parked.req.id, ErrorCode.SHUTTING_DOWN,
+                             "daemon shut down before the copy finished", op=parked.req.op)
+        self.sessions.end_all("shutdown")
+        remaining_s = max(0.5, deadline_s - time.monotonic())
+        self.pools.close_all(remaining_s)
+        self.close(linger_s=min(1.0, remaining_s))
+        self.notifier.close()
+        log.info("stopped")
+        return 0
+
+
+def _refuse_if_served(zctx: zmq.Context, endpoint: str) -> None:
+    """Refuse to steal the socket of a live daemon (libzmq would silently rebind it)."""
+    path = endpoint[len("ipc://"):]
+    if not os.path.exists(path):
+        return
+    probe = zctx.socket(zmq.DEALER)
+    probe.setsockopt(zmq.LINGER, 0)
+    try:
+        probe.connect(endpoint)
+        probe.send(encode({"v": 1, "op": "health", "id": 1}))
+        if probe.poll(300, zmq.POLLIN):
+            raise RuntimeError(f"another kvtierd is already serving {endpoint}")
+    finally:
+        probe.close()
+    log.info("removing stale socket file %s", path)
+    os.unlink(path)
+

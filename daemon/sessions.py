@@ -1,0 +1,158 @@
+"""Client sessions: what each client holds, and its lease.
+
+Contract:
+
+- A session is opened by ``hello`` on one pool and is named by a random
+  ``sid`` (32 hex chars). It owns, and on release gives back, everything the
+  client acquired through it: pins (the pool's pin owner is the sid), engine
+  requests (pool request ids ``"<sid>:<req>"``), KV registrations, and its
+  shared-memory staging arena.
+- The lease: every session verb except ``lookup``, ``stats`` and ``health``
+  renews it (``touch``). A session whose lease ran out is *expired*: it is
+  gone from the table at once (later requests with its sid get
+  UNKNOWN_SESSION) and its holdings are released as soon as none of its
+  copies is in flight, so a copy never writes into memory that was released.
+- ``close`` (the ``bye`` verb) and daemon shutdown release the same way.
+- Single-threaded: only the event loop calls this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvtier.client.protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Registration:
+    """Engine KV tensors imported from one client; ``layout`` is a BlockLayout."""
+
+    name: str
+    layout: Any
+    handles: list[Closeable]  # importer handles that keep the memory mapped
+    attached_gpu: bool = False  # engine mode: this registration is the pool's GPU tier
+
+    def close(self) -> None:
+        for handle in self.handles:
+            try:
+                handle.close()
+            except Exception as exc:  # releasing must not stop at the first failure
+                log.warning("closing KV registration %r: %s", self.name, exc)
+        self.handles.clear()
+
+
+@dataclass(eq=False)
+class Session:
+    sid: str
+    pool_name: str
+    client: str
+    lease_s: float
+    expires_at_s: float
+    requests: set[str] = field(default_factory=set)
+    registrations: dict[str, Registration] = field(default_factory=dict)
+    arena: Any = None  # kvtier.client.shm_arena arena owned by the daemon side, or None
+    num_pins: int = 0  # pin calls minus unpins, for stats only (the pool holds the truth)
+    in_flight: int = 0  # parked requests whose copies are still running
+    ended: str = ""  # why the session ended ("expired", "bye", "shutdown"); "" while live
+
+    def pool_request_id(self, req: str) -> str:
+        # The sid prefix keeps two clients' request ids apart in one pool.
+        return f"{self.sid}:{req}"
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "sid": self.sid,
+            "pool": self.pool_name,
+            "client": self.client,
+            "requests": len(self.requests),
+            "registrations": sorted(self.registrations),
+            "arena": self.arena is not None,
+        }
+
+
+# (session, reason) -> None; gives back the session's holdings to its pool.
+Releaser = Callable[[Session, str], None]
+
+
+class SessionTable:
+    """See the module docstring."""
+
+    def __init__(self, releaser: Releaser, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._ending: list[Session] = []  # ended, waiting for copies in flight
+        self._release = releaser
+        self._clock = clock
+        self.expired_total = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+    def open(self, pool_name: str, client: str, lease_s: float) -> Session:
+        sid = secrets.token_hex(16)
+        session = Session(sid, pool_name, client, lease_s, self._clock() + lease_s)
+        self._sessions[sid] = session
+        return session
+
+    def get(self, sid: str) -> Session:
+        session = self._sessions.get(sid)
+        if session is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_SESSION,
+                f"no session {sid[:64]!r} (expired, closed, or the daemon restarted): send hello again",
+            )
+        return session
+
+    def touch(self, session: Session) -> None:
+        session.expires_at_s = self._clock() + session.lease_s
+
+    def end(self, session: Session, reason: str) -> None:
+        """Remove a session now; release its holdings once its copies are done."""
+        if self._sessions.pop(session.sid, None) is None:
+            return
+        session.ended = reason
+        self._ending.append(session)
+        self.sweep_ending()
+
+    def sweep(self) -> list[Session]:
+        """End every session whose lease ran out; returns them."""
+        now_s = self._clock()
+        expired = [s for s in self._sessions.values() if s.expires_at_s <= now_s]
+        for session in expired:
+            self.expired_total += 1
+            self.end(session, "expired")
+        self.sweep_ending()
+        return expired
+
+    def sweep_ending(self) -> None:
+        still: list[Session] = []
+        for session in self._ending:
+            if session.in_flight > 0:
+                still.append(session)
+                continue
+            try:
+                self._release(session, session.ended)
+            except Exception:
+                log.exception("releasing session %s failed", session.sid)
+        self._ending = still
+
+    @property
+    def num_ending(self) -> int:
+        return len(self._ending)
+
+    def end_all(self, reason: str) -> None:
+        for session in list(self._sessions.values()):
+            self.end(session, reason)
