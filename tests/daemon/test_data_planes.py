@@ -1,0 +1,123 @@
+"""Store then restore through each data plane, every byte checked, through the CPU tier and back.
+
+The daemon runs with a 4-block GPU tier and a 16-block CPU tier, so storing
+three 4-block chains demotes the first two to the CPU tier.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from kvtier.client.client import Client, DaemonError, PoolLayout
+from kvtier.client.protocol import ErrorCode
+
+BLOCK_BYTES = 1024
+GPU_BLOCKS = 4
+CPU_BLOCKS = 16
+
+
+def layout(**kw: object) -> PoolLayout:
+    base = dict(model="test-model", block_size=4, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=2,
+                kv_heads=2, head_dim=64, mode="store")
+    base.update(kw)
+    return PoolLayout(**base)  # type: ignore[arg-type]
+
+
+def chain(rng: random.Random, n: int) -> tuple[list[bytes], bytes]:
+    return [rng.randbytes(16) for _ in range(n)], rng.randbytes(n * BLOCK_BYTES)
+
+
+@pytest.fixture(scope="module")
+def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]
+    # Each test uses its own pool: pools share nothing but the daemon.
+    return kvtierd_module_factory(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES,
+                                  max_message_bytes=8 * BLOCK_BYTES)
+
+
+def test_inline_store_restore_through_cpu_tier(daemon) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(1)
+    with Client(daemon.endpoint, "inline", layout()) as c:
+        chains = [chain(rng, 4) for _ in range(3)]
+        for hashes, data in chains:
+            assert c.store(hashes, data) == (4, 0)
+        # The first two chains were demoted when the GPU tier filled up.
+        assert c.lookup(chains[0][0]) == ["cpu"] * 4
+        assert c.lookup(chains[1][0]) == ["cpu"] * 4
+        assert c.lookup(chains[2][0]) == ["gpu"] * 4
+        for hashes, data in chains:
+            got = c.restore(hashes)
+            assert len(got) == 4 and bytes(got.data) == data
+        # Storing again is a no-op: content-addressed.
+        assert c.store(chains[0][0], chains[0][1]) == (0, 4)
+        # A prefix: the miss ends it.
+        got = c.restore(chains[0][0][:2] + [b"\xee" * 16] + chains[0][0][2:])
+        assert got.tiers == ["cpu", "cpu"] and bytes(got.data) == chains[0][1][: 2 * BLOCK_BYTES]
+        assert c.restore([b"\xee" * 16]).tiers == []
+        stats = c.stats()["pools"]["inline"]
+        assert stats["demotions"] >= 8 and stats["copy_failures"] == 0
+
+
+def test_inline_accepts_per_block_buffers_and_tensors(daemon) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+    import torch
+
+    rng = random.Random(2)
+    hashes, data = chain(rng, 3)
+    with Client(daemon.endpoint, "inline2", layout()) as c:
+        parts = [data[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES] for i in range(3)]
+        assert c.store(hashes[:2], parts[:2]) == (2, 0)
+        assert c.store(hashes[2:], torch.frombuffer(bytearray(parts[2]), dtype=torch.uint8)) == (1, 0)
+        got = c.restore(hashes)
+        assert bytes(got.data) == data
+        # The reply is zero-copy: wrap it without copying.
+        assert np.frombuffer(got.data, dtype=np.uint8).nbytes == 3 * BLOCK_BYTES
+
+
+def test_shm_store_restore_through_cpu_tier(daemon) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(3)
+    with Client(daemon.endpoint, "shm", layout()) as c:
+        arena = c.open_arena(8)
+        assert os.path.exists(arena.path)
+        chains = [chain(rng, 4) for _ in range(3)]
+        for hashes, data in chains:
+            arena.buffer[: 4 * BLOCK_BYTES] = data
+            assert c.store(hashes, slots=[0, 1, 2, 3]) == (4, 0)
+        assert c.lookup(chains[0][0]) == ["cpu"] * 4
+        for hashes, data in chains:
+            arena.buffer[:] = b"\0" * arena.size_bytes
+            # Restore into other slots, in reverse order.
+            got = c.restore(hashes, slots=[7, 6, 5, 4])
+            assert len(got) == 4 and got.data is None
+            for i in range(4):
+                assert bytes(arena.slot_view(7 - i)) == data[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES]
+        with pytest.raises(DaemonError) as info:
+            c.restore(chains[0][0], slots=[0, 1, 2, 99])
+        assert info.value.code == ErrorCode.INVALID_FIELD
+        path = arena.path
+    # Session over: the client unlinked its arena (and the daemon would have).
+    assert not os.path.exists(path)
+
+
+def test_store_larger_than_payload_limit_is_refused_locally(daemon) -> None:  # type: ignore[no-untyped-def]
+    with Client(daemon.endpoint, "limits", layout()) as c:
+        assert c.limits["max_payload_bytes"] == 8 * BLOCK_BYTES
+        hashes, data = chain(random.Random(4), 9)
+        with pytest.raises(Exception) as info:
+            c.store(hashes, data)
+        assert info.value.code == ErrorCode.TOO_LARGE  # type: ignore[attr-defined]
+
+
+def test_wrong_mode_and_layout_mismatch(daemon) -> None:  # type: ignore[no-untyped-def]
+    with Client(daemon.endpoint, "modes", layout()) as c:
+        with pytest.raises(DaemonError) as info:
+            c.allocate("r", [], 3)
+        assert info.value.code == ErrorCode.WRONG_MODE
+    with pytest.raises(DaemonError) as info:
+        Client(daemon.endpoint, "modes", layout(num_layers=3))
+    assert info.value.code == ErrorCode.LAYOUT_MISMATCH and "num_layers" in info.value.message
+    with pytest.raises(DaemonError) as info:
+        Client(daemon.endpoint, "other", layout(hash_algo="sha256"))
+    assert info.value.code == ErrorCode.LAYOUT_MISMATCH

@@ -1,0 +1,177 @@
+"""Leases, crashed clients, signals and start-up errors, against real daemon processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvtier.client.client import Client, DaemonError, PoolLayout
+from kvtier.client.protocol import ErrorCode, decode, encode
+
+BLOCK_BYTES = 1024
+LAYOUT = PoolLayout(model="m", block_size=4, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
+                    kv_heads=1, head_dim=8)
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline_s:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+CRASHER = textwrap.dedent(
+    """
+    import sys, time
+    from kvtier.client.client import Client, PoolLayout
+    layout = PoolLayout(model="m", block_size=4, block_bytes=1024, dtype="bfloat16", num_layers=1,
+                        kv_heads=1, head_dim=8)
+    c = Client(sys.argv[1], "lease", layout)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    c.store(hashes, bytes(4 * 1024))
+    assert c.pin(hashes) == ["gpu"] * 4
+    arena = c.open_arena(2)
+    print(arena.path, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_sigkilled_client_loses_pins_and_arena_after_the_lease(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, lease_s=1.0)
+    crasher = subprocess.Popen([sys.executable, "-c", CRASHER, daemon.endpoint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert crasher.stdout is not None
+        arena_path = crasher.stdout.readline().strip()
+        assert arena_path and os.path.exists(arena_path)
+        with Client(daemon.endpoint, "lease", LAYOUT) as c:
+            assert c.stats()["pools"]["lease"]["pinned_blocks"] == 4
+            other = [bytes([100 + i]) * 16 for i in range(4)]
+            # All four GPU blocks are pinned by the crasher: no room.
+            with pytest.raises(DaemonError) as info:
+                c.store(other, bytes(4 * BLOCK_BYTES))
+            assert info.value.code == ErrorCode.NO_SPACE
+            # The crasher's heartbeats keep it alive well past one lease...
+            time.sleep(1.5)
+            assert c.stats()["pools"]["lease"]["pinned_blocks"] == 4
+            crasher.kill()
+            crasher.wait()
+            t0 = time.monotonic()
+            # ...and without them, the lease runs out and everything is released.
+            wait_for(lambda: c.stats()["pools"]["lease"]["pinned_blocks"] == 0, 5.0, "pins released")
+            assert time.monotonic() - t0 < 2.5
+            stats = c.stats()
+            assert stats["daemon"]["lease_expiries_total"] == 1 and stats["sessions"] == 1
+            assert not os.path.exists(arena_path)
+            assert c.store(other, bytes(4 * BLOCK_BYTES)) == (4, 0)
+            # Our own session survived on heartbeats alone.
+            assert c.stats()["daemon"]["lease_expiries_total"] == 1
+    finally:
+        crasher.kill()
+        crasher.wait()
+
+
+def raw_request(sock: zmq.Socket, header: dict[str, Any]) -> dict[str, Any]:
+    sock.send(encode({"v": 1, **header}))
+    assert sock.poll(5000)
+    return decode(sock.recv_multipart()[0])
+
+
+def test_lookups_do_not_renew_the_lease(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(lease_s=0.6)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+    try:
+        hello = raw_request(sock, {"op": "hello", "id": 1, "pool": "p", "layout": LAYOUT.to_wire()})
+        sid = hello["sid"]
+        assert hello["lease_s"] == 0.6
+        # Heartbeats renew: 1.2 s of them, twice the lease.
+        for i in range(6):
+            assert raw_request(sock, {"op": "heartbeat", "id": 10 + i, "sid": sid})["ok"]
+            time.sleep(0.2)
+        # Lookups (and stats, health) do not.
+        t0 = time.monotonic()
+        rid = 100
+        while time.monotonic() - t0 < 1.2:
+            rid += 1
+            reply = raw_request(sock, {"op": "lookup", "id": rid, "sid": sid, "hashes": [b"\1" * 16]})
+            if not reply["ok"]:
+                break
+            time.sleep(0.1)
+        reply = raw_request(sock, {"op": "heartbeat", "id": 999, "sid": sid})
+        assert reply["ok"] is False and reply["error"]["code"] == int(ErrorCode.UNKNOWN_SESSION)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_sigterm_drains_replies_to_everything_and_exits_0(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(gpu_bytes=64 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES)
+    socket_path = Path(daemon.endpoint[len("ipc://"):])
+    assert socket_path.exists() and (socket_path.stat().st_mode & 0o777) == 0o600
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+    try:
+        sid = raw_request(sock, {"op": "hello", "id": 1, "pool": "p", "layout": LAYOUT.to_wire()})["sid"]
+        n = 40
+        for i in range(n):
+            hashes = [bytes([i, j]) * 8 for j in range(8)]
+            sock.send_multipart([encode({"v": 1, "op": "store", "id": 100 + i, "sid": sid, "hashes": hashes}),
+                                 os.urandom(8 * BLOCK_BYTES)])
+        daemon.send_signal(signal.SIGTERM)
+        replies: dict[int, dict[str, Any]] = {}
+        while len(replies) < n and sock.poll(5000):
+            header = decode(sock.recv_multipart()[0])
+            assert header["id"] not in replies, "two replies to one request"
+            replies[header["id"]] = header
+        assert sorted(replies) == list(range(100, 100 + n))
+        # Pipelined stores can outrun the 64-block GPU tier while their copies
+        # are in flight: those fail fast with NO_SPACE, by design.
+        allowed = {int(ErrorCode.SHUTTING_DOWN), int(ErrorCode.NO_SPACE)}
+        for header in replies.values():
+            assert header["ok"] or header["error"]["code"] in allowed
+        assert daemon.proc.wait(15) == 0
+    finally:
+        sock.close()
+        ctx.term()
+    assert not socket_path.exists()
+    assert "stopping (SIGTERM)" in daemon.log()
+
+
+def test_sigint_exits_0_and_a_second_signal_exits_at_once(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory()
+    assert daemon.stop(signal.SIGINT) == 0
+    daemon = kvtierd_factory()
+    daemon.send_signal(signal.SIGTERM)
+    daemon.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    daemon.proc.wait(5)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_second_daemon_on_the_same_socket_is_refused(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory()
+    proc = subprocess.run([sys.executable, "-m", "kvtier.daemon", "--socket", daemon.endpoint],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "already serving" in proc.stderr
+    assert daemon.alive
+
+
+def test_invalid_config_names_the_key_and_exits_2(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvtier.daemon", "--lease-s", "-1",
+                           "--socket", f"ipc://{tmp_path}/x.sock"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "lease_s" in proc.stderr
