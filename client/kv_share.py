@@ -8,13 +8,16 @@ daemon copies blocks straight between the engine's slots and its tiers. This
 module is both halves of that registration:
 
 - engine side: ``allocate_shared_kv`` (CPU-only machines: KV tensors that live
-  in ``/dev/shm``) and ``export_kv(tensors, block_dims) -> description``;
-- daemon side: ``validate_kv_description(desc)`` and
-  ``import_kv(desc) -> (tensors, block_dims, closer)``; the daemon then builds
-  ``kvtier.tiers.layout.BlockLayout(tensors, block_dims)``.
+  in ``/dev/shm``), and ``export_kv(tensors, block_dims) -> description`` for
+  a whole layout or ``export_tensor(tensor) -> description`` for one tensor
+  (the wire form of ``register_kv``: one ``{desc, block_dim}`` per tensor);
+- daemon side: ``import_kv(desc) -> (tensors, block_dims, closer)`` or
+  ``import_tensor(desc) -> (tensor, closer)``, after the same validation
+  (``validate_kv_description`` / ``validate_tensor_description``); the daemon
+  then builds ``kvtier.tiers.layout.BlockLayout(tensors, block_dims)``.
 
-The description is plain data (str, int, bool, bytes, lists, dicts), so it
-travels in msgpack as is::
+A description is plain data (str, int, bool, bytes, lists, dicts), so it
+travels in msgpack as is. A layout::
 
     {"version": 1,
      "transport": "shm" | "cuda_ipc",
@@ -24,6 +27,11 @@ travels in msgpack as is::
                   "storage_offset": int,        # elements from the start of the handle's memory
                   "block_dim": int,             # 0 <= block_dim < len(shape); shape[block_dim] == N
                   "handle": {...}}, ...]}
+
+One tensor (``export_tensor``) is one entry without ``block_dim``, with the
+header beside it: ``{"version": 1, "transport": ..., "dtype": ..., "shape":
+..., "stride": ..., "storage_offset": ..., "handle": {...}}``; block counts
+are then checked by ``BlockLayout``.
 
 ``handle`` by transport:
 
@@ -42,7 +50,7 @@ Validation happens entirely before anything is mapped: unknown keys, unknown
 dtypes, block_dim out of range, tensors disagreeing on ``num_blocks``, a
 block stride of 0, negative strides or offsets, any view whose last element
 lies beyond the shared memory it names, malformed handles, and too many
-tensors or dimensions all raise ``KvShareError``. The daemon also checks that
+tensors or dimensions all raise ``KvShareError`` (a ``ValueError``). The daemon also checks that
 a shm file has exactly the declared size and, on CUDA, that the declared
 storage lies inside the allocation the IPC handle opened.
 
@@ -90,9 +98,12 @@ __all__ = [
     "KvShareError",
     "allocate_shared_kv",
     "export_kv",
+    "export_tensor",
     "import_kv",
+    "import_tensor",
     "unlink_shared_kv",
     "validate_kv_description",
+    "validate_tensor_description",
 ]
 
 DESCRIPTION_VERSION = 1
@@ -124,6 +135,7 @@ MAX_EXTENT = 2**62
 
 _TOP_KEYS = {"version", "transport", "num_blocks", "tensors"}
 _TENSOR_KEYS = {"dtype", "shape", "stride", "storage_offset", "block_dim", "handle"}
+_SINGLE_KEYS = {"version", "transport", "dtype", "shape", "stride", "storage_offset", "handle"}
 _SHM_KEYS = {"kind", "name", "size_bytes"}
 _CUDA_KEYS = {
     "kind",
@@ -159,7 +171,7 @@ _EXPANDABLE_HINT = (
 )
 
 
-class KvShareError(Exception):
+class KvShareError(ValueError):
     """A KV tensor that cannot be shared, or a description that must not be imported."""
 
 
@@ -241,18 +253,63 @@ def _storage_bytes(handle: Mapping[str, Any]) -> int:
     return int(handle["size_bytes"] if handle["kind"] == "shm" else handle["storage_size_bytes"])
 
 
+def _check_header(d: Mapping[str, Any], what: str) -> str:
+    if d["version"] != DESCRIPTION_VERSION:
+        raise KvShareError(f"{what} version {d['version']!r} is not supported (this side speaks {DESCRIPTION_VERSION})")
+    transport = d["transport"]
+    if transport not in ("shm", "cuda_ipc"):
+        raise KvShareError(f"unknown transport {transport!r}; expected 'shm' or 'cuda_ipc'")
+    return str(transport)
+
+
+def _check_entry(t: Mapping[str, Any], what: str, transport: str) -> tuple[list[int], list[int], tuple[int, str | None] | None]:
+    """Checks one tensor's dtype, geometry, handle and bounds; returns (sizes, strides, cuda device)."""
+    dtype = t["dtype"]
+    if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
+        raise KvShareError(f"{what}.dtype {dtype!r} is not one of {', '.join(SUPPORTED_DTYPES)}")
+    itemsize = SUPPORTED_DTYPES[dtype]
+    shape, stride = t["shape"], t["stride"]
+    if not isinstance(shape, list) or not isinstance(stride, list):
+        raise KvShareError(f"{what}.shape and .stride must be lists")
+    if not 1 <= len(shape) <= MAX_DIMS:
+        raise KvShareError(f"{what}.shape must have 1..{MAX_DIMS} dimensions, got {len(shape)}")
+    if len(stride) != len(shape):
+        raise KvShareError(f"{what}.stride has {len(stride)} entries for {len(shape)} dimensions")
+    sizes = [_int(s, f"{what}.shape[{k}]", minimum=1) for k, s in enumerate(shape)]
+    strides = [_int(s, f"{what}.stride[{k}]") for k, s in enumerate(stride)]
+    offset = _int(t["storage_offset"], f"{what}.storage_offset")
+    if math.prod(sizes) > MAX_EXTENT:
+        raise KvShareError(f"{what} is implausibly large")
+    handle = t["handle"]
+    kind = handle.get("kind") if isinstance(handle, dict) else None
+    if kind != transport:
+        raise KvShareError(f"{what}.handle.kind {kind!r} does not match transport {transport!r}")
+    device: tuple[int, str | None] | None = None
+    if transport == "shm":
+        _check_shm_handle(handle, f"{what}.handle")
+    else:
+        h = _check_cuda_handle(handle, f"{what}.handle")
+        device = (h["device"], h.get("device_uuid"))
+    # The highest element any index can reach must lie inside the memory the
+    # handle names: no view may reach past it.
+    last_element = offset + sum((n - 1) * s for n, s in zip(sizes, strides))
+    end_bytes = (last_element + 1) * itemsize
+    if end_bytes > _storage_bytes(handle):
+        raise KvShareError(
+            f"{what} reaches byte {end_bytes} but its shared memory is {_storage_bytes(handle)} bytes "
+            f"(shape {sizes}, stride {strides}, storage_offset {offset}, {dtype})"
+        )
+    return sizes, strides, device
+
+
 def validate_kv_description(desc: object) -> dict[str, Any]:
-    """Check a description completely (see the module docstring); returns it, unchanged.
+    """Check a layout description completely (see the module docstring); returns it, unchanged.
 
     Needs no torch and maps nothing, so the daemon can refuse a hostile
     description before it touches any memory.
     """
     d = _exact_keys(desc, _TOP_KEYS, "description")
-    if d["version"] != DESCRIPTION_VERSION:
-        raise KvShareError(f"description version {d['version']!r} is not supported (this side speaks {DESCRIPTION_VERSION})")
-    transport = d["transport"]
-    if transport not in ("shm", "cuda_ipc"):
-        raise KvShareError(f"unknown transport {transport!r}; expected 'shm' or 'cuda_ipc'")
+    transport = _check_header(d, "description")
     num_blocks = _int(d["num_blocks"], "num_blocks", minimum=1)
     tensors = d["tensors"]
     if not isinstance(tensors, list) or not tensors:
@@ -263,49 +320,26 @@ def validate_kv_description(desc: object) -> dict[str, Any]:
     for i, entry in enumerate(tensors):
         what = f"tensors[{i}]"
         t = _exact_keys(entry, _TENSOR_KEYS, what)
-        dtype = t["dtype"]
-        if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
-            raise KvShareError(f"{what}.dtype {dtype!r} is not one of {', '.join(SUPPORTED_DTYPES)}")
-        itemsize = SUPPORTED_DTYPES[dtype]
-        shape, stride = t["shape"], t["stride"]
-        if not isinstance(shape, list) or not isinstance(stride, list):
-            raise KvShareError(f"{what}.shape and .stride must be lists")
-        if not 1 <= len(shape) <= MAX_DIMS:
-            raise KvShareError(f"{what}.shape must have 1..{MAX_DIMS} dimensions, got {len(shape)}")
-        if len(stride) != len(shape):
-            raise KvShareError(f"{what}.stride has {len(stride)} entries for {len(shape)} dimensions")
-        sizes = [_int(s, f"{what}.shape[{k}]", minimum=1) for k, s in enumerate(shape)]
-        strides = [_int(s, f"{what}.stride[{k}]") for k, s in enumerate(stride)]
-        offset = _int(t["storage_offset"], f"{what}.storage_offset")
-        block_dim = _int(t["block_dim"], f"{what}.block_dim", maximum=len(shape) - 1)
+        sizes, strides, device = _check_entry(t, what, transport)
+        block_dim = _int(t["block_dim"], f"{what}.block_dim", maximum=len(sizes) - 1)
         if sizes[block_dim] != num_blocks:
             raise KvShareError(
                 f"{what}.shape[{block_dim}] = {sizes[block_dim]} blocks, but num_blocks is {num_blocks}"
             )
         if num_blocks > 1 and strides[block_dim] == 0:
             raise KvShareError(f"{what}: a block stride of 0 would make every block the same memory")
-        if math.prod(sizes) > MAX_EXTENT:
-            raise KvShareError(f"{what} is implausibly large")
-        handle = t["handle"]
-        kind = handle.get("kind") if isinstance(handle, dict) else None
-        if kind != transport:
-            raise KvShareError(f"{what}.handle.kind {kind!r} does not match transport {transport!r}")
-        if transport == "shm":
-            _check_shm_handle(handle, f"{what}.handle")
-        else:
-            h = _check_cuda_handle(handle, f"{what}.handle")
-            devices.add((h["device"], h.get("device_uuid")))
-        # The highest element any index can reach must lie inside the memory
-        # the handle names: no view may reach past it.
-        last_element = offset + sum((n - 1) * s for n, s in zip(sizes, strides))
-        end_bytes = (last_element + 1) * itemsize
-        if end_bytes > _storage_bytes(handle):
-            raise KvShareError(
-                f"{what} reaches byte {end_bytes} but its shared memory is {_storage_bytes(handle)} bytes "
-                f"(shape {sizes}, stride {strides}, storage_offset {offset}, {dtype})"
-            )
+        if device is not None:
+            devices.add(device)
     if len(devices) > 1:
         raise KvShareError(f"all tensors must be on one GPU, got devices {sorted(devices, key=str)}")
+    return d
+
+
+def validate_tensor_description(desc: object) -> dict[str, Any]:
+    """Check a one-tensor description (``export_tensor``'s); returns it, unchanged. No torch, no mapping."""
+    d = _exact_keys(desc, _SINGLE_KEYS, "tensor description")
+    transport = _check_header(d, "tensor description")
+    _check_entry(d, "tensor", transport)
     return d
 
 
@@ -534,30 +568,57 @@ def _local_cuda_device(handle: Mapping[str, Any]) -> int:
 # Export and import
 
 
-def export_kv(tensors: Sequence[torch.Tensor], block_dims: Sequence[int]) -> dict[str, Any]:
-    """Describe the engine's KV tensors for ``register_kv`` (engine side).
-
-    CPU tensors must come from ``allocate_shared_kv`` (views of them are
-    fine); CUDA tensors must come from cudaMalloc memory (expandable segments
-    off). All tensors are on one device and agree on the number of blocks.
-    """
+def _transport_of(tensors: Sequence[torch.Tensor]) -> str:
     import torch
 
-    if not tensors or len(tensors) != len(block_dims):
-        raise KvShareError(f"need one block_dim per tensor, got {len(tensors)} tensors and {len(block_dims)} block_dims")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise KvShareError(f"tensors[{i}] is not a torch.Tensor")
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise KvShareError(f"all KV tensors must be on one device, got {sorted(map(str, devices))}")
     device = devices.pop()
     if device.type not in ("cpu", "cuda"):
         raise KvShareError(f"cannot share tensors on {device}")
-    transport = "shm" if device.type == "cpu" else "cuda_ipc"
+    return "shm" if device.type == "cpu" else "cuda_ipc"
+
+
+def _entry(t: torch.Tensor, transport: str, shared_storages: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One tensor's dtype, geometry and handle. ``shared_storages`` dedupes CUDA storages within one export."""
+    if any(s < 0 for s in t.stride()):
+        raise KvShareError("tensors with negative strides cannot be shared")
+    if transport == "shm":
+        handle, offset = _export_shm(t)
+    else:
+        key = t.untyped_storage().data_ptr()
+        if key not in shared_storages:
+            # One _share_cuda_ per storage per export: it adds one reference,
+            # which the importer's single open of that storage releases.
+            shared_storages[key] = _share_cuda_storage(t)
+        handle, offset = shared_storages[key], t.storage_offset()
+    return {
+        "dtype": _dtype_name(t.dtype),
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "storage_offset": int(offset),
+        "handle": handle,
+    }
+
+
+def export_kv(tensors: Sequence[torch.Tensor], block_dims: Sequence[int]) -> dict[str, Any]:
+    """Describe the engine's KV tensors as one layout (engine side).
+
+    CPU tensors must come from ``allocate_shared_kv`` (views of them are
+    fine); CUDA tensors must come from cudaMalloc memory (expandable segments
+    off). All tensors are on one device and agree on the number of blocks.
+    """
+    if not tensors or len(tensors) != len(block_dims):
+        raise KvShareError(f"need one block_dim per tensor, got {len(tensors)} tensors and {len(block_dims)} block_dims")
+    transport = _transport_of(tensors)
     entries: list[dict[str, Any]] = []
     shared_storages: dict[int, dict[str, Any]] = {}
     num_blocks: int | None = None
     for i, (t, block_dim) in enumerate(zip(tensors, block_dims)):
-        if not isinstance(t, torch.Tensor):
-            raise KvShareError(f"tensors[{i}] is not a torch.Tensor")
         if not _is_int(block_dim) or not -t.dim() <= block_dim < t.dim():
             raise KvShareError(f"block_dims[{i}] = {block_dim!r} out of range for a {t.dim()}-d tensor")
         block_dim %= t.dim()
@@ -565,29 +626,20 @@ def export_kv(tensors: Sequence[torch.Tensor], block_dims: Sequence[int]) -> dic
             num_blocks = t.shape[block_dim]
         elif t.shape[block_dim] != num_blocks:
             raise KvShareError(f"tensors[{i}] has {t.shape[block_dim]} blocks, tensors[0] has {num_blocks}")
-        if any(s < 0 for s in t.stride()):
-            raise KvShareError(f"tensors[{i}] has a negative stride")
-        if transport == "shm":
-            handle, offset = _export_shm(t)
-        else:
-            key = t.untyped_storage().data_ptr()
-            if key not in shared_storages:
-                # One _share_cuda_ per storage: each call adds a reference the
-                # daemon's single open of that storage releases.
-                shared_storages[key] = _share_cuda_storage(t)
-            handle, offset = shared_storages[key], t.storage_offset()
-        entries.append(
-            {
-                "dtype": _dtype_name(t.dtype),
-                "shape": list(t.shape),
-                "stride": list(t.stride()),
-                "storage_offset": int(offset),
-                "block_dim": int(block_dim),
-                "handle": handle,
-            }
-        )
+        entries.append({**_entry(t, transport, shared_storages), "block_dim": int(block_dim)})
     desc = {"version": DESCRIPTION_VERSION, "transport": transport, "num_blocks": int(num_blocks or 0), "tensors": entries}
     return validate_kv_description(desc)
+
+
+def export_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """Describe one KV tensor (the ``desc`` of one ``register_kv`` entry; block_dim travels beside it).
+
+    Same rules as ``export_kv``. Each call shares the tensor's storage anew;
+    the daemon opens each description once (``import_tensor``).
+    """
+    transport = _transport_of([tensor])
+    desc = {"version": DESCRIPTION_VERSION, "transport": transport, **_entry(tensor, transport, {})}
+    return validate_tensor_description(desc)
 
 
 class KvImport:
@@ -621,25 +673,37 @@ class KvImport:
 
 
 def import_kv(desc: object) -> tuple[list[torch.Tensor], list[int], KvImport]:
-    """Map a validated description's memory and rebuild the engine's tensors (daemon side).
+    """Map a layout description's memory and rebuild the engine's tensors (daemon side).
 
     Returns ``(tensors, block_dims, closer)`` ready for
     ``BlockLayout(tensors, block_dims)``. Raises ``KvShareError`` for anything
     malformed, out of bounds or unmappable; nothing stays mapped on failure.
     """
     d = validate_kv_description(desc)
-    if d["transport"] == "shm":
-        return _import_shm(d)
-    return _import_cuda(d)
+    tensors, closer = _import_entries(d["transport"], d["tensors"])
+    return tensors, [e["block_dim"] for e in d["tensors"]], closer
 
 
-def _import_shm(d: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[int], KvImport]:
+def import_tensor(desc: object) -> tuple[torch.Tensor, KvImport]:
+    """Map one ``export_tensor`` description (daemon side): ``(tensor, closer)``. Raises ``KvShareError``."""
+    d = validate_tensor_description(desc)
+    tensors, closer = _import_entries(d["transport"], [d])
+    return tensors[0], closer
+
+
+def _import_entries(transport: str, entries: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor], KvImport]:
+    if transport == "shm":
+        return _import_shm(entries)
+    return _import_cuda(entries)
+
+
+def _import_shm(entries: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor], KvImport]:
     import torch
 
     arenas: dict[str, ShmArena] = {}
     tensors: list[torch.Tensor] = []
     try:
-        for entry in d["tensors"]:
+        for entry in entries:
             handle = entry["handle"]
             name, size_bytes = handle["name"], handle["size_bytes"]
             arena = arenas.get(name)
@@ -661,19 +725,19 @@ def _import_shm(d: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[int], Kv
             arena.close()
         raise
     nbytes = sum(a.size_bytes for a in arenas.values())
-    return tensors, [e["block_dim"] for e in d["tensors"]], KvImport("shm", list(arenas.values()), nbytes)
+    return tensors, KvImport("shm", list(arenas.values()), nbytes)
 
 
-def _import_cuda(d: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[int], KvImport]:
+def _import_cuda(entries: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor], KvImport]:
     import torch
 
-    storages: dict[tuple[bytes, int], tuple[dict[str, Any], torch.UntypedStorage]] = {}
+    storages: dict[tuple[bytes, int], tuple[Mapping[str, Any], torch.UntypedStorage]] = {}
     tensors: list[torch.Tensor] = []
-    device = _local_cuda_device(d["tensors"][0]["handle"])
+    device = _local_cuda_device(entries[0]["handle"])
     # _new_shared_cuda does not initialise CUDA itself (reductions.py calls _lazy_init too).
     torch.cuda.init()
     try:
-        for i, entry in enumerate(d["tensors"]):
+        for i, entry in enumerate(entries):
             h = entry["handle"]
             key = (h["ipc_handle"], h["storage_offset_bytes"])
             if key in storages:
@@ -706,9 +770,9 @@ def _import_cuda(d: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[int], K
         tensors.clear()
         storages.clear()
         raise
-    nbytes = sum(h["storage_size_bytes"] for h, _ in storages.values())
+    nbytes = sum(int(h["storage_size_bytes"]) for h, _ in storages.values())
     keepalive: list[object] = [s for _, s in storages.values()]
-    return tensors, [e["block_dim"] for e in d["tensors"]], KvImport("cuda_ipc", keepalive, nbytes)
+    return tensors, KvImport("cuda_ipc", keepalive, nbytes)
 
 
 def _check_inside_allocation(storage: torch.UntypedStorage, handle: Mapping[str, Any], what: str) -> None:

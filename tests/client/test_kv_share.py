@@ -20,9 +20,12 @@ from kvtier.client.kv_share import (
     KvShareError,
     allocate_shared_kv,
     export_kv,
+    export_tensor,
     import_kv,
+    import_tensor,
     unlink_shared_kv,
     validate_kv_description,
+    validate_tensor_description,
 )
 from kvtier.client.shm_arena import SHM_DIR
 
@@ -42,7 +45,7 @@ LAYOUTS: dict[str, tuple[str, list[tuple[list[int], int]]]] = {
 # prints the msgpack'd description; then it checks the bytes the parent wrote.
 CHILD = r"""
 import sys, msgpack, torch
-from kvtier.client.kv_share import allocate_shared_kv, export_kv
+from kvtier.client.kv_share import allocate_shared_kv, export_kv, export_tensor
 
 def fill(tensors, seed):
     g = torch.Generator().manual_seed(seed)
@@ -73,6 +76,7 @@ fill(tensors, 1)
 if device != "cpu":
     torch.cuda.synchronize()
 print(msgpack.packb(export_kv(tensors, dims)).hex(), flush=True)
+print(msgpack.packb([export_tensor(t) for t in tensors]).hex(), flush=True)
 for line in sys.stdin:
     if line.strip() == "check":
         if device != "cpu":
@@ -117,6 +121,8 @@ class Engine:
             self.proc.wait(timeout=60)
             raise AssertionError(f"engine child failed: {self.proc.stderr.read() if self.proc.stderr else ''}")
         self.desc: dict[str, Any] = msgpack.unpackb(bytes.fromhex(line.strip()))
+        assert self.proc.stdout
+        self.tensor_descs: list[dict[str, Any]] = msgpack.unpackb(bytes.fromhex(self.proc.stdout.readline().strip()))
 
     def ask(self, line: str) -> str:
         assert self.proc.stdin and self.proc.stdout
@@ -165,6 +171,13 @@ def run_cross_process(layout: str, device: str) -> None:
         assert imported.num_blocks == NUM_BLOCKS and imported.block_bytes == local.block_bytes
         slots = list(range(NUM_BLOCKS))
         assert torch.equal(imported.gather(slots).cpu(), local.gather(slots))
+
+        # The per-tensor wire form (register_kv's {desc, block_dim} entries) maps the same memory.
+        singles = [import_tensor(d) for d in engine.tensor_descs]
+        for (single, single_closer), exp in zip(singles, want):
+            assert same_bytes(single.cpu(), exp)
+            single_closer.close()
+        del singles, single
 
         written, _ = expected_tensors(layout, 2)
         for got, new in zip(tensors, written):
@@ -407,6 +420,42 @@ def test_hostile_descriptions_are_rejected(valid_desc: dict[str, Any], case: str
         validate_kv_description(desc)
     with pytest.raises(KvShareError):
         import_kv(desc)
+
+
+def test_single_tensor_round_trip() -> None:
+    kv, _ = allocate_shared_kv([2, NUM_BLOCKS, 4, 8], torch.bfloat16, 1)
+    desc = export_tensor(kv[1])
+    assert "block_dim" not in desc and desc["transport"] == "shm"
+    assert desc["storage_offset"] == NUM_BLOCKS * 4 * 8
+    assert msgpack.unpackb(msgpack.packb(desc)) == desc
+    tensor, closer = import_tensor(desc)
+    kv[1, 2].fill_(5)
+    assert torch.all(tensor[2] == 5) and tensor.shape == kv[1].shape
+    del tensor
+    closer.close()
+    with pytest.raises(KvShareError, match="allocate_shared_kv"):
+        export_tensor(torch.zeros(4))
+
+
+SINGLE_HOSTILE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "past the end": lambda d: d.update(storage_offset=d["storage_offset"] + 1),
+    "unknown dtype": lambda d: d.update(dtype="float128"),
+    "block_dim does not belong here": lambda d: d.update(block_dim=0),
+    "missing handle": lambda d: d.pop("handle"),
+    "bad version": lambda d: d.update(version=0),
+    "traversal": lambda d: d["handle"].update(name="kvtier-../x"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SINGLE_HOSTILE))
+def test_hostile_single_tensor_descriptions_are_rejected(case: str) -> None:
+    kv, _ = allocate_shared_kv([2, NUM_BLOCKS, 4, 8], torch.float16, 1)
+    desc = copy.deepcopy(export_tensor(kv[1]))
+    SINGLE_HOSTILE[case](desc)
+    with pytest.raises(KvShareError):
+        validate_tensor_description(desc)
+    with pytest.raises(ValueError):  # KvShareError is a ValueError: the daemon's handlers catch it as such
+        import_tensor(desc)
 
 
 @pytest.mark.parametrize("desc", [None, [], "desc", 5, {"version": 1}])

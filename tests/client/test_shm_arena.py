@@ -274,3 +274,16 @@ def test_create_refuses_what_dev_shm_cannot_hold() -> None:
         ShmArena.create(4, free_bytes)
     leftovers = [p for p in SHM_DIR.glob("kvtier-*") if p.stat().st_size == 4 * free_bytes]
     assert not leftovers
+
+
+def test_unlink_name_removes_by_name_and_refuses_bad_names() -> None:
+    a = ShmArena.create(1, 64)
+    try:
+        ShmArena.unlink_name(a.name)
+        assert not a.path.exists()
+        ShmArena.unlink_name(a.name)  # idempotent
+    finally:
+        a.close()
+    for bad in ("../etc/passwd", "kvtier-a/../../b", "other-name"):
+        with pytest.raises(ShmArenaError):
+            ShmArena.unlink_name(bad)
