@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from kvtier.tiers.host_memory import allocate_host_slab
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, TieredPool
@@ -139,6 +141,61 @@ class InProcessBackend:
     def close(self) -> None:
         self.pool.close()
         self._transfer.close()
+
+
+class DaemonBackend:
+    """Block management by kvtierd over ZMQ, the KV tensor shared with it (see the module docstring).
+
+    On a CPU the tensor lives in ``/dev/shm`` (``kv_share.allocate_shared_kv``);
+    on a GPU it is ordinary ``cudaMalloc`` memory that travels as a CUDA IPC
+    handle. Either way the daemon copies blocks in and out of it directly.
+    """
+
+    def __init__(self, geometry: KVGeometry, num_blocks: int, *, endpoint: str, model_name: str = "example",
+                 device: str | torch.device = "cpu", hash_algo: str = "xxh3_128", timeout_s: float = 60.0) -> None:
+        # Imported here: the in-process backend must work where the client library does not exist yet.
+        from kvtier.client import kv_share
+        from kvtier.client.client import Client
+
+        device = torch.device(device)
+        shape = geometry.pool_shape(num_blocks)
+        if device.type == "cpu":
+            tensor, _handle = kv_share.allocate_shared_kv(shape, geometry.dtype, BLOCK_DIM)
+        else:
+            tensor = torch.zeros(shape, dtype=geometry.dtype, device=device)
+        self.kv = PagedKVPool(tensor, geometry)
+        self.hash_algo = hash_algo
+        self.pool_name = f"{model_name}/tp0"
+        self.client = Client(endpoint, self.pool_name, layout_identity(model_name, geometry, hash_algo),
+                             timeout_s=timeout_s, client_name="kvtier-example-engine")
+        try:
+            self.client.register_kv("kv", [tensor], [BLOCK_DIM])
+        except BaseException:
+            self.client.close()
+            raise
+
+    def allocate(self, request_id: str, hashes: Sequence[bytes], num_tokens: int) -> Allocation:
+        alloc = self.client.allocate(request_id, list(hashes), num_tokens)
+        return Allocation(list(alloc.block_ids), list(alloc.tiers))
+
+    def append(self, request_id: str, num_new_tokens: int, new_hashes: Sequence[bytes]) -> list[int]:
+        table, _new = self.client.append(request_id, num_new_tokens, list(new_hashes))
+        return list(table)
+
+    def free(self, request_id: str) -> None:
+        # The daemon may demote these blocks at once: the engine's writes
+        # into them must be complete (the device is idle) before it asks.
+        if self.kv.device.type == "cuda":
+            torch.cuda.synchronize(self.kv.device)
+        self.client.free(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        """This pool's counters (the same keys as ``TieredPool.stats``) plus the daemon's under "daemon"."""
+        s = self.client.stats()
+        return {**s.get("pools", {}).get(self.pool_name, {}), "daemon": s.get("daemon", {})}
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def new_request_id(prefix: str = "req") -> str:

@@ -45,7 +45,8 @@ from transformers import LlamaForCausalLM
 
 from kvtier.client.hashing import BlockHasher
 
-from block_backends import BlockBackend, new_request_id
+from block_backends import BlockBackend, DaemonBackend, InProcessBackend, new_request_id
+from paged_llama import KVGeometry, PagedKVPool, build_model
 
 
 def _sync(device: torch.device) -> None:
@@ -183,3 +184,29 @@ class Engine:
             ttft_s=t_first - t0,
             decode_s=t_end - t_first,
         )
+
+
+def build_engine(preset: str, *, gpu_blocks: int, cpu_blocks: int = 4096, backend: str = "inproc",
+                 endpoint: str | None = None, device: str = "cpu", seed: int = 0,
+                 enable_caching: bool = True) -> Engine:
+    """A random-init ``preset`` model on ``device`` with a KV pool of ``gpu_blocks`` blocks.
+
+    ``backend="inproc"``: a ``TieredPool`` in this process with ``cpu_blocks``
+    CPU-tier blocks. ``backend="daemon"``: kvtierd at ``endpoint`` manages the
+    blocks (its CPU tier is sized by the daemon's own configuration).
+    """
+    model = build_model(preset, seed=seed, device=device)
+    geometry = KVGeometry.of(model.config)
+    model_name = f"kvtier-example-{preset}-seed{seed}"
+    if backend == "inproc":
+        kv = PagedKVPool.allocate(geometry, gpu_blocks, device=device)
+        return Engine(model, InProcessBackend(kv, cpu_blocks=cpu_blocks, model_name=model_name,
+                                              enable_caching=enable_caching))
+    if backend == "daemon":
+        if endpoint is None:
+            raise ValueError("the daemon backend needs an endpoint (e.g. ipc:///run/user/1000/kvtier.sock)")
+        if not enable_caching:
+            raise ValueError("caching cannot be disabled in the daemon; use a cache_salt per request instead")
+        return Engine(model, DaemonBackend(geometry, gpu_blocks, endpoint=endpoint, model_name=model_name,
+                                           device=device))
+    raise ValueError(f"unknown backend {backend!r}: inproc or daemon")

@@ -171,3 +171,90 @@ def test_pool_slots_hold_the_model_kv(model: torch.nn.Module, prompts: list[list
         torch.testing.assert_close(stored[layer, 0], full.layers[layer].keys[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(stored[layer, 1], full.layers[layer].values[0], rtol=0, atol=1e-5)
     eng.backend.free(rid)
+
+
+# ---- the same through kvtierd, a separate process ---------------------------------------------------------
+
+
+def _daemon_available() -> bool:
+    from daemon_proc import daemon_available
+
+    return daemon_available()
+
+
+@pytest.fixture(scope="module")
+def kvtierd(model: torch.nn.Module) -> Iterator[str]:
+    if not _daemon_available():
+        pytest.skip("kvtierd / kvtier.client not importable")
+    from daemon_proc import DaemonProcess
+
+    daemon = DaemonProcess(cpu_bytes=512 * KVGeometry.of(model.config).block_bytes, log_level="warning")
+    endpoint = daemon.start()
+    try:
+        yield endpoint
+    finally:
+        rc = daemon.stop()
+        log = daemon.log_tail()
+        daemon.cleanup()
+        assert rc == 0, f"kvtierd exited with {rc}:\n{log}"
+
+
+def make_daemon_engine(model: torch.nn.Module, endpoint: str, *, gpu_blocks: int, name: str) -> Engine:
+    from block_backends import DaemonBackend
+
+    # A pool per test (the model name is part of the pool identity): tests do not share cached blocks.
+    return Engine(model, DaemonBackend(KVGeometry.of(model.config), gpu_blocks, endpoint=endpoint, model_name=name))
+
+
+def test_daemon_gpu_and_cpu_hits_match_recompute(model: torch.nn.Module, kvtierd: str, prompts: list[list[int]],
+                                                 recomputed: list[RequestResult]) -> None:
+    eng = make_daemon_engine(model, kvtierd, gpu_blocks=26, name="test-daemon-tiers")
+    try:
+        rng = random.Random(5)
+        assert_same_outputs(eng.generate(prompts[0], NEW_TOKENS), recomputed[0])
+        gpu_hit = eng.generate(prompts[1], NEW_TOKENS)
+        assert gpu_hit.hit_tier == "gpu" and gpu_hit.num_cached_tokens >= 240
+        assert_same_outputs(gpu_hit, recomputed[1])
+        for prompt, ref in zip(prompts[2:], recomputed[2:]):
+            for _ in range(2):
+                eng.generate(tokens(rng, 380), 2)
+            got = eng.generate(prompt, NEW_TOKENS)
+            assert got.hit_tier == "cpu", got.hit_tiers
+            assert_same_outputs(got, ref)
+        stats = eng.backend.stats()
+        assert stats["restores"] > 0 and stats["demotions"] > 0 and stats["hit_blocks_cpu"] > 0
+    finally:
+        eng.backend.close()
+
+
+def test_daemon_salt_prevents_reuse(model: torch.nn.Module, kvtierd: str, prompts: list[list[int]],
+                                    recomputed: list[RequestResult]) -> None:
+    eng = make_daemon_engine(model, kvtierd, gpu_blocks=64, name="test-daemon-salt")
+    try:
+        eng.generate(prompts[0], NEW_TOKENS, cache_salt="tenant-a")
+        other = eng.generate(prompts[0], NEW_TOKENS, cache_salt="tenant-b")
+        assert other.num_hit_blocks == 0
+        assert_same_outputs(other, recomputed[0])
+        unsalted = eng.generate(prompts[0], NEW_TOKENS)
+        assert unsalted.num_hit_blocks == 0
+        same = eng.generate(prompts[0], NEW_TOKENS, cache_salt="tenant-a")
+        assert same.hit_tier == "gpu" and same.num_hit_blocks == len(prompts[0]) // 16
+        assert_same_outputs(same, recomputed[0])
+    finally:
+        eng.backend.close()
+
+
+def test_chat_workload_script_runs(tmp_path: Path) -> None:
+    """The workload script end to end (tiny model, in-process tiers): JSON written, outputs exact."""
+    import json
+
+    from chat_workload import main
+
+    out = tmp_path / "chat.json"
+    rc = main(["--model-size", "tiny", "--conversations", "2", "--turns", "3", "--system-tokens", "128",
+               "--user-tokens", "40", "--answer-tokens", "6", "--json-out", str(out), "--quiet"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["exactness"]["same_greedy_outputs"] == report["exactness"]["requests"] == 6
+    assert report["totals"]["hit_blocks_cpu"] > 0  # earlier turns came back from the CPU tier
+    assert {t["hit_tier"] for t in report["turns"][2:]} <= {"gpu", "cpu", "gpu+cpu"}
