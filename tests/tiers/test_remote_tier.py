@@ -204,6 +204,20 @@ def test_exists_prefix_semantics(tiers: list[RemoteTier], redis_url: str) -> Non
     assert s["exists_calls"] == 4 and s["exists_hit_blocks"] == 7
 
 
+def test_lookup_without_scripting_falls_back_to_pipeline(tiers: list[RemoteTier], redis_url: str,
+                                                        server: rs.RedisServer) -> None:
+    # A user who may not run scripts (managed services often forbid EVAL) also exercises URL credentials.
+    server.client().acl_setuser("noscripts", enabled=True, passwords=["+pw"], keys=["*"],
+                                commands=["+@all", "-@scripting"])
+    url = f"redis://noscripts:pw@127.0.0.1:{server.port}/0"
+    t = make(tiers, url)
+    hs = hashes(6, seed=15)
+    put(t, [hs[0], hs[1], hs[3]], blocks(3))
+    assert t.exists_prefix(hs) == 2 and not t._use_script
+    assert t.exists_prefix(hs) == 2 and t.available
+    assert "pw" not in t.stats()["url"]
+
+
 def test_corruption_is_a_miss_never_a_wrong_block(tiers: list[RemoteTier], redis_url: str,
                                                   server: rs.RedisServer) -> None:
     t = make(tiers, redis_url)
@@ -371,6 +385,8 @@ def test_cluster_round_trip_spreads_over_nodes(tiers: list[RemoteTier], cluster:
     hs, data = hashes(60, seed=10), blocks(60)
     put(t, hs, data)
     assert t.exists_prefix(hs) == 60
+    absent = hashes(1, seed=99)
+    assert t.exists_prefix(hs[:17] + absent + hs[17:]) == 17
     got = t.fetch(hs)
     assert all(g is not None and bytes(g) == d for g, d in zip(got, data))
     per_node = [s.client().dbsize() for s in cluster.servers]
