@@ -32,6 +32,16 @@ class Daemon:
     endpoint: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    argv: list[str]
+    env: dict[str, str]
+
+    def restart(self) -> None:
+        """Kill (SIGKILL) and start the same daemon again on the same socket."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = _spawn(self.argv, self.env, self.log_path)
+        _wait_ready(self)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -58,16 +68,25 @@ def _start(tmp_path: Path, name: str, flags: dict[str, object]) -> Daemon:
         argv += [f"--{key.replace('_', '-')}", str(value)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") and k != "NOTIFY_SOCKET"}
     log_path = sock_dir / "kvtierd.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    daemon = Daemon(endpoint, proc, log_path)
+    daemon = Daemon(endpoint, _spawn(argv, env, log_path), log_path, argv, env)
+    _wait_ready(daemon)
+    return daemon
+
+
+def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_ready(daemon: Daemon) -> None:
+    proc, endpoint = daemon.proc, daemon.endpoint
     deadline_s = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"kvtierd exited with {proc.returncode} at start-up:\n{daemon.log()}")
         try:
             probe_health(endpoint, timeout_s=0.2)
-            return daemon
+            return
         except KvtierTimeout:
             if time.monotonic() > deadline_s:
                 proc.kill()

@@ -121,3 +121,40 @@ def test_wrong_mode_and_layout_mismatch(daemon) -> None:  # type: ignore[no-unty
     with pytest.raises(DaemonError) as info:
         Client(daemon.endpoint, "other", layout(hash_algo="sha256"))
     assert info.value.code == ErrorCode.LAYOUT_MISMATCH
+
+
+def test_registered_kv_store_restore_through_cpu_tier(daemon) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from kvtier.client.kv_share import allocate_shared_kv
+
+    # An engine layout unlike the daemon's slabs: one tensor per layer,
+    # [K/V, block, token, dim] with the block in dimension 1.
+    layers = [allocate_shared_kv((2, 8, 4, 32), "float16", 1)[0] for _ in range(2)]
+
+    def canonical(slot: int) -> bytes:
+        return b"".join(t.select(1, slot).contiguous().view(torch.uint8).numpy().tobytes() for t in layers)
+
+    gen = torch.Generator().manual_seed(6)
+    rng = random.Random(6)
+    with Client(daemon.endpoint, "kv", layout()) as c:
+        assert c.register_kv("engine", layers, 1) == 8
+        chains = []
+        for _ in range(3):
+            for t in layers:
+                t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.float16))
+            hashes = [rng.randbytes(16) for _ in range(4)]
+            chains.append((hashes, [canonical(s) for s in range(4)]))
+            assert c.store(hashes, slots=[0, 1, 2, 3], reg="engine") == (4, 0)
+        assert c.lookup(chains[0][0]) == ["cpu"] * 4
+        for hashes, blocks in chains:
+            for t in layers:
+                t.zero_()
+            assert len(c.restore(hashes, slots=[7, 6, 5, 4], reg="engine")) == 4
+            assert [canonical(s) for s in (7, 6, 5, 4)] == blocks
+            # Every plane sees the same canonical bytes.
+            assert bytes(c.restore(hashes).data) == b"".join(blocks)
+        with pytest.raises(DaemonError) as info:
+            c.store([rng.randbytes(16)], slots=[0], reg="nope")
+        assert info.value.code == ErrorCode.NOT_FOUND
+        c.unregister_kv("engine")

@@ -1,0 +1,141 @@
+"""The client library against live daemons: deadlines, errors, heartbeats, reconnects."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvtier.client.client import (
+    Client,
+    DaemonError,
+    KvtierError,
+    KvtierTimeout,
+    PoolLayout,
+    SessionLost,
+)
+from kvtier.client.protocol import ErrorCode
+
+BLOCK_BYTES = 512
+LAYOUT = PoolLayout(model="m", block_size=4, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
+                    kv_heads=1, head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]
+    return kvtierd_module_factory(gpu_bytes=64 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES, lease_s=0.6)
+
+
+def test_importing_the_client_imports_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "import kvtier.client.client, kvtier.client.protocol, kvtier.client.kv_share, kvtier.client.shm_arena\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_no_daemon_means_a_timeout_at_the_deadline(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    with pytest.raises(KvtierTimeout):
+        Client(f"ipc://{tmp_path}/nobody.sock", "p", LAYOUT, timeout_s=0.5)
+    assert 0.4 < time.monotonic() - t0 < 1.5
+
+
+def test_error_replies_raise_daemon_error(daemon) -> None:  # type: ignore[no-untyped-def]
+    with Client(daemon.endpoint, "errors", LAYOUT) as c:
+        with pytest.raises(DaemonError) as info:
+            c.free("never-allocated")
+        err = info.value
+        assert err.code == ErrorCode.WRONG_MODE and err.name == "WRONG_MODE" and "engine" in err.message
+        assert isinstance(err, KvtierError)
+        with pytest.raises(KvtierError):
+            c.store([b"x" * 16], b"too short")
+        with pytest.raises(KvtierError):
+            c.lookup([b"not 16 bytes"])  # refused before sending
+
+
+def test_heartbeats_keep_the_session_and_its_pins(daemon) -> None:  # type: ignore[no-untyped-def]
+    hashes = [bytes([7, i]) * 8 for i in range(2)]
+    with Client(daemon.endpoint, "heartbeat", LAYOUT) as c:
+        assert c.lease_s == 0.6 and c.heartbeat_s == pytest.approx(0.2)
+        c.store(hashes, bytes(2 * BLOCK_BYTES))
+        assert c.pin(hashes) == ["gpu", "gpu"]
+        time.sleep(2.0)  # more than three leases, idle but for heartbeats
+        assert c.stats()["pools"]["heartbeat"]["pinned_blocks"] == 2
+        assert c.unpin(hashes) == 2
+
+
+def test_one_client_many_threads(daemon) -> None:  # type: ignore[no-untyped-def]
+    errors: list[BaseException] = []
+    with Client(daemon.endpoint, "threads", LAYOUT) as c:
+        def work(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(20):
+                    hashes = [rng.randbytes(16) for _ in range(2)]
+                    data = rng.randbytes(2 * BLOCK_BYTES)
+                    c.store(hashes, data)
+                    got = c.restore(hashes)
+                    assert got.tiers and bytes(got.data) == data[: len(got.tiers) * BLOCK_BYTES]
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+
+
+def test_stalled_daemon_timeouts_then_recovery(daemon) -> None:  # type: ignore[no-untyped-def]
+    hashes = [bytes([9, i]) * 8 for i in range(2)]
+    with Client(daemon.endpoint, "stall", LAYOUT, timeout_s=2.0) as c:
+        c.store(hashes, bytes(2 * BLOCK_BYTES))
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KvtierTimeout):
+                c.pin(hashes, timeout_s=0.3)  # not idempotent: one attempt, then the error
+            assert time.monotonic() - t0 < 0.8
+            t0 = time.monotonic()
+            with pytest.raises(KvtierTimeout):
+                c.lookup(hashes, timeout_s=0.6)  # idempotent: retried until the deadline, not past it
+            assert 0.5 < time.monotonic() - t0 < 1.2
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        # The late replies to the abandoned requests never reach this call.
+        assert c.lookup(hashes) == ["gpu", "gpu"]
+
+
+def test_daemon_restart_new_session_and_lost_pins_reported(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES, lease_s=2.0)
+    hashes = [bytes([3, i]) * 8 for i in range(3)]
+    data = random.Random(3).randbytes(3 * BLOCK_BYTES)
+    with Client(daemon.endpoint, "restart", LAYOUT, timeout_s=10.0) as c:
+        arena = c.open_arena(4)
+        c.store(hashes, data)
+        c.pin(hashes[:2])
+        old_sid = c.sid
+        daemon.restart()
+        # The daemon forgot everything: the client opens a new session and
+        # tells the caller which pins are gone.
+        with pytest.raises(SessionLost) as info:
+            c.lookup(hashes)
+        assert info.value.lost_pins == sorted(hashes[:2]) and info.value.code == ErrorCode.UNKNOWN_SESSION
+        assert c.sid != old_sid
+        assert c.lookup(hashes) == []  # the cache died with the old daemon
+        # The arena was re-attached to the new session: the shm plane works.
+        arena.buffer[: 3 * BLOCK_BYTES] = data
+        assert c.store(hashes, slots=[0, 1, 2]) == (3, 0)
+        assert bytes(c.restore(hashes).data) == data
+        # Holding nothing, a second restart is invisible to idempotent calls.
+        daemon.restart()
+        assert c.lookup(hashes) == []
+        assert c.health()["status"] == "ok"
