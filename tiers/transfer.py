@@ -24,8 +24,11 @@ Two implementations behind one interface:
   the GIL in its copy kernels). Used without CUDA and for host-to-host
   copies, so every pool code path runs in the test suite without a GPU.
 - ``CudaTransferEngine``: restores on a high-priority stream, demotions on a
-  low-priority stream, one event per transfer; device-side gather/scatter is
-  one indexing op per tensor, and the host side moves whole blocks.
+  low-priority stream (paced, optionally capped), timing events per
+  transfer. With CuPy, a batch is one copy-plan launch straight between the
+  engine's fragments and pinned CPU-tier slots (``copy_plan``,
+  ``cuda_copy``); otherwise device-side gather/scatter is one indexing op
+  per tensor and the host side moves runs of whole blocks.
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.tiers.layout import BlockLayout, copy_blocks
+
+if TYPE_CHECKING:
+    from kvtier.tiers.cuda_copy import CudaPlanExecutor
 
 log = logging.getLogger(__name__)
 
@@ -205,30 +212,131 @@ class ThreadTransferEngine(TransferEngine):
 class CudaTransferEngine(TransferEngine):
     """Copies on CUDA streams: restores high priority, demotions low priority.
 
-    Device-side: one index_select / index_copy_ per tensor per batch into a
-    device staging buffer. Host-side: one async memcpy per whole block
-    between the staging buffer and the pinned slab rows (never per layer).
-    Completion: an event per transfer, waited on by one thread per stream so
-    each stream's transfers finish in order.
+    Data path, per transfer, the first that applies:
+
+    - Planned (``kvtier.tiers.copy_plan`` + ``kvtier.tiers.cuda_copy``): when
+      CuPy is present and both layouts are addressable from this GPU (device
+      tensors here, pinned host memory through its UVA mapping), the whole
+      batch is one kernel launch (``copy_method="kernel"``) or a run of
+      copy-engine memcpys (``"memcpy"``/``"batch"``), straight between the
+      engine's fragments and the CPU-tier slots: no staging buffer.
+    - Staging (no CuPy, pageable memory, unplannable layouts): device-side
+      one index_select / index_copy_ per tensor into a device staging
+      buffer; host-side one async memcpy per run of consecutive slab rows.
+
+    QoS: high-priority transfers (restores, loads) launch on the caller's
+    thread onto the high-priority stream. Low-priority ones (demotions,
+    stores) launch from a pacing thread onto the low-priority stream; with
+    ``demote_bandwidth_cap_bytes_per_s`` they are cut into
+    ``demote_chunk_bytes`` pieces whose launches a token bucket spaces out,
+    and ``low_priority_max_blocks`` caps the kernel's grid, so decode steps
+    keep their SMs and copy bandwidth. Neither ever blocks the caller.
+
+    Completion: timing events around each transfer, waited on by one thread
+    per stream so each stream's transfers finish in order; ``device_stats()``
+    reports bytes, device seconds and GB/s per direction from those events.
+    A transfer whose launch failed part-way completes (with its error) only
+    after what was launched has finished, so no copy is left writing into a
+    slot the pool frees.
     """
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cuda",
+        *,
+        copy_method: str = "auto",
+        demote_method: str | None = None,
+        demote_bandwidth_cap_bytes_per_s: float | None = None,
+        demote_chunk_bytes: int = 16 << 20,
+        low_priority_max_blocks: int | None = None,
+    ) -> None:
         super().__init__()
+        if demote_chunk_bytes < 1:
+            raise ValueError(f"demote_chunk_bytes must be >= 1, got {demote_chunk_bytes}")
         self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         low, high = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
         self._streams = {
             True: torch.cuda.Stream(self.device, priority=high),
             False: torch.cuda.Stream(self.device, priority=low),
         }
+        # Imported here so that the module (and the thread engine) never needs CuPy.
+        from kvtier.tiers import cuda_copy
+
+        made: dict[str, CudaPlanExecutor | None] = {}
+        for method in {copy_method, demote_method or copy_method}:
+            made[method] = self._make_executor(method)
+        self._executors = {True: made[copy_method], False: made[demote_method or copy_method]}
+        # What each class actually runs ("kernel", "memcpy", "batch" or "staging"), for stats and logs.
+        self.copy_methods = {
+            "high": self._executors[True].method if self._executors[True] is not None else "staging",
+            "low": self._executors[False].method if self._executors[False] is not None else "staging",
+        }
+        self.demote_chunk_bytes = demote_chunk_bytes
+        self.low_priority_max_blocks = low_priority_max_blocks
+        self.pacer = cuda_copy.BandwidthPacer(demote_bandwidth_cap_bytes_per_s, burst_bytes=demote_chunk_bytes)
+        self._stats_lock = threading.Lock()
+        self._device_stats = {d: {"bytes": 0, "seconds": 0.0, "transfers": 0} for d in ("h2d", "d2h", "d2d")}
         self._host = ThreadTransferEngine()  # host-to-host copies need no stream
         self._host.set_wakeup(self._drain_host)
+        self._draining = False
+        self._low_jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[bool, queue.SimpleQueue] = {True: queue.SimpleQueue(), False: queue.SimpleQueue()}
+        self._launcher = threading.Thread(target=self._launch_low, name="kvtier-cuda-launch-lo", daemon=True)
         self._waiters = [
             threading.Thread(target=self._wait_events, args=(high,), name="kvtier-cuda-wait", daemon=True)
             for high in (True, False)
         ]
+        self._launcher.start()
         for t in self._waiters:
             t.start()
+
+    def _make_executor(self, method: str) -> CudaPlanExecutor | None:
+        """The plan executor for ``method`` ("auto": kernel, then memcpy), or None for the staging path.
+
+        Every candidate must pass its byte-exact self-test on this GPU first;
+        one that fails is logged and skipped, never used.
+        """
+        from kvtier.tiers import cuda_copy
+
+        valid = ("auto", "staging", *cuda_copy.METHODS)
+        if method not in valid:
+            raise ValueError(f"copy method must be one of {valid}, got {method!r}")
+        if method == "staging":
+            return None
+        available = cuda_copy.available_methods()
+        candidates = [m for m in ("kernel", "memcpy") if m in available] if method == "auto" else [method]
+        for m in candidates:
+            try:
+                executor = cuda_copy.CudaPlanExecutor(self.device, method=m)
+                executor.self_test()
+                return executor
+            except Exception as exc:
+                log.warning("copy method %r unusable on %s (%s); falling back", m, self.device, exc)
+        if method != "auto":
+            log.warning("copy method %r unavailable on %s; using the staging path", method, self.device)
+        return None
+
+    def stream(self, high_priority: bool) -> torch.cuda.Stream:
+        """The stream one priority class launches on (to record or wait for events on it)."""
+        return self._streams[high_priority]
+
+    def wait_event(self, event: torch.cuda.Event, *, high_priority: bool) -> None:
+        """Make every copy of that class launched from now on wait for ``event`` (GPU-side, no CPU wait).
+
+        For "the engine's writes to these blocks are done" events (an
+        imported CUDA IPC event) before a demotion reads them.
+        """
+        self._streams[high_priority].wait_event(event)
+
+    def device_stats(self) -> dict[str, dict[str, float]]:
+        """Per direction (h2d, d2h, d2d): bytes, device seconds, transfers and achieved GB/s."""
+        with self._stats_lock:
+            out = {d: dict(v) for d, v in self._device_stats.items()}
+        for v in out.values():
+            v["gbps"] = v["bytes"] / v["seconds"] / 1e9 if v["seconds"] > 0 else 0.0
+        return out
 
     def _drain_host(self) -> None:
         for transfer in self._host.poll():
@@ -239,21 +347,73 @@ class CudaTransferEngine(TransferEngine):
     def _enqueue(self, job: _Job) -> None:
         if job.src.device.type != "cuda" and job.dst.device.type != "cuda":
             self._host._enqueue(job)
-            return
-        high = job.transfer.high_priority
-        stream = self._streams[high]
-        try:
-            with torch.cuda.stream(stream):
-                staging_refs = self._launch(job)
-            event = torch.cuda.Event()
-            event.record(stream)
-        except Exception as exc:
-            self._complete(job.transfer, TransferError(f"{job.transfer.kind.value} launch failed: {exc}"))
-            return
-        self._pending[high].put((job.transfer, event, staging_refs))
+        elif job.transfer.high_priority:
+            self._pending[True].put(self._launch_job(job, True))
+        else:
+            self._low_jobs.put(job)
 
-    def _launch(self, job: _Job) -> list[torch.Tensor]:
-        """Enqueue the copy on the current stream; return tensors to keep alive until it ends."""
+    def _launch_low(self) -> None:
+        while True:
+            job = self._low_jobs.get()
+            if job is None:
+                return
+            self._pending[False].put(self._launch_job(job, False))
+
+    def _launch_job(self, job: _Job, high: bool) -> tuple:
+        """Enqueue the copy on its stream between two timing events.
+
+        Returns ``(transfer, start, end, keep_alive, error, direction)`` for the
+        waiter; ``end`` is None when nothing could be recorded at all.
+        """
+        stream = self._streams[high]
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        keep: list = []
+        error: BaseException | None = None
+        direction = ("d2d" if job.dst.device.type == "cuda" else "d2h") if job.src.device.type == "cuda" else "h2d"
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                start.record(stream)
+                self._launch(job, stream, high, keep)
+        except Exception as exc:
+            error = TransferError(f"{job.transfer.kind.value} launch failed: {exc}")
+        try:
+            end.record(stream)
+        except Exception as exc:  # the stream itself is broken: nothing to wait for
+            log.error("cannot record a CUDA event on %s: %s", self.device, exc)
+            return job.transfer, None, None, keep, error or TransferError(str(exc)), direction
+        return job.transfer, start, end, keep, error, direction
+
+    def _launch(self, job: _Job, stream: torch.cuda.Stream, high: bool, keep: list) -> None:
+        """Enqueue the copy on ``stream`` (the current stream).
+
+        Appends to ``keep`` what must stay alive until the stream passes the
+        copy, as it goes: after a failure part-way, what was launched is kept.
+        """
+        from kvtier.tiers.copy_plan import NotPlannable, plan_block_copy
+
+        src, dst = job.src, job.dst
+        pacer = None if high else self.pacer
+        executor = self._executors[high]
+        plan = None
+        if executor is not None and executor.plannable(src, dst):
+            try:
+                plan = plan_block_copy(src, job.src_slots, dst, job.dst_slots)
+            except NotPlannable as exc:
+                log.debug("staging path for %s: %s", job.transfer.kind.value, exc)
+        if plan is not None:
+            assert executor is not None
+            capped = pacer is not None and pacer.rate_bytes_per_s is not None and not self._draining
+            for part in plan.split(self.demote_chunk_bytes) if capped else [plan]:
+                if capped:
+                    pacer.pace(part.nbytes)
+                keep += executor.launch(part, stream, max_blocks=None if high else self.low_priority_max_blocks)
+            return
+        if pacer is not None and not self._draining:
+            pacer.pace(job.transfer.nbytes)
+        keep += self._launch_staged(job)
+
+    def _launch_staged(self, job: _Job) -> list[torch.Tensor]:
         src, dst = job.src, job.dst
         if src.device.type == "cuda" and dst.device.type == "cuda":
             copy_blocks(src, job.src_slots, dst, job.dst_slots)
@@ -261,14 +421,14 @@ class CudaTransferEngine(TransferEngine):
         if src.device.type == "cuda":  # device -> host slab
             staged = src.gather(job.src_slots)
             rows = dst.slab()
-            for i, slot in enumerate(job.dst_slots):
-                rows[slot].copy_(staged[i], non_blocking=True)
+            for i, slot, n in _row_runs(job.dst_slots):
+                rows[slot : slot + n].copy_(staged[i : i + n], non_blocking=True)
             return [staged]
         # host slab -> device
         rows = src.slab()
         staged = torch.empty((len(job.src_slots), src.block_bytes), dtype=torch.uint8, device=dst.device)
-        for i, slot in enumerate(job.src_slots):
-            staged[i].copy_(rows[slot], non_blocking=True)
+        for i, slot, n in _row_runs(job.src_slots):
+            staged[i : i + n].copy_(rows[slot : slot + n], non_blocking=True)
         dst.scatter(job.dst_slots, staged)
         return [staged]
 
@@ -278,24 +438,49 @@ class CudaTransferEngine(TransferEngine):
             item = q.get()
             if item is None:
                 return
-            transfer, event, _keep_alive = item
-            error: BaseException | None = None
-            try:
-                event.synchronize()
-            except Exception as exc:
-                error = TransferError(f"{transfer.kind.value} failed on the device: {exc}")
+            transfer, start, end, keep_alive, error, direction = item
+            del item
+            seconds = None
+            if end is not None:
+                try:
+                    end.synchronize()
+                    seconds = start.elapsed_time(end) / 1e3
+                except Exception as exc:
+                    error = error or TransferError(f"{transfer.kind.value} failed on the device: {exc}")
+            if error is None and seconds is not None:
+                with self._stats_lock:
+                    s = self._device_stats[direction]
+                    s["bytes"] += transfer.nbytes
+                    s["seconds"] += seconds
+                    s["transfers"] += 1
+            del keep_alive  # the copy is done (or never ran): staging and descriptor buffers may go
             self._complete(transfer, error)
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self._closed:
             return
         self._closed = True
+        self._draining = True  # queued demotions launch without pacing
         deadline = time.monotonic() + timeout_s
+        self._low_jobs.put(None)
+        self._launcher.join(max(0.0, deadline - time.monotonic()))
         for q in self._pending.values():
             q.put(None)
         for t in self._waiters:
             t.join(max(0.0, deadline - time.monotonic()))
         self._host.close(max(0.0, deadline - time.monotonic()))
+
+
+def _row_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(index into slots, first slot, length) for each run of consecutive slots: one memcpy per run."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            j, first, n = runs[-1]
+            runs[-1] = (j, first, n + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
 
 
 def make_transfer_engine(device: torch.device | str = "cpu") -> TransferEngine:
