@@ -25,8 +25,11 @@ Contract
   may not have executed them.
 - Heartbeats: a background thread renews the lease every ``heartbeat_s`` on
   its own DEALER socket (ZMQ sockets are not thread-safe) with the same
-  session id. The main socket is guarded by a lock, so a Client may be
-  shared by threads (their calls are serialised).
+  session id. When a heartbeat finds the session gone, that thread opens the
+  new session itself (under the lock, on the main socket), so registrations
+  come back while the engine is idle; a ``SessionLost`` it finds is raised by
+  the next call, which is then not sent. The main socket is guarded by a
+  lock, so a Client may be shared by threads (their calls are serialised).
 - Importing this module imports no torch. ``register_kv`` accepts torch
   tensors and imports ``kvtier.client.kv_share`` only when called.
 """
@@ -215,7 +218,8 @@ class Client:
         self.heartbeat_s = 0.0
         self.pool_info: dict[str, Any] = {}
         self.limits: dict[str, Any] = {}
-        self._session_gone = False  # set by the heartbeat thread on UNKNOWN_SESSION
+        self._session_gone = False  # the daemon answered UNKNOWN_SESSION
+        self._pending_loss: SessionLost | None = None  # found by the heartbeat thread, raised by the next call
         self._pins: Counter[bytes] = Counter()
         self._requests: set[str] = set()
         self._tokens: dict[str, _TokenState] = {}
@@ -331,6 +335,9 @@ class Client:
         idempotent = OPS[op].idempotent
         fields = dict(fields or {})
         with self._lock:
+            if self._pending_loss is not None:
+                loss, self._pending_loss = self._pending_loss, None
+                raise loss
             while True:
                 if self._session_gone:
                     self._reestablish(deadline_s)
@@ -426,8 +433,8 @@ class Client:
                         continue
                     answered = True
                     err = rh.get("error") if rh.get("ok") is False else None
-                    if isinstance(err, dict) and err.get("code") == int(ErrorCode.UNKNOWN_SESSION) and self.sid == sid:
-                        self._session_gone = True  # the next call re-establishes
+                    if isinstance(err, dict) and err.get("code") == int(ErrorCode.UNKNOWN_SESSION):
+                        self._recover_in_background(sid)
                     break
                 if not answered:
                     sock.close(linger=0)  # start clean against a restarted daemon
@@ -437,6 +444,21 @@ class Client:
         finally:
             if sock is not None:
                 sock.close(linger=0)
+
+    def _recover_in_background(self, sid: str) -> None:
+        """The daemon forgot ``sid``: open a new session now, so that an engine's
+        registered KV tensors (its GPU tier) come back without waiting for its
+        next call. A loss of pins or requests is raised by that next call."""
+        with self._lock:
+            if self._closed or self.sid != sid:
+                return  # already re-established (or closing)
+            self._session_gone = True
+            try:
+                self._reestablish(time.monotonic() + self.timeout_s)
+            except SessionLost as loss:
+                self._pending_loss = loss
+            except KvtierError as exc:
+                log.warning("kvtier session recovery failed (the next call retries): %s", exc)
 
     # ---- verbs: session and daemon -------------------------------------------
 

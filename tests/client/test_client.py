@@ -139,3 +139,27 @@ def test_daemon_restart_new_session_and_lost_pins_reported(kvtierd_factory) -> N
         daemon.restart()
         assert c.lookup(hashes) == []
         assert c.health()["status"] == "ok"
+
+
+def test_idle_engine_gets_its_registration_back_after_a_restart(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from kvtier.client.kv_share import allocate_shared_kv
+
+    daemon = kvtierd_factory(cpu_bytes=16 * BLOCK_BYTES, lease_s=0.6)
+    engine_layout = replace(LAYOUT, mode="engine")
+    kv, _handle = allocate_shared_kv((8, BLOCK_BYTES // 2), "float16", 0)
+    with Client(daemon.endpoint, "engine", engine_layout) as c:
+        assert c.register_kv("kv", [kv], 0) == 8
+        c.allocate_tokens("r", list(range(6)))
+        daemon.restart()
+        with Client(daemon.endpoint, "engine", engine_layout) as observer:
+            deadline_s = time.monotonic() + 10
+            # The heartbeat thread re-registers while the engine makes no call.
+            while not observer.stats()["pools"]["engine"]["gpu_registered"]:
+                assert time.monotonic() < deadline_s, "registration did not come back"
+                time.sleep(0.1)
+        with pytest.raises(SessionLost) as info:
+            c.free("r")
+        assert info.value.lost_requests == ["r"] and info.value.lost_pins == []
+        assert c.allocate_tokens("r", list(range(6))).block_ids == [0, 1]
