@@ -118,7 +118,9 @@ def bench_restore(url: str, num_blocks: int, size_bytes: int, reps: int) -> dict
         plain_s: list[float] = []
         kvtier_s: list[float] = []
         chunked_s: list[float] = []
-        per_round_trip = tier._fetch_chunk_blocks
+        # The same round trips as RemoteTier.fetch: even splits of at most _fetch_chunk_blocks.
+        trips = -(-num_blocks // tier._fetch_chunk_blocks)
+        per_round_trip = -(-num_blocks // trips)
 
         def run_plain() -> None:
             t0 = time.perf_counter()

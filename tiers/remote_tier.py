@@ -290,6 +290,8 @@ class RemoteTier:
         self._generation = 0  # bumped on every (re)connect; stale failures don't mark a fresh client down
         self._available = False
         self._ever_available = False
+        self._connect_failures = 0  # consecutive, in the current outage
+        self._last_error = ""  # the latest failure, for stats/health
         self._last_ok_s = 0.0
         self._closed = False
         self._draining_deadline: float | None = None
@@ -392,7 +394,12 @@ class RemoteTier:
             client = self._new_client()
             self._probe(client)
         except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
-            log.debug("remote tier %s: connect failed: %s", self.url, exc)
+            self._connect_failures += 1
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            # The first failure of an outage says why; the retries stay quiet.
+            log.log(logging.WARNING if self._connect_failures == 1 else logging.DEBUG,
+                    "remote tier %s: cannot connect (%s); retrying with backoff up to %.1fs",
+                    self.url, self._last_error, self.retry_max_s)
             if client is not None:
                 self._close_client(client)
             return False
@@ -405,6 +412,7 @@ class RemoteTier:
                 self._script = client.register_script(_PREFIX_SCRIPT)
             self._generation += 1
             self._available = True
+            self._connect_failures = 0
             self._last_ok_s = time.monotonic()
             if self._ever_available:
                 self._counters["reconnects"] += 1
@@ -436,6 +444,8 @@ class RemoteTier:
             if generation != self._generation or not self._available:
                 return  # already down, or a newer client took over: stale news
             self._available = False
+            self._connect_failures = 1  # the warning below covers this outage
+            self._last_error = f"{type(exc).__name__}: {exc}"
             self._counters["unavailable_events"] += 1
         log.warning("remote tier %s: unavailable after %s failed (%s: %s); reconnecting in the background",
                     self.url, what, type(exc).__name__, exc)
@@ -484,6 +494,7 @@ class RemoteTier:
             s.update({f"{k}_seconds": round(v, 6) for k, v in self._seconds.items()})
         s.update(
             available=self._available,
+            last_error=self._last_error,
             mode="cluster" if self.cluster else "standalone",
             url=self.url,
             write_queue_depth_blocks=self._queue.qsize(),
@@ -575,7 +586,9 @@ class RemoteTier:
         t0 = time.perf_counter()
         hits = misses = corrupt = errors = 0
         bad_keys: list[bytes] = []
-        step = self._fetch_chunk_blocks
+        # Even round trips (256 blocks at 255 per trip go as 128 + 128, not 255 + 1).
+        trips = -(-len(hashes) // self._fetch_chunk_blocks)
+        step = -(-len(hashes) // trips)
         for start in range(0, len(hashes), step):
             chunk = hashes[start : start + step]
             try:
@@ -587,12 +600,13 @@ class RemoteTier:
                 self._failed(exc, gen, f"GET of {len(chunk)} blocks")
                 errors += len(hashes) - start
                 break
+            first_error: Exception | None = None
             for i, value in enumerate(replies, start):
                 if value is None:
                     misses += 1
                 elif isinstance(value, Exception):
                     errors += 1
-                    self._failed(value, gen, "GET")
+                    first_error = first_error or value
                 else:
                     payload = self._decode(value)
                     if payload is None:
@@ -601,6 +615,8 @@ class RemoteTier:
                     else:
                         out[i] = payload
                         hits += 1
+            if first_error is not None:  # one report per round trip, not per block
+                self._failed(first_error, gen, f"GET ({errors} blocks)")
         if not errors:
             self._succeeded()
         with self._lock:

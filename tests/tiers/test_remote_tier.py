@@ -170,6 +170,16 @@ def test_round_trip_byte_exact(tiers: list[RemoteTier], redis_url: str, server: 
     assert [bytes(g) for g in fut.result(5)] == data[:5]
 
 
+def test_fetch_in_several_round_trips(tiers: list[RemoteTier], redis_url: str) -> None:
+    t = make(tiers, redis_url, fetch_round_trip_bytes=3 * (BLOCK + HEADER_BYTES))
+    hs, data = hashes(10, seed=16), blocks(10)
+    put(t, hs[:4] + hs[5:], data[:4] + data[5:])
+    got = t.fetch(hs)
+    assert got[4] is None
+    assert [bytes(g) for i, g in enumerate(got) if i != 4] == data[:4] + data[5:]
+    assert t.stats()["remote_misses"] == 1
+
+
 def test_copy_false_and_buffer_types(tiers: list[RemoteTier], redis_url: str) -> None:
     np = pytest.importorskip("numpy")
     torch = pytest.importorskip("torch")
@@ -341,6 +351,7 @@ def test_server_killed_and_restarted(tiers: list[RemoteTier], own_server: rs.Red
     assert not t.write_back(hs[0], data[0])
     s = t.stats()
     assert s["available"] is False and s["unavailable_events"] == 1 and s["writes_dropped_unavailable"] >= 1
+    assert "Error" in s["last_error"]
     t0 = time.perf_counter()
     for _ in range(100):  # unavailable: no network, no waiting
         assert t.exists_prefix(hs) == 0
@@ -428,6 +439,9 @@ def test_cluster_resharding_mid_run(tiers: list[RemoteTier], cluster: rs.RedisCl
     assert [bytes(g) for g in t.fetch(hs2)] == data2
     cluster.reshard(dst, src, 3000)  # put it back for the other tests
     assert t.exists_prefix(hs) == 60
+    # MOVED/ASK were followed inside redis-py: no error, no outage.
+    s = t.stats()
+    assert s["remote_errors"] == 0 and s["unavailable_events"] == 0 and s["available"]
 
 
 def test_cluster_node_killed_and_restarted(tiers: list[RemoteTier], cluster: rs.RedisClusterProcs) -> None:
