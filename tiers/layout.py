@@ -114,7 +114,9 @@ class BlockLayout:
         idx = _as_index(slots, self.num_blocks, self.device)
         if data.dtype != torch.uint8 or tuple(data.shape) != (idx.numel(), self.block_bytes):
             raise ValueError(f"scatter needs uint8 [{idx.numel()}, {self.block_bytes}], got {data.dtype} {tuple(data.shape)}")
-        data = data.to(self.device, non_blocking=True)
+        # Non-blocking only towards a GPU: a non-blocking device-to-host copy
+        # returns before the bytes land, and the CPU would read them below.
+        data = data.to(self.device, non_blocking=self.device.type == "cuda")
         offset = 0
         for view, nbytes in zip(self._views, self._part_bytes):
             part = data[:, offset : offset + nbytes].reshape((idx.numel(),) + tuple(view.shape[1:]))
