@@ -18,8 +18,10 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import zmq
+
 from kvtier.daemon.config import DaemonConfig, load_config_or_exit
-from kvtier.daemon.lifecycle import StopFlag
+from kvtier.daemon.lifecycle import StopFlag, refuse_if_served
 from kvtier.daemon.sd_notify import Notifier
 
 if TYPE_CHECKING:
@@ -85,13 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Installed before the (possibly slow) start-up so an early SIGTERM is a clean stop.
     stop = StopFlag()
     stop.install()
-    # torch (through the tiers) takes seconds to import: config errors and
-    # --help must not wait for it.
-    import zmq
-
-    from kvtier.daemon.server import Server
-
     try:
+        refuse_if_served(cfg.socket)
+        # torch (through the tiers) takes seconds to import: config errors,
+        # --help and a taken socket must not wait for it.
+        from kvtier.daemon.server import Server
+
         device = _resolve_device(cfg.device)
         server = Server(options_from_config(cfg, device), stop, kv_import=_import_kv_tensor,
                         notifier=Notifier.from_environ())

@@ -10,13 +10,30 @@ Contract:
   (``kvtier.daemon.server``): stop taking requests, finish or fail in-flight
   copies, reply to everything pending, exit 0 within ``drain_timeout_s``.
 
+- ``refuse_if_served(endpoint)`` runs before the daemon binds an ``ipc://``
+  socket path: if a live daemon answers there it raises ``AlreadyServing``
+  (libzmq would silently take the path over); a stale socket file left by a
+  crashed daemon is removed.
+
 systemd notifications live in ``kvtier.daemon.sd_notify``.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 from types import FrameType
+
+import msgpack
+import zmq
+
+log = logging.getLogger(__name__)
+PROBE_TIMEOUT_MS = 300
+
+
+class AlreadyServing(RuntimeError):
+    """Another daemon answers on the configured socket."""
 
 
 class StopFlag:
@@ -42,3 +59,25 @@ class StopFlag:
         """Stop without a signal (tests, fatal errors)."""
         self.requested = True
         self.signal_name = reason
+
+
+def refuse_if_served(endpoint: str) -> None:
+    """See the module docstring."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return
+    path = endpoint[len("ipc://"):]
+    if not os.path.exists(path):
+        return
+    zctx = zmq.Context()
+    probe = zctx.socket(zmq.DEALER)
+    probe.setsockopt(zmq.LINGER, 0)
+    try:
+        probe.connect(endpoint)
+        probe.send(msgpack.packb({"v": 1, "op": "health", "id": 1}))
+        if probe.poll(PROBE_TIMEOUT_MS, zmq.POLLIN):
+            raise AlreadyServing(f"another kvtierd is already serving {endpoint}")
+    finally:
+        probe.close()
+        zctx.term()
+    log.info("removing stale socket file %s", path)
+    os.unlink(path)

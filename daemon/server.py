@@ -80,6 +80,7 @@ class ServeOptions:
     drain_timeout_s: float = 10.0
     max_payload_bytes: int = 256 << 20
     hash_algo: str | None = None  # None: pools may use any algorithm
+    socket_mode: int = 0o600  # of the ipc socket file; 0o660 lets a group of engine users in
 
 
 @dataclass(eq=False)
@@ -143,6 +144,7 @@ class Server:
         self._done: list[int] = []  # serials of parked requests whose op finished
         self._zctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._poller: zmq.Poller | None = None
         self._ipc_path: str | None = None
         self._sweep_every_s = min(0.1, options.lease_s / 10)
         self._next_sweep_s = 0.0
@@ -167,17 +169,19 @@ class Server:
         if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
             self._ipc_path = endpoint[len("ipc://"):]
             os.makedirs(os.path.dirname(os.path.abspath(self._ipc_path)), mode=0o700, exist_ok=True)
-            _refuse_if_served(self._zctx, endpoint)
             # The socket file is born 0600: no window where others can connect.
             old_umask = os.umask(0o177)
             try:
                 sock.bind(endpoint)
             finally:
                 os.umask(old_umask)
-            os.chmod(self._ipc_path, 0o600)
+            os.chmod(self._ipc_path, self.options.socket_mode)
         else:
             sock.bind(endpoint)
         self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
 
     def close(self, linger_s: float) -> None:
         if self._sock is not None:
@@ -206,14 +210,11 @@ class Server:
 
     def _turn(self, timeout_ms: int | None = None) -> int:
         """One poll and what follows it; returns the number of messages handled."""
-        assert self._sock is not None
+        assert self._sock is not None and self._poller is not None
         if timeout_ms is None:
             idle_ms = int(self.options.poll_interval_s * 1000)
             timeout_ms = min(BUSY_POLL_MS, idle_ms) if (self._parked or self.pools.busy()) else idle_ms
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        events = dict(poller.poll(timeout_ms))
+        events = dict(self._poller.poll(timeout_ms))
         handled = 0
         if self._wake_r.fileno() in events:
             try:
@@ -414,22 +415,3 @@ class Server:
         self.notifier.close()
         log.info("stopped")
         return 0
-
-
-def _refuse_if_served(zctx: zmq.Context, endpoint: str) -> None:
-    """Refuse to steal the socket of a live daemon (libzmq would silently rebind it)."""
-    path = endpoint[len("ipc://"):]
-    if not os.path.exists(path):
-        return
-    probe = zctx.socket(zmq.DEALER)
-    probe.setsockopt(zmq.LINGER, 0)
-    try:
-        probe.connect(endpoint)
-        probe.send(encode({"v": 1, "op": "health", "id": 1}))
-        if probe.poll(300, zmq.POLLIN):
-            raise RuntimeError(f"another kvtierd is already serving {endpoint}")
-    finally:
-        probe.close()
-    log.info("removing stale socket file %s", path)
-    os.unlink(path)
-
