@@ -14,6 +14,9 @@ Contract
   and exits 0 when all is well. Kills it (SIGKILL, that process only) if it
   does not exit in time and returns the resulting code. Idempotent.
 - ``log_tail(lines)``: the end of the daemon's log.
+- ``torch_threads`` (default 1) sets ``OMP_NUM_THREADS`` for the daemon: its
+  copies are memory-bound, and on a 2-core box its OpenMP threads would
+  compete with the engine's.
 
 Only the process this object started is ever signalled, by its pid.
 """
@@ -43,11 +46,12 @@ def daemon_available() -> bool:
 
 class DaemonProcess:
     def __init__(self, *, cpu_bytes: int, device: str = "cpu", log_level: str = "info",
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), torch_threads: int | None = 1) -> None:
         self.cpu_bytes = cpu_bytes
         self.device = "cpu" if device == "cpu" else device if ":" in device else f"{device}:0"
         self.log_level = log_level
         self.extra_args = extra_args
+        self.torch_threads = torch_threads
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self.exit_code: int | None = None
@@ -70,8 +74,15 @@ class DaemonProcess:
         cmd = [sys.executable, "-m", "kvtier.daemon", "--socket", self.endpoint, "--cpu-bytes", str(self.cpu_bytes),
                "--device", self.device, "--log-level", self.log_level, *self.extra_args]
         assert self.log_path is not None
+        env = dict(os.environ)
+        if self.torch_threads is not None:
+            # The daemon's host copies are memory-bound and run on its own
+            # worker threads; letting each also fan out over every core (torch's
+            # OpenMP default) only makes it fight the engine's compute threads,
+            # which on a small CPU-only box stalls the engine's parallel regions.
+            env["OMP_NUM_THREADS"] = str(self.torch_threads)
         with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc.poll() is not None:

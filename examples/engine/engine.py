@@ -46,7 +46,7 @@ from transformers import LlamaForCausalLM
 from kvtier.client.hashing import BlockHasher
 
 from block_backends import BlockBackend, DaemonBackend, InProcessBackend, new_request_id
-from paged_llama import KVGeometry, PagedKVPool, build_model
+from paged_llama import KVGeometry, KVWorkspace, PagedKVPool, build_model
 
 
 def _sync(device: torch.device) -> None:
@@ -114,6 +114,7 @@ class Engine:
         self.block_size = self.kv.geometry.block_size
         self.hasher = BlockHasher(self.block_size, backend.hash_algo)
         self.device = self.kv.device
+        self.workspace = KVWorkspace(self.kv.geometry, self.device)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 1, *, cache_salt: str | None = None,
@@ -138,7 +139,7 @@ class Engine:
             num_hit_tokens = alloc.num_hit_blocks * bs
             num_cached = min(num_hit_tokens, n - 1)
             cache = self.kv.make_cache(alloc.block_ids, num_cached, write_from_token=num_hit_tokens,
-                                       capacity_tokens=n + max_new_tokens)
+                                       capacity_tokens=n + max_new_tokens, workspace=self.workspace)
             _sync(self.device)
             t_cache = time.perf_counter()
             input_ids = torch.tensor([prompt[num_cached:]], dtype=torch.int64, device=self.device)

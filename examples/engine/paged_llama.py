@@ -26,6 +26,9 @@ Contract
   below ``write_from_token`` (those slots are shared cache hits that already
   hold these exact values and another request may be reading them).
   ``PagedCache.set_block_table`` extends the slot mapping as the request grows.
+- ``KVWorkspace`` holds the contiguous per-layer buffers the attention reads;
+  an engine keeps one and passes it to every ``make_cache`` so that serving a
+  request allocates nothing large (one request at a time per workspace).
 - Keys are cached after rotary embedding (transformers applies RoPE before
   ``Cache.update``), so a cached block is only valid at the positions it was
   computed at. Block hashes chain over the whole prefix, so a hit always sits
@@ -156,57 +159,92 @@ class PagedKVPool:
         kv = kv.reshape(g.num_layers, 2, nb * g.block_size, g.num_kv_heads, g.head_dim)[:, :, :num_tokens]
         return kv.permute(0, 1, 3, 2, 4)
 
+    def read_layer_into(self, layer: int, block_ids: Sequence[int], num_tokens: int, k_out: torch.Tensor,
+                        v_out: torch.Tensor) -> None:
+        """Copy one layer's K/V of a request's first ``num_tokens`` tokens into ``[1, heads, >=num_tokens, head_dim]``."""
+        g = self.geometry
+        nb = g.blocks_for(num_tokens)
+        idx = torch.as_tensor(list(block_ids[:nb]), dtype=torch.int64, device=self.device)
+        for kv, out in ((0, k_out), (1, v_out)):
+            # One layer at a time keeps the gathered blocks (a few MiB) in cache for the transposing copy.
+            blocks = self.tensor[layer, kv].index_select(0, idx).view(nb * g.block_size, g.num_kv_heads, g.head_dim)
+            out[0, :, :num_tokens].copy_(blocks[:num_tokens].transpose(0, 1))
+
     def make_cache(self, block_ids: Sequence[int], num_cached_tokens: int, *, write_from_token: int | None = None,
-                   capacity_tokens: int = 0) -> PagedCache:
+                   capacity_tokens: int = 0, workspace: KVWorkspace | None = None) -> PagedCache:
         return PagedCache(self, block_ids, num_cached_tokens,
                           write_from_token=num_cached_tokens if write_from_token is None else write_from_token,
-                          capacity_tokens=capacity_tokens)
+                          capacity_tokens=capacity_tokens, workspace=workspace)
+
+
+class KVWorkspace:
+    """Contiguous per-layer K/V buffers ``[1, heads, capacity, head_dim]`` that the attention reads.
+
+    Reused from request to request, so serving a request does not allocate
+    (and fault in) tens of MiB of fresh memory. One request at a time: a
+    cache built on a workspace takes its buffers over from the previous one.
+    """
+
+    def __init__(self, geometry: KVGeometry, device: str | torch.device = "cpu", capacity_tokens: int = 0) -> None:
+        self.geometry = geometry
+        self.device = torch.device(device)
+        self.capacity_tokens = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure(max(capacity_tokens, 1))
+
+    def _empty(self, capacity: int) -> torch.Tensor:
+        g = self.geometry
+        return torch.empty((1, g.num_kv_heads, capacity, g.head_dim), dtype=g.dtype, device=self.device)
+
+    def ensure(self, capacity_tokens: int) -> None:
+        """Make room for ``capacity_tokens`` tokens per layer (contents are not kept)."""
+        if capacity_tokens <= self.capacity_tokens:
+            return
+        # Round up to whole blocks, with headroom so that decode rarely reallocates.
+        bs = self.geometry.block_size
+        cap = -(-int(capacity_tokens * 1.25) // bs) * bs
+        self.k = [self._empty(cap) for _ in range(self.geometry.num_layers)]
+        self.v = [self._empty(cap) for _ in range(self.geometry.num_layers)]
+        self.capacity_tokens = cap
+
+    def grow_layer(self, layer: int, needed_tokens: int, used_tokens: int) -> None:
+        """Reallocate one layer's buffers to hold ``needed_tokens``, keeping the first ``used_tokens``."""
+        cap = max(needed_tokens, 2 * self.k[layer].shape[2])
+        for bufs in (self.k, self.v):
+            new = self._empty(cap)
+            new[:, :, :used_tokens].copy_(bufs[layer][:, :, :used_tokens])
+            bufs[layer] = new
 
 
 class PagedLayer(DynamicLayer):
-    """One layer of a ``PagedCache``: a growable working buffer plus writes into the pool slots.
+    """One layer of a ``PagedCache``: the workspace buffer the attention reads, plus writes into the pool.
 
     ``update`` (called by the attention module with the new tokens' post-RoPE
     K/V, shape ``[1, heads, n, head_dim]``) appends them to the buffer, writes
     them into the pool at their slots, and returns views of the whole sequence.
     """
 
-    def __init__(self, cache: PagedCache, layer_idx: int, prefill: torch.Tensor | None, capacity_tokens: int) -> None:
+    def __init__(self, cache: PagedCache, layer_idx: int, num_cached_tokens: int) -> None:
         super().__init__()
-        g = cache.pool.geometry
+        pool = cache.pool
         self._cache = cache
+        self._ws = cache.workspace
         self._layer_idx = layer_idx
-        cap = max(capacity_tokens, 1)
-        # [1, heads, capacity, head_dim], like DynamicLayer's tensors.
-        self._k = torch.empty((1, g.num_kv_heads, cap, g.head_dim), dtype=g.dtype, device=cache.pool.device)
-        self._v = torch.empty_like(self._k)
-        self._len = 0
-        if prefill is not None and prefill.shape[-2]:
-            n = prefill.shape[-2]
-            self._k[0, :, :n].copy_(prefill[0])
-            self._v[0, :, :n].copy_(prefill[1])
-            self._len = n
-        self.dtype, self.device = g.dtype, cache.pool.device
+        self._len = num_cached_tokens
+        if num_cached_tokens:
+            pool.read_layer_into(layer_idx, cache.block_ids, num_cached_tokens, self._ws.k[layer_idx],
+                                 self._ws.v[layer_idx])
+        self.dtype, self.device = pool.geometry.dtype, pool.device
         self.is_initialized = True
         self._sync_views()
 
     def _sync_views(self) -> None:
-        self.keys = self._k[:, :, : self._len]
-        self.values = self._v[:, :, : self._len]
+        self.keys = self._ws.k[self._layer_idx][:, :, : self._len]
+        self.values = self._ws.v[self._layer_idx][:, :, : self._len]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.is_initialized = True  # buffers exist from construction
-
-    def _grow(self, needed: int) -> None:
-        cap = self._k.shape[2]
-        if needed <= cap:
-            return
-        new_cap = max(needed, 2 * cap)
-        for name in ("_k", "_v"):
-            old = getattr(self, name)
-            new = torch.empty(old.shape[:2] + (new_cap,) + old.shape[3:], dtype=old.dtype, device=old.device)
-            new[:, :, : self._len].copy_(old[:, :, : self._len])
-            setattr(self, name, new)
+        self.is_initialized = True  # the buffers exist from construction
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,11 +252,13 @@ class PagedLayer(DynamicLayer):
             raise ValueError("the paged example engine runs one sequence at a time (batch 1)")
         n = key_states.shape[-2]
         start = self._len
-        self._grow(start + n)
-        self._k[:, :, start : start + n].copy_(key_states)
-        self._v[:, :, start : start + n].copy_(value_states)
+        layer = self._layer_idx
+        if start + n > self._ws.k[layer].shape[2]:
+            self._ws.grow_layer(layer, start + n, start)
+        self._ws.k[layer][:, :, start : start + n].copy_(key_states)
+        self._ws.v[layer][:, :, start : start + n].copy_(value_states)
         self._len = start + n
-        self._cache._write_pool(self._layer_idx, start, key_states, value_states)
+        self._cache._write_pool(layer, start, key_states, value_states)
         self._sync_views()
         return self.keys, self.values
 
@@ -240,17 +280,16 @@ class PagedCache(Cache):
     """A transformers ``Cache`` over a request's pool slots (see the module docstring)."""
 
     def __init__(self, pool: PagedKVPool, block_ids: Sequence[int], num_cached_tokens: int, *,
-                 write_from_token: int, capacity_tokens: int = 0) -> None:
+                 write_from_token: int, capacity_tokens: int = 0, workspace: KVWorkspace | None = None) -> None:
         g = pool.geometry
         if num_cached_tokens > len(block_ids) * g.block_size:
             raise ValueError(f"{num_cached_tokens} cached tokens do not fit in {len(block_ids)} blocks")
         self.pool = pool
         self.block_ids = list(block_ids)
         self.write_from_token = write_from_token
-        capacity = max(capacity_tokens, num_cached_tokens)
-        prefix = pool.read_tokens(self.block_ids, num_cached_tokens) if num_cached_tokens else None
-        layers = [PagedLayer(self, i, None if prefix is None else prefix[i], capacity) for i in range(g.num_layers)]
-        super().__init__(layers=layers)
+        self.workspace = workspace or KVWorkspace(g, pool.device)
+        self.workspace.ensure(max(capacity_tokens, num_cached_tokens, 1))
+        super().__init__(layers=[PagedLayer(self, i, num_cached_tokens) for i in range(g.num_layers)])
 
     def set_block_table(self, block_ids: Sequence[int]) -> None:
         """The request's block table after an append (it only grows at the end)."""
