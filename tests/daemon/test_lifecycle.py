@@ -41,21 +41,28 @@ CRASHER = textwrap.dedent(
     c.store(hashes, bytes(4 * 1024))
     assert c.pin(hashes) == ["gpu"] * 4
     arena = c.open_arena(2)
-    print(arena.path, flush=True)
+    from kvtier.client.kv_share import allocate_shared_kv
+    engine = Client(sys.argv[1], "lease-engine", PoolLayout(**{**layout.to_wire(), "mode": "engine"}))
+    kv, handle = allocate_shared_kv((4, 512), "float16", 0)
+    engine.register_kv("kv", [kv], 0)
+    assert engine.allocate_tokens("r", list(range(9))).block_ids == [0, 1, 2]
+    print(arena.path, handle["name"], flush=True)
     time.sleep(60)
     """
 )
 
 
-def test_sigkilled_client_loses_pins_and_arena_after_the_lease(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+def test_sigkilled_client_loses_pins_arena_and_registration_after_the_lease(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
     daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, lease_s=1.0)
     crasher = subprocess.Popen([sys.executable, "-c", CRASHER, daemon.endpoint], stdout=subprocess.PIPE, text=True)
+    kv_name = ""
     try:
         assert crasher.stdout is not None
-        arena_path = crasher.stdout.readline().strip()
-        assert arena_path and os.path.exists(arena_path)
+        arena_path, kv_name = crasher.stdout.readline().split()
+        assert os.path.exists(arena_path)
         with Client(daemon.endpoint, "lease", LAYOUT) as c:
             assert c.stats()["pools"]["lease"]["pinned_blocks"] == 4
+            assert c.stats()["pools"]["lease-engine"]["gpu_registered"]
             other = [bytes([100 + i]) * 16 for i in range(4)]
             # All four GPU blocks are pinned by the crasher: no room.
             with pytest.raises(DaemonError) as info:
@@ -71,14 +78,21 @@ def test_sigkilled_client_loses_pins_and_arena_after_the_lease(kvtierd_factory) 
             wait_for(lambda: c.stats()["pools"]["lease"]["pinned_blocks"] == 0, 5.0, "pins released")
             assert time.monotonic() - t0 < 2.5
             stats = c.stats()
-            assert stats["daemon"]["lease_expiries_total"] == 1 and stats["sessions"] == 1
+            # Both of the crasher's sessions expired; ours lives on.
+            assert stats["daemon"]["lease_expiries_total"] == 2 and stats["sessions"] == 1
             assert not os.path.exists(arena_path)
+            # The crashed engine's registration (its GPU tier) and request went too.
+            engine_stats = stats["pools"]["lease-engine"]
+            assert not engine_stats["gpu_registered"] and engine_stats["gpu_blocks"] == 0
             assert c.store(other, bytes(4 * BLOCK_BYTES)) == (4, 0)
             # Our own session survived on heartbeats alone.
-            assert c.stats()["daemon"]["lease_expiries_total"] == 1
+            assert c.stats()["daemon"]["lease_expiries_total"] == 2
     finally:
         crasher.kill()
         crasher.wait()
+        # A SIGKILLed engine leaves its shared KV file behind (kv_share's contract).
+        if kv_name and os.path.exists(f"/dev/shm/{kv_name}"):
+            os.unlink(f"/dev/shm/{kv_name}")
 
 
 def raw_request(sock: zmq.Socket, header: dict[str, Any]) -> dict[str, Any]:
