@@ -445,14 +445,17 @@ class TieredPool:
             self.counters["restores"] += len(cpu_hits)
             self._attach(op, copy)
 
-        restored_keys = [e.key for e in entries]
+        # Every block this call committed: restored ones, and misses the engine
+        # computes only once the op succeeds.
+        committed = [(alloc.block_ids[pos], hashes[pos])
+                     for pos in range(alloc.num_hit_blocks, min(len(hashes), len(alloc.block_ids)))]
 
         def undo_on_failure(ok: bool) -> None:
             if ok or self.bm is None:
                 return
             # Withdraw the hashes whose bytes never arrived, also when the
             # request was freed while the copy was in flight.
-            for block_id, key in zip(restored_blocks, restored_keys):
+            for block_id, key in committed:
                 if self.bm.blocks[block_id].block_hash == key:
                     self.bm.discard_hash(self.bm.blocks[block_id])
             if self.bm.has_request(request_id):

@@ -465,6 +465,27 @@ def test_failed_restore_after_the_request_was_freed_still_withdraws_the_hash(mak
     hx.check()
 
 
+def test_failed_allocation_withdraws_the_hashes_of_its_miss_blocks_too(make) -> None:
+    # Bug found by the state machine: a failed allocation withdrew the hashes of its
+    # restored blocks only; its miss blocks, committed at plan time, stayed indexed
+    # though the engine never computes a failed request: garbage served as hits later.
+    hx = make(gpu_blocks=4, cpu_blocks=8)
+    a = chain("a", 3)
+    hx.store(a[:1]).wait(10)
+    hx.store(chain("x", 4)).wait(10)  # a0 -> CPU only
+    assert hx.pool.wait_idle(10)
+    hx.fail_kinds = {CopyKind.RESTORE}
+    op = hx.pool.allocate("r", a, 12).wait(10)  # a0 from the CPU (fails), a1 a2 misses
+    assert op.result["tiers"] == ["cpu"]
+    assert isinstance(op.error, TransferError)
+    hx.fail_kinds = set()
+    assert hx.pool.wait_idle(10)
+    assert not hx.bm.has_request("r")
+    assert all(hx.bm.get_cached(k) is None for k in a), "a failed request's blocks are still indexed"
+    assert hx.pool.lookup(a) == [Tier.CPU]
+    hx.check()
+
+
 def test_gpu_hit_on_a_block_whose_restore_fails_fails_too(make) -> None:
     # Bug found: a second request hitting blocks whose restore was still in flight waited
     # for the copy but did not share its failure: it completed with garbage in its blocks.
