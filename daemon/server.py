@@ -359,6 +359,16 @@ class Server:
 
     def _release_session(self, session: Session, reason: str) -> None:
         """Give back everything a session holds (its copies are all done)."""
+        if reason == "shutdown":
+            # The pools are closed and about to go: only OS resources matter.
+            # The client lives on and may bring its arena to the next daemon.
+            for reg in session.registrations.values():
+                reg.close()
+            session.registrations.clear()
+            if session.arena is not None:
+                session.arena[0].close()
+                session.arena = None
+            return
         try:
             entry = self.pools.get(session.pool_name)
         except ProtocolError:
@@ -380,10 +390,8 @@ class Server:
             arena, _layout = session.arena
             session.arena = None
             arena.close()
-            if reason != "shutdown":
-                # The client may be dead (expired) or done (bye); after a daemon
-                # shutdown it lives on and may bring its arena to the next daemon.
-                arena.unlink()
+            # The client is dead (expired) or done with it (bye).
+            arena.unlink()
         entry.sessions.discard(session.sid)
         log.info(
             "session %s ended (%s): released %d pins, %d requests, %d registrations",
@@ -408,9 +416,11 @@ class Server:
                 parked.session.in_flight -= 1
             self._send_error(parked.identity, parked.req.id, ErrorCode.SHUTTING_DOWN,
                              "daemon shut down before the copy finished", op=parked.req.op)
-        self.sessions.end_all("shutdown")
+        # Pools first: closing waits for (or abandons) the copies still in
+        # flight, which may read the sessions' arenas and registered tensors.
         remaining_s = max(0.5, deadline_s - time.monotonic())
         self.pools.close_all(remaining_s)
+        self.sessions.end_all("shutdown")
         self.close(linger_s=min(1.0, remaining_s))
         self.notifier.close()
         log.info("stopped")
