@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from kvtier.daemon.config import DaemonConfig, load_config_or_exit
+from kvtier.daemon.config import ConfigError, DaemonConfig, exit_on_config_error, load_config_or_exit
 from kvtier.daemon.lifecycle import StopFlag, refuse_if_served
 from kvtier.daemon.sd_notify import Notifier
 
@@ -83,6 +83,11 @@ def options_from_config(cfg: DaemonConfig, device: str) -> ServeOptions:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config_or_exit(argv)
+    if cfg.is_tcp and not cfg.insecure_tcp:
+        # Serving tcp:// without the CURVE handshake the operator asked for
+        # would be unauthenticated while looking secure: refuse instead.
+        exit_on_config_error(ConfigError("curve_secret_key_file", "CURVE authentication is not implemented by "
+                                         "this kvtierd yet; use ipc://, or insecure_tcp = true on a trusted network"))
     _setup_logging(cfg.log_level)
     # Installed before the (possibly slow) start-up so an early SIGTERM is a clean stop.
     stop = StopFlag()
