@@ -683,14 +683,14 @@ class RemoteTier:
         except queue.Full:
             pass  # the next fetch finds it corrupt again and retries
 
-    def _finish_value(self, item: tuple[bytes, Any, bool]) -> bytes | bytearray | None:
+    def _finish_value(self, item: tuple[bytes, Any, bool]) -> bytes | memoryview | None:
         _, data, in_place = item
         if data is None:
             return None
         if in_place:
             HEADER.pack_into(data, 0, MAGIC, FORMAT_VERSION, self.block_bytes,
                              xxhash.xxh3_64_intdigest(memoryview(data)[HEADER_BYTES:]))
-            return data
+            return memoryview(data)  # redis-py before 8 encodes memoryview but not bytearray
         return self.encode_header(data) + data  # copy=False: the writer pays the concatenation
 
     def _take_batch(self) -> list[tuple[bytes, Any, bool]] | None:
