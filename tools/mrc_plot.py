@@ -30,11 +30,11 @@ def _pyplot() -> Any:
 
 
 def _tokens_label(n: float) -> str:
+    n = float(f"{n:.3g}")  # 999,936 -> 1e6, so it reads "1M"
     for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if n >= div:
-            v = n / div
-            return f"{v:g}{suffix}"
-    return f"{n:g}"
+            return f"{n / div:.3g}{suffix}"
+    return f"{n:.3g}"
 
 
 def plot_sweep(report: dict[str, Any], out: str | Path, *, title: str | None = None) -> Path:
@@ -53,10 +53,11 @@ def plot_sweep(report: dict[str, Any], out: str | Path, *, title: str | None = N
                label=f"infinite cache ({report['infinite']['block_hit_rate']:.3f})")
     if any(x > 0 for x in xs):
         positive = [x for x in xs if x > 0]
-        ax.set_xscale("symlog", linthresh=min(positive))
+        ax.set_xscale("symlog", linthresh=min(positive), linscale=0.3)
         ax.set_xticks(xs)
         ax.set_xticklabels([_tokens_label(x) for x in xs], rotation=45)
         ax.minorticks_off()
+        ax.set_xlim(min(xs) - 0.1 * min(positive), max(xs) * 1.2)
     ax.set_xlabel("CPU tier capacity (tokens)")
     ax.set_ylabel("block hit rate (GPU + CPU)")
     ax.set_ylim(0, max(1e-3, report["infinite"]["block_hit_rate"]) * 1.1)
@@ -64,7 +65,7 @@ def plot_sweep(report: dict[str, Any], out: str | Path, *, title: str | None = N
     name = Path(str(report.get("trace", ""))).name
     ax.set_title(title or f"miss-ratio curve {name} — GPU {_tokens_label(report['gpu_blocks'] * bs)} tokens, "
                  f"{bs}-token blocks", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out)

@@ -72,7 +72,7 @@ DEFAULT_CPU_TOKENS = 3_000_000
 DEFAULT_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V · layers · KV heads · head dim · bf16 (Llama-3.1-8B)
 DEFAULT_SWEEP_CPU_TOKENS = (0, 250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000,
                             20_000_000)
-DEFAULT_SWEEP_POLICIES = ("lru", "arc", "s3fifo", "lru+admit2")
+DEFAULT_SWEEP_POLICIES = ("lru", "arc", "s3fifo", "lru+admit2", "chain")
 
 ACCOUNTING = [
     "Requests are processed one at a time in trace (arrival) order.",
@@ -178,6 +178,7 @@ def replay(requests: Iterable[Request], config: ReplayConfig, *, progress: Any =
     """
     from kvtier.tiers.pool import PoolSpec, TieredPool
 
+    _register_policies()
     t0 = time.perf_counter()
     pool = TieredPool(PoolSpec("replay", config.block_size, config.block_bytes), cpu_blocks=config.cpu_blocks,
                       policy=config.policy, transfer=None, data=False, clean_ahead_blocks=0)
@@ -214,6 +215,11 @@ def replay(requests: Iterable[Request], config: ReplayConfig, *, progress: Any =
     res.seconds = time.perf_counter() - t0
     assert res.hit_blocks + res.miss_blocks == res.looked_up_blocks
     return res
+
+
+def _register_policies() -> None:
+    """Policies that live in modules ``make_policy`` does not import itself (yet)."""
+    import kvtier.tiers.policies_chain  # noqa: F401 - registers "chain"
 
 
 # ---- sweep -------------------------------------------------------------------------------
@@ -387,6 +393,7 @@ def main(args: argparse.Namespace) -> int:
     from kvtier.tiers.eviction import make_policy
     from kvtier.tools.traces import TraceError
 
+    _register_policies()
     policies = (args.policies or list(DEFAULT_SWEEP_POLICIES)) if args.sweep else [args.policy]
     for name in policies:
         try:
