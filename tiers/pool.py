@@ -246,28 +246,36 @@ class TieredPool:
 
     # ---- lookups and pins -------------------------------------------------------
 
-    def _held_prefix(self, hashes: Sequence[bytes]) -> list[tuple[Tier, Block | CpuEntry]]:
-        """The longest held prefix: a GPU-tier run, then a CPU-tier run.
+    def _held_prefix(self, hashes: Sequence[bytes], *, gpu_after_cpu: bool = True
+                     ) -> list[tuple[Tier, Block | CpuEntry]]:
+        """The longest prefix some tier holds, each block from the first tier holding it.
 
-        A block the GPU tier holds after the GPU run has ended is not taken
-        from the GPU (it could be the very block an allocation evicts); it
-        counts only if the CPU tier holds it too. LRU with last-to-first
-        freeing keeps a chain's head at least as recent as its tail, so this
-        case is rare, and clean-ahead puts such blocks in the CPU tier anyway.
+        With ``gpu_after_cpu=False`` (allocation), a block only the GPU tier
+        holds after the GPU run has ended ends the prefix: that block sits in
+        the free queue and could be the very block the allocation evicts.
+        LRU with last-to-first freeing keeps a chain's head at least as recent
+        as its tail, so in engine-managed mode that case is rare; in store
+        mode (chains stored in batches) the tail often sits in the GPU tier
+        behind a demoted head, and lookups and restores take it from there.
         """
         held: list[tuple[Tier, Block | CpuEntry]] = []
         if not self.enable_caching:
             return held
+        bm = self.bm
         i = 0
-        if self.bm is not None:
-            for block in self.bm.longest_cached_prefix(hashes):
+        if bm is not None:
+            for block in bm.longest_cached_prefix(hashes):
                 held.append((Tier.GPU, block))
             i = len(held)
         for h in hashes[i:]:
             entry = self.cpu.get_ready(h)
-            if entry is None:
+            if entry is not None:
+                held.append((Tier.CPU, entry))
+                continue
+            block = bm.get_cached(h) if gpu_after_cpu and bm is not None else None
+            if block is None:
                 break
-            held.append((Tier.CPU, entry))
+            held.append((Tier.GPU, block))
         return held
 
     def _remote_run(self, hashes: Sequence[bytes], start: int) -> int:
@@ -298,12 +306,13 @@ class TieredPool:
             self.cpu.commit(entry)
         return entries
 
-    def _held_with_remote(self, hashes: Sequence[bytes]) -> tuple[list[tuple[Tier, Block | CpuEntry]], int]:
+    def _held_with_remote(self, hashes: Sequence[bytes], *, gpu_after_cpu: bool = True
+                          ) -> tuple[list[tuple[Tier, Block | CpuEntry]], int]:
         """The held prefix with the remote run pulled into the CPU tier.
 
         Returns the prefix and how many of its blocks came from the remote tier.
         """
-        held = self._held_prefix(hashes)
+        held = self._held_prefix(hashes, gpu_after_cpu=gpu_after_cpu)
         n_remote = self._remote_run(hashes, len(held))
         if not n_remote:
             return held, 0
@@ -408,7 +417,7 @@ class TieredPool:
             raise PoolError(f"request {request_id!r} is already allocated; free it first")
         # Remote blocks land in the CPU tier first (a side effect that survives
         # a failed allocation: the CPU tier is only warmer for it).
-        held, n_remote = self._held_with_remote(hashes)
+        held, n_remote = self._held_with_remote(hashes, gpu_after_cpu=False)
         num_gpu_prefix = sum(1 for tier, _ in held if tier is Tier.GPU)
         try:
             alloc = bm.allocate(request_id, hashes, num_tokens)
@@ -507,10 +516,17 @@ class TieredPool:
         if not new:
             op._finish()
             return op
-        if self.bm is not None:
-            self._store_gpu(op, new, src)
-        else:
+        if self.bm is None:
             self._store_cpu(op, new, src)
+        else:
+            # What the GPU tier cannot take (its free queue is shorter than the
+            # batch) goes straight to the CPU tier: the chain's tail, which is
+            # evicted first anyway. CPU first: it is the part that can fail.
+            fits = min(len(new), self.bm.num_free_blocks)
+            if fits < len(new):
+                self._store_cpu(op, new[fits:], src)
+            if fits:
+                self._store_gpu(op, new[:fits], src)
         self.counters["stores"] += len(new)
         self._settle(op)
         self._clean_ahead()

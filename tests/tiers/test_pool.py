@@ -302,6 +302,12 @@ def test_store_that_cannot_make_room_raises_nospace_with_nothing_changed(make) -
     hx = make(gpu_blocks=3, cpu_blocks=4)
     hx.store(chain("x", 2)).wait(10)
     hx.allocate("r", chain("r", 3), 12)  # every GPU block referenced (x evicted to CPU)
+    # A store the GPU tier cannot take overflows into the CPU tier; pin the CPU
+    # tier full so that neither tier can make room.
+    hx.store(chain("y", 2)).wait(10)
+    assert hx.pool.lookup(chain("y", 2), count=False) == [Tier.CPU, Tier.CPU]
+    hx.pool.pin("o", chain("x", 2))
+    hx.pool.pin("o", chain("y", 2))
     before = (bm_state(hx.bm), cpu_state(hx.pool), dict(hx.pool.counters))
     with pytest.raises(NoSpace):
         hx.store([h("new", 0)])
@@ -375,13 +381,15 @@ def test_pin_returns_the_held_prefix_across_tiers(make) -> None:
     a = chain("a", 4)
     hx.store(a[:2]).wait(10)
     hx.store(a[2:]).wait(10)  # a0 a1 in the CPU, a2 a3 on the GPU
-    # a2 a3 are GPU-only and come after the CPU run: a GPU block after a GPU miss does not count.
-    assert hx.pool.lookup(a) == [Tier.CPU, Tier.CPU]
+    # A chain stored in batches: its head was demoted, its tail sits in the GPU
+    # tier; lookups and pins see the whole chain, each block in its tier.
+    assert hx.pool.lookup(a) == [Tier.CPU, Tier.CPU, Tier.GPU, Tier.GPU]
     tiers = hx.pool.pin("o", a)
-    assert tiers == [Tier.CPU, Tier.CPU]
-    assert hx.pool.num_pinned() == 2 and hx.pool.cpu.num_pinned == 2
+    assert tiers == [Tier.CPU, Tier.CPU, Tier.GPU, Tier.GPU]
+    assert hx.pool.num_pinned() == 4 and hx.pool.cpu.num_pinned == 2
+    assert hx.bm.num_free_blocks == 0  # both GPU blocks held by the pin
     hx.pool.unpin_all("o")
-    assert hx.pool.cpu.num_pinned == 0
+    assert hx.pool.cpu.num_pinned == 0 and hx.bm.num_free_blocks == 2
 
 
 # ---- failed copies --------------------------------------------------------------------------
