@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvtier.daemon.config import ConfigError, DaemonConfig, exit_on_config_error, load_config_or_exit
+from kvtier.daemon.faults import FAULTS_ENV, FaultPlan, parse_faults
 from kvtier.daemon.lifecycle import StopFlag, refuse_if_served
 from kvtier.daemon.sd_notify import Notifier
 
@@ -53,7 +54,7 @@ def _import_kv_tensor(desc: dict[str, Any]) -> tuple[Any, Closeable]:
     return kv_share.import_tensor(desc)
 
 
-def options_from_config(cfg: DaemonConfig, device: str) -> ServeOptions:
+def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None) -> ServeOptions:
     from kvtier.daemon.pools import PoolSizing
     from kvtier.daemon.server import ServeOptions
 
@@ -66,6 +67,7 @@ def options_from_config(cfg: DaemonConfig, device: str) -> ServeOptions:
             cpu_bytes=settings.resolve_cpu_bytes(),
             policy=settings.policy,
             clean_ahead_blocks=settings.clean_ahead_blocks,
+            fault_hook=fault_plan,
         )
 
     return ServeOptions(
@@ -82,13 +84,24 @@ def options_from_config(cfg: DaemonConfig, device: str) -> ServeOptions:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = load_config_or_exit(argv)
+    # KVTIER_TEST_FAULTS is test-only fault injection (kvtier.daemon.faults),
+    # not configuration: the config loader would reject it as unknown.
+    environ = dict(os.environ)
+    faults_spec = environ.pop(FAULTS_ENV, "")
+    cfg = load_config_or_exit(argv, environ)
+    try:
+        fault_plan = parse_faults(faults_spec)
+    except ValueError as exc:
+        exit_on_config_error(ConfigError(FAULTS_ENV, str(exc)))
     if cfg.is_tcp and not cfg.insecure_tcp:
         # Serving tcp:// without the CURVE handshake the operator asked for
         # would be unauthenticated while looking secure: refuse instead.
         exit_on_config_error(ConfigError("curve_secret_key_file", "CURVE authentication is not implemented by "
                                          "this kvtierd yet; use ipc://, or insecure_tcp = true on a trusted network"))
     _setup_logging(cfg.log_level)
+    if fault_plan is not None:
+        log.warning("TEST-ONLY fault injection is active (%s=%s): copies will fail or stall on purpose",
+                    FAULTS_ENV, fault_plan.describe())
     # Installed before the (possibly slow) start-up so an early SIGTERM is a clean stop.
     stop = StopFlag()
     stop.install()
@@ -99,9 +112,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvtier.daemon.server import Server
 
         device = _resolve_device(cfg.device)
-        server = Server(options_from_config(cfg, device), stop, kv_import=_import_kv_tensor,
+        server = Server(options_from_config(cfg, device, fault_plan=fault_plan), stop, kv_import=_import_kv_tensor,
                         notifier=Notifier.from_environ())
-        return server.run()
+        exporter = None
+        if cfg.metrics_port is not None:
+            from kvtier.daemon.prometheus import start_exporter
+
+            exporter = start_exporter(cfg.metrics_host, cfg.metrics_port, server.stats_snapshot)
+        try:
+            return server.run()
+        finally:
+            if exporter is not None:
+                exporter.close()
     except (RuntimeError, OSError, zmq.ZMQError) as exc:
         log.error("cannot serve: %s", exc)
         return 1

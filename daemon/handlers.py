@@ -405,7 +405,8 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
 # ---- daemon-wide -------------------------------------------------------------
 
 
-def stats(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+def stats_fields(ctx: HandlerContext) -> dict[str, Any]:
+    """The ``stats`` reply's fields; also the snapshot the Prometheus endpoint serves (loop thread only)."""
     pools: dict[str, Any] = {}
     for entry in ctx.pools:
         s = entry.pool.stats()
@@ -413,7 +414,11 @@ def stats(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
         s["sessions"] = len(entry.sessions)
         s["gpu_registered"] = entry.gpu_owner is not None
         pools[entry.name] = s
-    return Reply({"pools": pools, "daemon": ctx.metrics.snapshot(), "sessions": len(ctx.sessions)})
+    return {"pools": pools, "daemon": ctx.metrics.snapshot(), "sessions": len(ctx.sessions)}
+
+
+def stats(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    return Reply(stats_fields(ctx))
 
 
 def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result:

@@ -48,10 +48,11 @@ from kvtier.client.protocol import (
     recoverable_id,
     validate_request,
 )
-from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_registration
+from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_registration, stats_fields
 from kvtier.daemon.lifecycle import StopFlag
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pools import PoolRegistry, PoolSizing
+from kvtier.daemon.prometheus import StatsSnapshot
 from kvtier.daemon.sd_notify import Notifier
 from kvtier.daemon.sessions import Session, SessionTable
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
@@ -118,6 +119,9 @@ class Server:
         self.stop = stop
         self.notifier = notifier or Notifier(None)
         self.metrics = Counters()
+        # Other threads (the Prometheus endpoint) read stats only through this:
+        # they ask, the loop builds a snapshot in _turn, they never touch pools.
+        self.stats_snapshot = StatsSnapshot(self._wakeup)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -240,6 +244,8 @@ class Server:
                 self.metrics.inc("lease_expiries_total", len(expired))
         self.metrics.set("sessions", len(self.sessions))
         self.metrics.set("requests_in_flight", len(self._parked))
+        if self.stats_snapshot.wanted():
+            self.stats_snapshot.refresh(lambda: stats_fields(self.ctx))
         if self.notifier.watchdog_due(now_s):
             self.notifier.watchdog(now_s)
         return handled

@@ -1,0 +1,363 @@
+"""The Prometheus endpoint: kvtierd's ``stats`` as metrics, served over HTTP (off by default).
+
+Contract
+========
+
+- ``StatsSnapshot`` hands the ``stats`` verb's reply from the event loop to
+  other threads. The loop owns the pools and is the only thread that ever
+  reads them: a reader (an HTTP scrape) calls ``get()``, which asks the loop
+  for a fresh snapshot (``wakeup()`` ends the loop's poll early) and waits up
+  to ``wait_s`` for one built *after* it asked. The loop checks ``wanted()``
+  once per turn and answers with ``refresh(build)``. A loop that does not
+  answer in time (it is draining, or stuck in a slow remote round trip) gets
+  the previous snapshot served, and its age says so. Publishing swaps one
+  reference under a lock; no pool method runs off the loop thread.
+- ``StatsCollector(snapshot)`` is a prometheus-client custom collector: every
+  ``collect()`` turns one snapshot into metric families (names, types and
+  labels in ``POOL_METRICS`` / ``DAEMON_METRICS`` and in docs/metrics.md).
+  Pool counters carry a ``pool`` label; hits are split by ``tier`` so that
+  ``sum by (pool)`` of ``kvtier_hit_blocks_total`` plus
+  ``kvtier_miss_blocks_total`` equals ``kvtier_looked_up_blocks_total``.
+  Daemon counters (``daemon.metrics.Counters``) are exported by name:
+  ``kvtier_<name>``, a counter when the name ends in ``_total``, else a
+  gauge, with the labels they were counted with.
+- ``start_exporter(host, port, snapshot)`` serves ``/metrics`` on
+  ``host:port`` from a daemon thread and returns an ``Exporter`` whose
+  ``close()`` stops it. It raises ``OSError`` when the port is taken and
+  ``RuntimeError`` when prometheus-client is not installed: kvtierd treats
+  both as "cannot serve" (exit 1).
+
+Importing this module imports neither torch nor prometheus-client; the
+server imports ``StatsSnapshot`` whether or not the endpoint is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# How long a scrape waits for the loop's fresh snapshot. The idle loop turns
+# every poll_interval_s (50 ms by default); a second covers a busy loop too.
+DEFAULT_WAIT_S = 1.0
+
+Stats = Mapping[str, Any]  # the `stats` verb's reply: {"pools", "daemon", "sessions"}
+
+
+class StatsSnapshot:
+    """See the module docstring. ``wakeup`` must be safe to call from any thread."""
+
+    def __init__(self, wakeup: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._wakeup = wakeup
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._requested = 0  # tickets handed to readers
+        self._served = 0  # the highest ticket a published snapshot answers
+        self._stats: Stats | None = None
+        self._published_s = 0.0
+
+    # ---- the loop's side ----------------------------------------------------------
+
+    def wanted(self) -> bool:
+        """True when a reader waits for a snapshot (a racy read: a miss is caught next turn)."""
+        return self._requested > self._served
+
+    def refresh(self, build: Callable[[], Stats]) -> None:
+        """Build a snapshot now (loop thread) and hand it to every reader that asked before."""
+        with self._cond:
+            ticket = self._requested
+        try:
+            stats = build()  # outside the lock: readers may queue meanwhile
+        except Exception:
+            # A bug in a stats() must not take the loop down; the readers get
+            # the previous snapshot (its age shows) instead of waiting.
+            log.exception("building the stats snapshot")
+            with self._cond:
+                self._served = max(self._served, ticket)
+                self._cond.notify_all()
+            return
+        self.publish(stats, ticket)
+
+    def publish(self, stats: Stats, ticket: int | None = None) -> None:
+        """Publish ``stats`` (loop thread). ``ticket``: the last request it answers (default: all so far)."""
+        with self._cond:
+            self._stats = stats
+            self._published_s = self._clock()
+            self._served = max(self._served, self._requested if ticket is None else ticket)
+            self._cond.notify_all()
+
+    # ---- readers ---------------------------------------------------------------------
+
+    def latest(self) -> tuple[Stats | None, float]:
+        """The last published snapshot and its age in seconds (``inf`` when there is none)."""
+        with self._cond:
+            if self._stats is None:
+                return None, math.inf
+            return self._stats, max(0.0, self._clock() - self._published_s)
+
+    def get(self, wait_s: float = DEFAULT_WAIT_S) -> tuple[Stats | None, float]:
+        """A snapshot built after this call began, or after ``wait_s`` the latest one; with its age."""
+        with self._cond:
+            self._requested += 1
+            ticket = self._requested
+        if self._wakeup is not None:
+            self._wakeup()
+        with self._cond:
+            self._cond.wait_for(lambda: self._served >= ticket, timeout=wait_s)
+        return self.latest()
+
+
+# --------------------------------------------------------------------------------------------
+# Metric catalog: one line per series, in the order of docs/metrics.md.
+
+
+@dataclass(frozen=True)
+class PoolMetric:
+    """One pool series: ``stats["pools"][pool][key]`` exported as ``name{pool, **labels}``."""
+
+    key: str
+    name: str  # without the kvtier_ prefix; counters without _total (prometheus-client adds it)
+    kind: str  # "counter" | "gauge"
+    help: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+_TIERS = ("gpu", "cpu", "remote")
+_DIRECTIONS = {
+    "demote": "GPU tier to CPU tier (demotions, including clean-ahead)",
+    "restore": "CPU tier to GPU tier (engine-mode allocations that hit the CPU tier)",
+    "store": "client to a tier (store verb)",
+    "load": "a tier to the client (restore verb)",
+}
+
+POOL_METRICS: tuple[PoolMetric, ...] = (
+    PoolMetric("lookups", "lookups", "counter",
+               "Lookups counted by lookup, restore and allocate (one per call)."),
+    PoolMetric("looked_up_blocks", "looked_up_blocks", "counter",
+               "Block hashes those lookups asked about (= hit blocks of all tiers + miss blocks)."),
+    *(PoolMetric(f"hit_blocks_{t}", "hit_blocks", "counter",
+                 "Looked-up blocks found, attributed to the first tier holding them (gpu, cpu, remote).",
+                 (("tier", t),)) for t in _TIERS),
+    PoolMetric("miss_blocks", "miss_blocks", "counter",
+               "Looked-up blocks past the longest held prefix (not found, or after the first gap)."),
+    PoolMetric("demotions", "demotions", "counter", "Blocks copied from the GPU tier into the CPU tier."),
+    PoolMetric("demotions_skipped_clean", "demotions_skipped", "counter",
+               "Evicted GPU blocks not demoted: clean (already in the CPU tier), refused by the CPU "
+               "admission policy, or dropped because the CPU tier was full of pinned/busy blocks.",
+               (("reason", "clean"),)),
+    PoolMetric("demotions_not_admitted", "demotions_skipped", "counter", "", (("reason", "not_admitted"),)),
+    PoolMetric("demotions_dropped_full", "demotions_skipped", "counter", "", (("reason", "cpu_full"),)),
+    PoolMetric("restores", "restores", "counter", "Blocks copied from the CPU tier into the GPU tier."),
+    PoolMetric("cpu_evictions", "cpu_evictions", "counter",
+               "CPU-tier blocks evicted to make room (dropped, or written back when a remote tier exists)."),
+    PoolMetric("cpu_full_failures", "cpu_reserve_failures", "counter",
+               "CPU-tier reservations refused because every slot was pinned, busy or being written."),
+    PoolMetric("stores", "stored_blocks", "counter", "Blocks the store verb copied into a tier."),
+    PoolMetric("stores_present", "store_present_blocks", "counter",
+               "Blocks the store verb skipped because a tier already held them."),
+    PoolMetric("stores_failed", "store_failures", "counter",
+               "Store calls that failed fast with NO_SPACE (nothing changed, nothing waited for)."),
+    PoolMetric("loads", "loaded_blocks", "counter", "Blocks the restore verb copied out to the client."),
+    PoolMetric("copy_failures", "copy_failures", "counter",
+               "Copies (any direction) that failed after they were started; their op failed."),
+    PoolMetric("remote_fetch_short", "remote_fetch_short", "counter",
+               "Remote fetches that returned fewer blocks than the probe had promised."),
+    PoolMetric("remote_write_backs", "remote_write_backs", "counter",
+               "CPU-tier evictions queued for write-back to the remote tier."),
+    *(PoolMetric(f"bytes_{d}", "copy_bytes", "counter", "Bytes copied, by direction: " +
+                 "; ".join(f"{k} = {v}" for k, v in _DIRECTIONS.items()) + ".", (("direction", d),))
+      for d in _DIRECTIONS),
+    *(PoolMetric(f"seconds_{d}", "copy_seconds", "counter",
+                 "Seconds from submitting each copy to its completion (queueing included), summed over copies, by direction.",
+                 (("direction", d),)) for d in _DIRECTIONS),
+    PoolMetric("gpu_blocks", "capacity_blocks", "gauge", "Block slots of each tier.", (("tier", "gpu"),)),
+    PoolMetric("cpu_blocks", "capacity_blocks", "gauge", "", (("tier", "cpu"),)),
+    PoolMetric("gpu_cached_blocks", "cached_blocks", "gauge",
+               "Blocks a lookup can find by hash (GPU: referenced or evictable; CPU: every occupied slot).",
+               (("tier", "gpu"),)),
+    PoolMetric("cpu_used_blocks", "cached_blocks", "gauge", "", (("tier", "cpu"),)),
+    PoolMetric("pinned_blocks", "pinned_blocks", "gauge",
+               "Block pins held by sessions, both tiers (a block pinned by two sessions counts twice)."),
+    PoolMetric("copies_in_flight", "copies_in_flight", "gauge", "Copies started and not yet finished."),
+    PoolMetric("sessions", "pool_sessions", "gauge", "Live sessions using the pool."),
+    PoolMetric("block_bytes", "block_bytes", "gauge", "Bytes of one block of the pool (all layers, K and V)."),
+)
+
+# Occupancy is derived (not a stats key): kvtier_blocks{pool, tier, state="used|free"}.
+BLOCKS_HELP = ("Block slots by state; used + free = capacity. GPU: used = referenced by requests, pins or "
+               "copies; free = on the free queue (empty, or cached and evictable). CPU: used = occupied "
+               "slots; free = empty slots.")
+
+# Daemon counters that must exist from the first scrape, before their first
+# event (labelled ones as families without series until then).
+DAEMON_DEFAULTS: dict[str, Any] = {
+    "requests_total": {},
+    "errors_total": {},
+    "protocol_errors_total": {},
+    "request_seconds_total": {},
+    "lease_expiries_total": 0,
+    "replies_dropped_total": 0,
+    "sessions": 0,
+    "requests_in_flight": 0,
+}
+DAEMON_HELP: dict[str, str] = {
+    "requests_total": "Requests that passed validation, by verb.",
+    "errors_total": "Error replies sent, by error code name.",
+    "protocol_errors_total": "Requests refused before any handler ran (malformed, bad field, ...), by error code name.",
+    "request_seconds_total": "Seconds from receiving to answering successful requests, by verb.",
+    "lease_expiries_total": "Sessions ended because their lease ran out (a crashed or stalled client).",
+    "replies_dropped_total": "Replies that could not be sent (the client's socket was gone or full).",
+    "sessions": "Live sessions, all pools.",
+    "requests_in_flight": "Requests waiting for their copies to finish.",
+}
+
+
+def _parse_label_key(label_key: str) -> dict[str, str]:
+    # Counters.snapshot() spells labels "k=v,k2=v2"; our label values (verbs,
+    # error code names) never contain "," or "=".
+    out: dict[str, str] = {}
+    for part in label_key.split(","):
+        k, _, v = part.partition("=")
+        out[k] = v
+    return out
+
+
+class StatsCollector:
+    """A prometheus-client collector over one ``StatsSnapshot``: see the module docstring."""
+
+    def __init__(self, snapshot: StatsSnapshot, *, wait_s: float = DEFAULT_WAIT_S) -> None:
+        self.snapshot = snapshot
+        self.wait_s = wait_s
+
+    def describe(self) -> list[Any]:
+        # Empty: registering must not call collect() (which would wait for the loop).
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        stats, age_s = self.snapshot.get(self.wait_s)
+        yield from families_from_stats(stats, age_s)
+
+
+def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
+    """Metric families for one ``stats`` reply (``None``: only the age, which is then +Inf)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    families: dict[str, Any] = {}
+
+    def family(name: str, kind: str, help_text: str, labels: list[str]) -> Any:
+        fam = families.get(name)
+        if fam is None:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = families[name] = cls(f"kvtier_{name}", help_text or name, labels=labels)
+        return fam
+
+    age = GaugeMetricFamily("kvtier_stats_age_seconds",
+                            "Age of the daemon-loop snapshot behind this scrape (large: the loop did not answer).")
+    age.add_metric([], age_s)
+    out: list[Any] = [age]
+    if stats is None:
+        return out
+
+    pools: Mapping[str, Mapping[str, Any]] = stats.get("pools") or {}
+    helps: dict[str, str] = {}
+    for spec in POOL_METRICS:
+        helps.setdefault(spec.name, spec.help)
+    for spec in POOL_METRICS:
+        label_names = ["pool", *(k for k, _ in spec.labels)]
+        fam = family(spec.name, spec.kind, helps[spec.name], label_names)
+        for pool_name in sorted(pools):
+            value = pools[pool_name].get(spec.key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue  # a key this pool lacks (no transfer engine, older daemon)
+            fam.add_metric([pool_name, *(v for _, v in spec.labels)], value)
+
+    blocks = family("blocks", "gauge", BLOCKS_HELP, ["pool", "tier", "state"])
+    up = family("remote_up", "gauge", "1 when the pool's remote tier is reachable, 0 when not (absent: no remote tier).",
+                ["pool"])
+    attached = family("gpu_attached", "gauge",
+                      "1 when the pool has a GPU tier (store mode: always; engine mode: while the engine's KV "
+                      "tensors are registered).", ["pool"])
+    info = family("pool_info", "gauge", "Always 1; the labels say the pool's mode (store or engine).",
+                  ["pool", "mode"])
+    for pool_name in sorted(pools):
+        p = pools[pool_name]
+        gpu_blocks, gpu_free = int(p.get("gpu_blocks", 0)), int(p.get("gpu_free_blocks", 0))
+        cpu_blocks, cpu_used = int(p.get("cpu_blocks", 0)), int(p.get("cpu_used_blocks", 0))
+        blocks.add_metric([pool_name, "gpu", "used"], gpu_blocks - gpu_free)
+        blocks.add_metric([pool_name, "gpu", "free"], gpu_free)
+        blocks.add_metric([pool_name, "cpu", "used"], cpu_used)
+        blocks.add_metric([pool_name, "cpu", "free"], cpu_blocks - cpu_used)
+        attached.add_metric([pool_name], 1.0 if p.get("mode") == "store" or p.get("gpu_registered") else 0.0)
+        info.add_metric([pool_name, str(p.get("mode", ""))], 1.0)
+        remote = p.get("remote")
+        if isinstance(remote, Mapping):
+            up.add_metric([pool_name], 1.0 if remote.get("available") else 0.0)
+
+    daemon: dict[str, Any] = {**DAEMON_DEFAULTS, **(stats.get("daemon") or {})}
+    if "sessions" not in (stats.get("daemon") or {}) and "sessions" in stats:
+        daemon["sessions"] = stats["sessions"]
+    for name in sorted(daemon):
+        value = daemon[name]
+        kind = "counter" if name.endswith("_total") else "gauge"
+        if isinstance(value, Mapping):
+            series = [(_parse_label_key(k), v) for k, v in sorted(value.items())]
+            label_names = sorted({k for labels, _ in series for k in labels})
+        else:
+            series, label_names = [({}, value)], []
+        base = name[: -len("_total")] if kind == "counter" else name
+        fam = family(base, kind, DAEMON_HELP.get(name, f"daemon counter {name}"), label_names)
+        for labels, v in series:
+            fam.add_metric([labels.get(k, "") for k in label_names], v)
+    return out + list(families.values())
+
+
+# --------------------------------------------------------------------------------------------
+# The HTTP endpoint
+
+
+@dataclass
+class Exporter:
+    """A running ``/metrics`` endpoint; ``close()`` stops it."""
+
+    host: str
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout_s)
+
+
+def start_exporter(host: str, port: int, snapshot: StatsSnapshot, *, wait_s: float = DEFAULT_WAIT_S,
+                   process_metrics: bool = True) -> Exporter:
+    """Serve ``http://host:port/metrics`` from a daemon thread; see the module docstring."""
+    try:
+        from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+    except ImportError as exc:
+        raise RuntimeError("metrics_port is set but prometheus-client is not installed "
+                           "(pip install 'kvtier[tools]', or leave metrics_port off)") from exc
+    # A registry of our own: the default one would add this process's Python
+    # GC and platform series and anything else that registered globally.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(snapshot, wait_s=wait_s))  # type: ignore[arg-type]
+    if process_metrics:
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, cpu seconds, open fds
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    thread.name = "kvtier-metrics"
+    bound_port = int(server.server_address[1])
+    exporter = Exporter(host, bound_port, server, thread)
+    log.info("metrics at %s", exporter.url)
+    return exporter
