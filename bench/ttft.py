@@ -51,7 +51,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "examples" / "engine"))
 
-from chat_workload import environment  # noqa: E402
+from chat_workload import environment, warn_if_busy  # noqa: E402
 from daemon_proc import DaemonProcess, daemon_available  # noqa: E402
 from engine import RequestResult, build_engine  # noqa: E402
 from paged_llama import MODEL_PRESETS, parameters_millions  # noqa: E402
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="GPU tier (engine KV pool) blocks (default: exactly one request's worth)")
     p.add_argument("--cpu-blocks", type=int, default=1024, help="CPU tier blocks (default: 1024)")
+    p.add_argument("--idle-s", type=float, default=0.0,
+                   help="idle seconds before each restore request, letting the background demotion of the "
+                        "previous request's blocks finish (default: 0, the restore waits for it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", type=Path, default=None,
@@ -98,6 +101,7 @@ def median(values: Sequence[float]) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_start = warn_if_busy()
     backend = args.backend or ("daemon" if daemon_available() else "inproc")
     bs = 16
     total = args.prefix_tokens + args.new_tokens
@@ -146,6 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rc = eng.generate(prompt, args.decode_tokens, cache_salt=f"recompute-{i}-{time.time_ns()}")
             if rc.num_hit_blocks:
                 raise AssertionError(f"the salted recompute hit {rc.num_hit_blocks} blocks")
+            if args.idle_s:
+                time.sleep(args.idle_s)
             rs = eng.generate(prompt, args.decode_tokens)
             want = ["cpu"] * (args.prefix_tokens // bs)
             if rs.hit_tiers != want:
@@ -203,8 +209,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "block_bytes": g.block_bytes,
         "restored_bytes": (args.prefix_tokens // bs) * g.block_bytes,
         "reps": args.reps,
+        "idle_s": args.idle_s,
         "model_build_s": round(build_s, 3),
-        "environment": environment(args.device),
+        "environment": environment(args.device) | {"load_average_1m_start": load_start},
         "summary": summary,
         "recompute": [row(r) for r in recomputes],
         "restore": [row(r) for r in restores],

@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch device for the model and KV pool (default: cuda if available, else cpu)")
     p.add_argument("--conversations", type=int, default=4, help="number of conversations (default: 4)")
     p.add_argument("--turns", type=int, default=3, help="turns per conversation (default: 3)")
-    p.add_argument("--system-tokens", type=int, default=512, help="shared system prompt length (default: 512)")
-    p.add_argument("--user-tokens", type=int, default=96, help="mean user message length, +-25%% (default: 96)")
+    p.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length (default: 1024)")
+    p.add_argument("--user-tokens", type=int, default=64, help="mean user message length, +-25%% (default: 64)")
     p.add_argument("--answer-tokens", type=int, default=16, help="greedy tokens generated per turn (default: 16)")
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="KV pool (GPU tier) size in 16-token blocks (default: the largest request + 2)")
@@ -107,6 +107,22 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
+def warn_if_busy(print_fn: Any = print) -> float:
+    """Say so when other processes keep the CPU busy; returns the 1-minute load average.
+
+    Timings on a shared CPU are inflated, and torch's OpenMP parallel regions
+    suffer most: a region waits for its slowest thread, and a thread that has
+    lost its core waits a whole scheduler slice. ``--threads 1`` is immune to
+    that (and half as fast on an idle 2-core machine).
+    """
+    load = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    if load > 0.5 * cores and torch.get_num_threads() > 1:
+        print_fn(f"warning: load average {load:.1f} on {cores} cores: other processes are using the CPU, timings "
+                 f"will be inflated and noisy (torch uses {torch.get_num_threads()} threads; --threads 1 is steadier)")
+    return load
+
+
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:9.1f}"
 
@@ -115,6 +131,7 @@ def run(args: argparse.Namespace, *, print_fn: Any = print) -> dict[str, Any]:
     """Run the workload (see the module docstring); returns the JSON report."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_start = warn_if_busy(print_fn)
     bs = 16
     gpu_blocks = args.gpu_blocks or -(-max_request_tokens(args) // bs) + 2
     t_build = time.perf_counter()
@@ -167,7 +184,7 @@ def run(args: argparse.Namespace, *, print_fn: Any = print) -> dict[str, Any]:
         "gpu_blocks": gpu_blocks,
         "block_size": bs,
         "block_bytes": eng.kv.geometry.block_bytes,
-        "environment": environment(args.device),
+        "environment": environment(args.device) | {"load_average_1m_start": load_start},
         "model_build_s": round(build_s, 3),
         "turns": turns,
         "pool_stats": stats,
