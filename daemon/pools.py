@@ -32,7 +32,7 @@ from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.tiers.host_memory import HostMemoryError, allocate_host_slab
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, TieredPool
-from kvtier.tiers.transfer import TransferEngine, make_transfer_engine
+from kvtier.tiers.transfer import ThreadTransferEngine, TransferEngine, make_transfer_engine
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class PoolSizing:
     cpu_bytes: int
     policy: str = "lru"
     clean_ahead_blocks: int = 64
+    # TEST-ONLY copy fault injection (kvtier.daemon.faults); None in production.
+    fault_hook: Callable[[Any], None] | None = None
 
 
 @dataclass(eq=False)
@@ -128,6 +130,11 @@ class PoolRegistry:
             except (RuntimeError, MemoryError) as exc:  # torch reports device OOM as RuntimeError
                 raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: cannot allocate the GPU tier: {exc}") from None
         transfer = make_transfer_engine(self.device)
+        if sizing.fault_hook is not None:
+            if isinstance(transfer, ThreadTransferEngine):
+                transfer.fault_hook = sizing.fault_hook
+            else:
+                log.warning("pool %r: test fault injection needs the thread copy engine; ignored", name)
         if self._wakeup is not None:
             transfer.set_wakeup(self._wakeup)
         spec = PoolSpec(
