@@ -24,6 +24,8 @@ from collections.abc import Sequence
 # (subcommand, module that registers it). The order is the order of `kvtier --help`.
 SUBCOMMANDS: list[tuple[str, str]] = [
     ("replay", "kvtier.tools.replay"),
+    ("stats", "kvtier.tools.stats"),
+    ("top", "kvtier.tools.top"),
 ]
 
 

@@ -1,0 +1,259 @@
+"""`kvtier stats` and `kvtier top` against a live kvtierd, their frame arithmetic, and the default socket rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The live-daemon harness lives with the daemon tests (see tests/daemon/conftest.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+
+from kvtierd_harness import kvtierd_module_factory  # noqa: E402,F401
+
+from kvtier.client.admin import DaemonUnavailable, default_socket, request, resolve_endpoint  # noqa: E402
+from kvtier.client.client import Client, PoolLayout  # noqa: E402
+from kvtier.daemon import config as daemon_config  # noqa: E402
+from kvtier.tools.top import render_frame  # noqa: E402
+
+BLOCK_BYTES = 512
+LAYOUT = PoolLayout(model="m", block_size=4, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
+                    kv_heads=1, head_dim=8)
+POOL = "tools"
+
+
+def kvtier(*args: str, env: Mapping[str, str] | None = None, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", *args], capture_output=True, text=True,
+                          timeout=timeout_s, env=None if env is None else {**os.environ, **env})
+
+
+def h(chain: int, i: int) -> bytes:
+    return bytes([chain, i]) * 8
+
+
+@pytest.fixture(scope="module")
+def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]  # noqa: F811
+    d = kvtierd_module_factory(gpu_bytes=8 * BLOCK_BYTES, cpu_bytes=32 * BLOCK_BYTES)
+    with Client(d.endpoint, POOL, LAYOUT) as c:
+        chain = [h(1, i) for i in range(12)]
+        for i in range(0, 12, 4):  # the GPU tier has 8 blocks: the first 4 are demoted
+            c.store(chain[i:i + 4], bytes(4 * BLOCK_BYTES))
+        c.lookup(chain + [h(9, 0), h(9, 1)])
+        c.restore(chain[:4])
+        c.lookup([h(9, 2)])
+    return d
+
+
+def pool_stats(endpoint: str) -> dict[str, Any]:
+    return request(endpoint, "stats")["pools"][POOL]
+
+
+# ---- kvtier stats ---------------------------------------------------------------------------------------
+
+
+def test_stats_json_is_the_stats_verb(daemon) -> None:  # type: ignore[no-untyped-def]
+    out = kvtier("stats", "--socket", daemon.endpoint, "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["endpoint"] == daemon.endpoint and got["sessions"] == 0
+    p, expected = got["pools"][POOL], pool_stats(daemon.endpoint)
+    assert p == expected  # nothing ran in between; stats calls change no pool counter
+    assert p["lookups"] == 3 and p["looked_up_blocks"] == 14 + 4 + 1
+    assert p["hit_blocks_gpu"] + p["hit_blocks_cpu"] + p["hit_blocks_remote"] + p["miss_blocks"] == p["looked_up_blocks"]
+    assert p["hit_blocks_gpu"] + p["hit_blocks_cpu"] == 12 + 4 and p["miss_blocks"] == 2 + 1
+    assert got["daemon"]["requests_total"]["op=store"] == 3
+
+
+def test_stats_json_for_one_pool_and_an_unknown_pool(daemon) -> None:  # type: ignore[no-untyped-def]
+    with Client(daemon.endpoint, "other", LAYOUT):
+        out = kvtier("stats", "--socket", daemon.endpoint, "--json", "--pool", POOL)
+        assert out.returncode == 0 and list(json.loads(out.stdout)["pools"]) == [POOL]
+    out = kvtier("stats", "--socket", daemon.endpoint, "--pool", "nope")
+    assert out.returncode == 1
+    assert "kvtier stats: no pool 'nope'" in out.stderr and "'tools'" in out.stderr
+
+
+def test_stats_table(daemon) -> None:  # type: ignore[no-untyped-def]
+    out = kvtier("stats", "--socket", daemon.endpoint, "--pool", POOL)
+    assert out.returncode == 0, out.stderr
+    p = pool_stats(daemon.endpoint)
+    text = out.stdout
+    for section in ("HITS", "OCCUPANCY", "COPIES", "EVENTS", "DAEMON"):
+        assert section in text
+    (hits,) = [line for line in text.splitlines() if line.startswith(f"  {POOL} ") and "%" in line]
+    total = p["looked_up_blocks"]
+    cells = hits.split()
+    assert cells[1:3] == [f"{p['lookups']:,}", f"{total:,}"]
+    assert cells[3:5] == [f"{p['hit_blocks_gpu']:,}", f"{100 * p['hit_blocks_gpu'] / total:.1f}%"]
+    assert cells[9:11] == [f"{p['miss_blocks']:,}", f"{100 * p['miss_blocks'] / total:.1f}%"]
+
+
+def test_stats_opens_no_session(daemon) -> None:  # type: ignore[no-untyped-def]
+    before = request(daemon.endpoint, "stats")["daemon"]["requests_total"]
+    assert kvtier("stats", "--socket", daemon.endpoint).returncode == 0
+    after = request(daemon.endpoint, "stats")["daemon"]["requests_total"]
+    assert after.get("op=hello") == before.get("op=hello")
+
+
+def test_no_daemon_is_a_clear_error(tmp_path: Path) -> None:
+    missing = f"ipc://{tmp_path}/missing.sock"
+    for sub in ("stats", "top"):
+        t0 = time.monotonic()
+        out = kvtier(sub, "--socket", missing, *(["--once"] if sub == "top" else []))
+        assert out.returncode == 1 and out.stdout == ""
+        assert f"kvtier {sub}: no kvtierd at {missing} (no socket file): start it with `kvtierd` or pass --socket" \
+            in out.stderr
+        assert time.monotonic() - t0 < 20  # no waiting for a file that is not there
+    stale = tmp_path / "stale.sock"
+    stale.touch()  # a file nobody listens on (a daemon that was SIGKILLed)
+    out = kvtier("stats", "--socket", f"ipc://{stale}", "--timeout", "0.3")
+    assert out.returncode == 1 and "no kvtierd at" in out.stderr and "start it with `kvtierd`" in out.stderr
+
+
+def test_kvtier_socket_env_is_the_default(daemon) -> None:  # type: ignore[no-untyped-def]
+    out = kvtier("stats", "--json", env={"KVTIER_SOCKET": daemon.endpoint})
+    assert out.returncode == 0 and json.loads(out.stdout)["endpoint"] == daemon.endpoint
+
+
+def test_help() -> None:
+    for sub in ("stats", "top"):
+        out = kvtier(sub, "--help")
+        assert out.returncode == 0 and "--socket" in out.stdout
+    assert "stats" in kvtier("--help").stdout and "top" in kvtier("--help").stdout
+
+
+# ---- kvtier top -----------------------------------------------------------------------------------------
+
+
+def test_top_once_shows_the_daemons_numbers(daemon) -> None:  # type: ignore[no-untyped-def]
+    out = kvtier("top", "--socket", daemon.endpoint, "--once", "--interval", "0.2", "--pool", POOL)
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout  # no escape codes with --once
+    p = pool_stats(daemon.endpoint)
+    total = p["looked_up_blocks"]
+    (since,) = [line for line in out.stdout.splitlines() if "since start" in line]
+    cells = since.split()
+    assert cells[2] == f"{total:,}"
+    assert cells[3:7] == [f"{100 * p[k] / total:.1f}%" for k in
+                          ("hit_blocks_gpu", "hit_blocks_cpu", "hit_blocks_remote", "miss_blocks")]
+    (window,) = [line for line in out.stdout.splitlines()
+                 if line.split()[:1] == [POOL] and re.search(r"last \d\.\d s", line)]
+    assert window.split()[4:7] == ["0", "0.0/s", "-"]  # nothing looked up in the interval: no rates
+    assert f"  {p['cpu_used_blocks']}/{p['cpu_blocks']} " in out.stdout  # occupancy of the CPU tier
+
+
+def _pool(**kw: float) -> dict[str, Any]:
+    base = {"lookups": 0, "looked_up_blocks": 0, "hit_blocks_gpu": 0, "hit_blocks_cpu": 0, "hit_blocks_remote": 0,
+            "miss_blocks": 0, "bytes_demote": 0, "bytes_restore": 0, "bytes_store": 0, "bytes_load": 0,
+            "gpu_blocks": 10, "gpu_free_blocks": 10, "cpu_blocks": 20, "cpu_used_blocks": 0}
+    return {**base, **kw}
+
+
+def test_top_rates_are_deltas_over_the_time_between_samples() -> None:
+    prev = {"pools": {"p": _pool(looked_up_blocks=100, hit_blocks_gpu=50, miss_blocks=50, bytes_store=1000)},
+            "daemon": {"requests_total": {"op=lookup": 10}, "lease_expiries_total": 1}, "sessions": 1}
+    cur = {"pools": {"p": _pool(looked_up_blocks=300, hit_blocks_gpu=100, hit_blocks_cpu=100, miss_blocks=100,
+                                bytes_store=1000 + 4 * 2048, gpu_free_blocks=4, cpu_used_blocks=5)},
+           "daemon": {"requests_total": {"op=lookup": 30}, "lease_expiries_total": 3}, "sessions": 2}
+    frame = render_frame(prev, cur, 2.0, endpoint="ipc:///x", interval_s=2.0, clock="12:00:00")
+    lines = frame.splitlines()
+    assert "lease expiries 3 (+2)" in lines[1] and "requests 10.0/s" in lines[1] and "sessions 2" in lines[1]
+    (window,) = [line for line in lines if "last 2.0 s" in line and "%" in line]
+    # In the window: 200 blocks, gpu 50, cpu 100, miss 50.
+    assert window.split()[4:10] == ["200", "100.0/s", "25.0%", "50.0%", "0.0%", "25.0%"]
+    (since,) = [line for line in lines if "since start" in line]
+    assert since.split()[2:7] == ["300", "33.3%", "33.3%", "0.0%", "33.3%"]
+    (bytes_row,) = [line for line in lines if "B/s" in line]
+    assert bytes_row.split()[0] == "p" and "4.0 KiB/s" in bytes_row  # 8 KiB stored in 2 s
+    assert "6/10 60.0%" in frame and "5/20 25.0%" in frame
+
+
+def test_top_counts_from_zero_after_a_daemon_restart() -> None:
+    prev = {"pools": {"p": _pool(looked_up_blocks=1000, hit_blocks_gpu=1000)}, "daemon": {}, "sessions": 0}
+    cur = {"pools": {"p": _pool(looked_up_blocks=10, miss_blocks=10)}, "daemon": {}, "sessions": 0}
+    frame = render_frame(prev, cur, 1.0, endpoint="ipc:///x", interval_s=1.0, clock="12:00:00")
+    (window,) = [line for line in frame.splitlines() if "last 1.0 s" in line and "%" in line]
+    assert window.split()[4:6] == ["10", "10.0/s"] and window.split()[-1] == "100.0%"
+
+
+def test_top_on_a_terminal_quits_cleanly_on_ctrl_c(daemon) -> None:  # type: ignore[no-untyped-def]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: kvtier top on a pseudo-terminal
+        os.execv(sys.executable, [sys.executable, "-m", "kvtier.tools.cli", "top", "--socket", daemon.endpoint,
+                                  "--interval", "0.2"])
+    output = b""
+    try:
+        deadline = time.monotonic() + 30
+        while output.count(b"HIT RATE") < 2:  # two frames drawn
+            assert time.monotonic() < deadline, output.decode(errors="replace")
+            if select.select([fd], [], [], 0.5)[0]:
+                output += os.read(fd, 65536)
+        os.kill(pid, signal.SIGINT)
+        while True:
+            if select.select([fd], [], [], 5)[0]:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            else:
+                break
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0, output.decode(errors="replace")
+    text = output.decode(errors="replace")
+    assert text.startswith("\x1b[?1049h\x1b[?25l")  # alternate screen, cursor hidden
+    assert text.endswith("\x1b[?25h\x1b[?1049l")  # both restored on Ctrl-C
+    assert "Traceback" not in text and "interrupted" not in text
+
+
+# ---- where the tools look --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("environ", [
+    {"XDG_RUNTIME_DIR": "/run/user/1234"},
+    {"XDG_RUNTIME_DIR": "relative/dir", "TMPDIR": "/var/tmp"},
+    {"TMPDIR": "/var/tmp"},
+    {"TMPDIR": "not/absolute"},
+    {},
+])
+def test_the_client_default_socket_is_the_daemons(environ: dict[str, str]) -> None:
+    for uid in (0, 1000, 987654):
+        assert default_socket(environ, uid=uid) == daemon_config.default_socket(environ, uid=uid)
+
+
+def test_resolve_endpoint_order() -> None:
+    env = {"KVTIER_SOCKET": "ipc:///from/env.sock", "XDG_RUNTIME_DIR": "/run/user/5"}
+    assert resolve_endpoint("tcp://h:1", env) == "tcp://h:1"
+    assert resolve_endpoint(None, env) == "ipc:///from/env.sock"
+    assert resolve_endpoint(None, {"KVTIER_SOCKET": "", "XDG_RUNTIME_DIR": "/run/user/5"}) == \
+        "ipc:///run/user/5/kvtier/kvtierd.sock"
+
+
+def test_admin_request_refuses_session_verbs_and_missing_sockets(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        request("ipc:///x", "lookup")
+    with pytest.raises(DaemonUnavailable, match="no socket file"):
+        request(f"ipc://{tmp_path}/none.sock", "stats")
+
+
+def test_the_tools_import_no_torch_and_no_daemon() -> None:
+    code = ("import sys\n"
+            "import kvtier.tools.stats, kvtier.tools.top, kvtier.client.admin\n"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('kvtier.daemon')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
