@@ -68,9 +68,14 @@ class Block:
     next_free: Block | None = None
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Evicted:
-    """A cached block popped for reuse: its bytes are still in the slot."""
+    """A cached block popped for reuse: its bytes are still in the slot.
+
+    Not frozen: a frozen dataclass's __init__ goes through object.__setattr__
+    and costs ~3x as much, once per evicted block on the allocation hot path.
+    Treat it as read-only.
+    """
 
     block_id: int
     block_hash: bytes
@@ -175,9 +180,10 @@ class BlockManager:
     def longest_cached_prefix(self, hashes: Sequence[bytes]) -> list[Block]:
         if not self.enable_caching:
             return []
+        get = self._index.get
         hits: list[Block] = []
         for block_hash in hashes:
-            block = self._index.get(block_hash)
+            block = get(block_hash)
             if block is None:
                 break
             hits.append(block)
@@ -197,26 +203,58 @@ class BlockManager:
 
     # ---- primitives ----------------------------------------------------
 
+    # The hot paths below (touch, allocate_blocks, release, allocate's commits)
+    # inline the FreeBlockQueue link updates and the common case of commit and
+    # _drop_hash: a method call per block is most of their cost in CPython.
+    # FreeBlockQueue's methods stay the reference for what they do.
+
     def touch(self, blocks: Iterable[Block]) -> None:
-        for block in blocks:
-            if block.ref_cnt == 0:
-                self.free_queue.remove(block)
-            block.ref_cnt += 1
+        fq = self.free_queue
+        removed = 0
+        try:
+            for block in blocks:
+                if block.ref_cnt == 0:
+                    prev, nxt = block.prev_free, block.next_free
+                    if prev is None or nxt is None:
+                        raise ValueError(f"block {block.block_id} is not in the free queue")
+                    prev.next_free = nxt
+                    nxt.prev_free = prev
+                    block.prev_free = block.next_free = None
+                    removed += 1
+                block.ref_cnt += 1
+        finally:
+            fq.num_free -= removed
 
     def allocate_blocks(self, n: int) -> tuple[list[Block], list[Evicted]]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > self.free_queue.num_free:
-            raise NoFreeBlocks(f"need {n} free blocks, {self.free_queue.num_free} available")
+        fq = self.free_queue
+        if n > fq.num_free:
+            raise NoFreeBlocks(f"need {n} free blocks, {fq.num_free} available")
+        index, dups = self._index, self._duplicates
         blocks: list[Block] = []
         evicted: list[Evicted] = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                evicted.append(Evicted(block.block_id, block.block_hash))
-                self._drop_hash(block)
+        head = fq._head
+        block = head.next_free
+        for _ in range(n):  # unlink the first n blocks of the queue in one walk
+            assert block is not None
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block_hash = block.block_hash
+            if block_hash is not None:
+                evicted.append(Evicted(block.block_id, block_hash))
+                if block_hash in dups:
+                    self._drop_hash(block)
+                else:  # the only live copy of the hash, hence the indexed one
+                    del index[block_hash]
+                    block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
+            block = nxt
+        assert block is not None
+        head.next_free = block
+        block.prev_free = head
+        fq.num_free -= n
         return blocks, evicted
 
     def commit(self, block: Block, block_hash: bytes) -> None:
@@ -231,12 +269,25 @@ class BlockManager:
             self._duplicates.setdefault(block_hash, []).append(block)
 
     def release(self, blocks: Iterable[Block]) -> None:
-        for block in blocks:
-            if block.ref_cnt <= 0:
-                raise ValueError(f"block {block.block_id} released more often than referenced")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue.append(block)
+        fq = self.free_queue
+        tail = fq._tail
+        added = 0
+        try:
+            for block in blocks:
+                ref_cnt = block.ref_cnt
+                if ref_cnt <= 0:
+                    raise ValueError(f"block {block.block_id} released more often than referenced")
+                block.ref_cnt = ref_cnt = ref_cnt - 1
+                if ref_cnt == 0:  # to the queue tail
+                    last = tail.prev_free
+                    assert last is not None
+                    last.next_free = block
+                    block.prev_free = last
+                    block.next_free = tail
+                    tail.prev_free = block
+                    added += 1
+        finally:
+            fq.num_free += added
 
     def discard_hash(self, block: Block) -> None:
         """Withdraw a block's hash (its bytes never arrived); the block stays where it is."""
@@ -281,7 +332,8 @@ class BlockManager:
                 f"{num_tokens} tokens make {num_full} full blocks of {self.block_size}, got {len(block_hashes)} hashes"
             )
         hits = self.longest_cached_prefix(block_hashes)
-        num_needed = -(-num_tokens // self.block_size) - len(hits)
+        num_hits = len(hits)
+        num_needed = -(-num_tokens // self.block_size) - num_hits
         # Hits still in the free queue are about to leave it: they are not
         # available to this request's new blocks.
         available = self.free_queue.num_free - sum(1 for b in hits if b.ref_cnt == 0)
@@ -289,12 +341,18 @@ class BlockManager:
             raise NoFreeBlocks(f"request {request_id!r} needs {num_needed} new blocks, {available} available")
         self.touch(hits)
         new, evicted = self.allocate_blocks(num_needed)
-        for pos, block in enumerate(new, start=len(hits)):
-            if pos < num_full:
-                self.commit(block, block_hashes[pos])
-        blocks = hits + new
-        self._requests[request_id] = _Request(blocks, num_tokens, num_full)
-        return Allocation(request_id, [b.block_id for b in blocks], len(hits), [b.block_id for b in new], evicted)
+        if self.enable_caching:
+            # commit() inlined: the new blocks were just allocated, so none carries a hash.
+            index = self._index
+            for block, block_hash in zip(new, block_hashes[num_hits:]):
+                block.block_hash = block_hash
+                if block_hash in index:
+                    self._duplicates.setdefault(block_hash, []).append(block)
+                else:
+                    index[block_hash] = block
+        self._requests[request_id] = _Request(hits + new, num_tokens, num_full)
+        new_ids = [b.block_id for b in new]
+        return Allocation(request_id, [b.block_id for b in hits] + new_ids, num_hits, new_ids, evicted)
 
     def append(self, request_id: str, num_new_tokens: int, new_block_hashes: Sequence[bytes]) -> Allocation:
         req = self._request(request_id)
