@@ -174,7 +174,8 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
                  "; ".join(f"{k} = {v}" for k, v in _DIRECTIONS.items()) + ".", (("direction", d),))
       for d in _DIRECTIONS),
     *(PoolMetric(f"seconds_{d}", "copy_seconds", "counter",
-                 "Seconds from submitting each copy to its completion (queueing included), summed over copies, by direction.",
+                 "Seconds from submitting each copy to its completion (queueing included), summed over "
+                 "copies, by direction.",
                  (("direction", d),)) for d in _DIRECTIONS),
     PoolMetric("gpu_blocks", "capacity_blocks", "gauge", "Block slots of each tier.", (("tier", "gpu"),)),
     PoolMetric("cpu_blocks", "capacity_blocks", "gauge", "", (("tier", "cpu"),)),
@@ -278,8 +279,8 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
             fam.add_metric([pool_name, *(v for _, v in spec.labels)], value)
 
     blocks = family("blocks", "gauge", BLOCKS_HELP, ["pool", "tier", "state"])
-    up = family("remote_up", "gauge", "1 when the pool's remote tier is reachable, 0 when not (absent: no remote tier).",
-                ["pool"])
+    up = family("remote_up", "gauge",
+                "1 when the pool's remote tier is reachable, 0 when not (absent: no remote tier).", ["pool"])
     attached = family("gpu_attached", "gauge",
                       "1 when the pool has a GPU tier (store mode: always; engine mode: while the engine's KV "
                       "tensors are registered).", ["pool"])
