@@ -36,6 +36,14 @@ from kvtier.tiers.transfer import ThreadTransferEngine, TransferEngine, make_tra
 
 log = logging.getLogger(__name__)
 
+# Every block of a tier has a bookkeeping record built when the tier is (the
+# block manager's Block objects, the CPU tier's free-slot list): ~50-100 bytes
+# and ~0.3 us each. A client picks block_bytes, so without a bound one hello
+# with block_bytes=1 makes a daemon with a 16 GiB CPU tier build 16Gi records
+# (its loop stalls, then it is OOM-killed). 2**23 blocks is a 1 TiB tier of
+# 128 KiB blocks (Llama-3-8B, 16 tokens).
+MAX_BLOCKS_PER_TIER = 1 << 23
+
 
 @dataclass(frozen=True)
 class PoolSizing:
@@ -119,6 +127,14 @@ class PoolRegistry:
         block_bytes = int(layout["block_bytes"])
         cpu_blocks = sizing.cpu_bytes // block_bytes
         gpu_blocks = sizing.gpu_bytes // block_bytes
+        for tier, blocks, nbytes in (("CPU", cpu_blocks, sizing.cpu_bytes),
+                                     ("GPU", gpu_blocks if layout["mode"] == "store" else 0, sizing.gpu_bytes)):
+            if blocks > MAX_BLOCKS_PER_TIER:
+                raise ProtocolError(
+                    ErrorCode.INVALID_FIELD,
+                    f"pool {name!r}: layout.block_bytes {block_bytes} cuts this daemon's {nbytes}-byte {tier} tier "
+                    f"into {blocks} blocks; at most {MAX_BLOCKS_PER_TIER} per tier (use larger blocks)",
+                )
         try:
             cpu_storage = allocate_host_slab(cpu_blocks, block_bytes) if cpu_blocks else None
         except HostMemoryError as exc:
@@ -166,6 +182,11 @@ class PoolRegistry:
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,
                 f"pool {entry.name!r} already has a GPU tier registered (registration {entry.gpu_owner[1]!r})",
+            )
+        if layout.num_blocks > MAX_BLOCKS_PER_TIER:
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"registered tensors have {layout.num_blocks} blocks; a GPU tier has at most {MAX_BLOCKS_PER_TIER}",
             )
         entry.pool.attach_gpu(layout)
         entry.gpu_owner = owner
