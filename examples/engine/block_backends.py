@@ -17,6 +17,13 @@ The example engine never decides which slot holds which block. It asks a
   filled. Returns the whole block table (it only grows at the end).
 - ``free(request_id)``: the request is done; its blocks stay cached in the
   GPU tier (LRU) until they are evicted, i.e. demoted to the CPU tier.
+- ``abort(request_id, num_valid_blocks)``: the request failed part-way.
+  kvtier commits a block's hash when the block is allocated (full) or
+  appended, before the engine has written its K/V, so the blocks after the
+  first ``num_valid_blocks`` may be cached under hashes whose bytes were
+  never written. ``abort`` withdraws them and frees the request, so no later
+  request can hit garbage (the daemon backend, for want of a verb that
+  withdraws hashes, frees and then clears the pool's unused cached blocks).
 - ``stats() -> dict``: the pool's counters; ``close()``.
 
 Two implementations share it:
@@ -32,6 +39,8 @@ Two implementations share it:
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +54,8 @@ from kvtier.tiers.pool import PoolSpec, TieredPool
 from kvtier.tiers.transfer import make_transfer_engine
 
 from paged_llama import BLOCK_DIM, KVGeometry, PagedKVPool
+
+log = logging.getLogger(__name__)
 
 RESTORE_TIMEOUT_S = 60.0
 
@@ -76,6 +87,8 @@ class BlockBackend(Protocol):
     def append(self, request_id: str, num_new_tokens: int, new_hashes: Sequence[bytes]) -> list[int]: ...
 
     def free(self, request_id: str) -> None: ...
+
+    def abort(self, request_id: str, num_valid_blocks: int) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -134,6 +147,15 @@ class InProcessBackend:
         # finds them clean (the pool only learns of them when polled).
         self.pool.poll()
 
+    def abort(self, request_id: str, num_valid_blocks: int) -> None:
+        bm = self.pool.bm
+        if bm is not None and bm.has_request(request_id):
+            # Blocks past the valid prefix were allocated by this request (hits
+            # are always a prefix), and no other request has run since.
+            for block_id in bm.block_table(request_id)[num_valid_blocks:]:
+                bm.discard_hash(bm.blocks[block_id])
+        self.free(request_id)
+
     def stats(self) -> dict[str, Any]:
         self.pool.poll()
         return self.pool.stats()
@@ -188,6 +210,25 @@ class DaemonBackend:
         if self.kv.device.type == "cuda":
             torch.cuda.synchronize(self.kv.device)
         self.client.free(request_id)
+
+    def abort(self, request_id: str, num_valid_blocks: int, *, timeout_s: float = 10.0) -> None:
+        # The protocol has no verb to withdraw the hashes of blocks a request
+        # never wrote, so the only safe move is to drop every unused cached
+        # block of the pool (both tiers) once the request is freed. Freeing
+        # lets the daemon start demoting those blocks at once (clean-ahead),
+        # and ``clear`` cannot drop a CPU-tier entry still being written: wait
+        # until no copy is in flight first, or the garbage lands in the CPU
+        # tier after the clear. (Another session's calls could still start a
+        # demotion in between; a proper verb would close that window.)
+        # Correct, and costly: it is for failures only.
+        log.warning("request %s failed after %d valid blocks: freeing it and clearing the pool's cached blocks "
+                    "(kvtierd cannot withdraw the hashes of blocks that were never written)",
+                    request_id, num_valid_blocks)
+        self.free(request_id)
+        deadline = time.monotonic() + timeout_s
+        while self.stats().get("copies_in_flight", 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.client.clear()
 
     def stats(self) -> dict[str, Any]:
         """This pool's counters (the same keys as ``TieredPool.stats``) plus the daemon's under "daemon"."""

@@ -18,7 +18,8 @@ runs one request end to end and returns a ``RequestResult``:
 4. the first token is the argmax of the last prompt token's logits: the
    time to here is the TTFT;
 5. decode greedily, ``backend.append`` one token at a time (committing each
-   block as it fills), then ``backend.free``.
+   block as it fills), then ``backend.free``. If anything fails part-way,
+   ``backend.abort`` withdraws the blocks whose K/V were never written.
 
 Exactness: a hit block holds the post-RoPE K/V that an earlier request
 computed at the same positions for the same tokens (the hash chains over
@@ -135,6 +136,8 @@ class Engine:
         t_hash = time.perf_counter()
         alloc = self.backend.allocate(rid, hashes, n)
         t_alloc = time.perf_counter()
+        # Tokens whose K/V are in the pool (hits, then what the model wrote).
+        valid_tokens = 0
         try:
             num_hit_tokens = alloc.num_hit_blocks * bs
             num_cached = min(num_hit_tokens, n - 1)
@@ -145,6 +148,7 @@ class Engine:
             input_ids = torch.tensor([prompt[num_cached:]], dtype=torch.int64, device=self.device)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1].float()
+            valid_tokens = n
             _sync(self.device)
             t_model = time.perf_counter()
             next_id = int(torch.argmax(logits))
@@ -164,12 +168,16 @@ class Engine:
                 cache.set_block_table(self.backend.append(rid, 1, new_hashes))
                 step = self.model(input_ids=torch.tensor([[next_id]], device=self.device), past_key_values=cache,
                                   use_cache=True)
+                valid_tokens = len(seq)
                 next_id = int(torch.argmax(step.logits[0, -1]))
                 output.append(next_id)
             _sync(self.device)
             t_end = time.perf_counter()
-        finally:
-            self.backend.free(rid)
+        except BaseException:
+            # Blocks committed ahead of their K/V must not stay cached.
+            self.backend.abort(rid, max(valid_tokens, alloc.num_hit_blocks * bs) // bs)
+            raise
+        self.backend.free(rid)
         return RequestResult(
             request_id=rid,
             prompt_len=n,

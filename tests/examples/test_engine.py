@@ -156,6 +156,32 @@ def test_salt_prevents_reuse(model: torch.nn.Module, prompts: list[list[int]],
     assert unsalted.num_hit_blocks == 320 // 16
 
 
+class _FailingModel(torch.nn.Module):
+    """Raises on the call that would compute the prompt (after allocate committed its blocks)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        raise RuntimeError("injected failure")
+
+
+def test_failed_request_leaves_no_stale_blocks(model: torch.nn.Module, prompts: list[list[int]],
+                                               recomputed: list[RequestResult]) -> None:
+    eng = make_engine(model, gpu_blocks=64)
+    eng.generate(prompts[0], NEW_TOKENS)  # the shared 320-token prefix is cached and valid
+    eng.model = _FailingModel(model)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.generate(prompts[1], NEW_TOKENS)  # allocate committed its new blocks, then the model failed
+    eng.model = model
+    again = eng.generate(prompts[1], NEW_TOKENS)
+    # Only the prefix computed by the first request is reused; nothing the failed one never wrote.
+    assert again.num_hit_blocks == 320 // 16
+    assert_same_outputs(again, recomputed[1])
+
+
 def test_pool_slots_hold_the_model_kv(model: torch.nn.Module, prompts: list[list[int]]) -> None:
     """The K/V the engine wrote into its slots are the model's own post-RoPE K/V."""
     eng = make_engine(model, gpu_blocks=64)
@@ -258,3 +284,19 @@ def test_chat_workload_script_runs(tmp_path: Path) -> None:
     assert report["exactness"]["same_greedy_outputs"] == report["exactness"]["requests"] == 6
     assert report["totals"]["hit_blocks_cpu"] > 0  # earlier turns came back from the CPU tier
     assert {t["hit_tier"] for t in report["turns"][2:]} <= {"gpu", "cpu", "gpu+cpu"}
+
+
+def test_daemon_failed_request_leaves_no_stale_blocks(model: torch.nn.Module, kvtierd: str,
+                                                      prompts: list[list[int]],
+                                                      recomputed: list[RequestResult]) -> None:
+    eng = make_daemon_engine(model, kvtierd, gpu_blocks=64, name="test-daemon-abort")
+    try:
+        eng.model = _FailingModel(model)
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.generate(prompts[1], NEW_TOKENS)
+        eng.model = model
+        again = eng.generate(prompts[1], NEW_TOKENS)
+        assert again.num_hit_blocks == 0, (again.hit_tiers, eng.backend.stats())
+        assert_same_outputs(again, recomputed[1])
+    finally:
+        eng.backend.close()
