@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("transformers", reason="the example engine needs the 'engine' extra (transformers)")
+
 ENGINE_DIR = Path(__file__).resolve().parents[2] / "examples" / "engine"
 sys.path.insert(0, str(ENGINE_DIR))
 
