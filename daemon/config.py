@@ -88,6 +88,8 @@ from typing import Any, NoReturn, TextIO
 
 import psutil
 
+from kvtier.tiers.eviction import DEFAULT_POLICY  # no torch: config stays fast to load
+
 __all__ = [
     "ConfigError",
     "DaemonConfig",
@@ -161,7 +163,7 @@ class PoolDefaults:
 
     gpu_bytes: int | None = None
     cpu_bytes: CpuBytes | None = None
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     clean_ahead_blocks: int = 64
 
     def __post_init__(self) -> None:

@@ -93,6 +93,11 @@ class LRUPolicy(EvictionPolicy):
         return len(self._order)
 
 
+# The default for the daemon and the replay tool: on the Mooncake traces it
+# beats LRU by 3.6 points (conversation) and 2 points (synthetic) at 100k GPU +
+# 3M CPU tokens (README, "Hit rates"). Measured with `kvtier replay --sweep`.
+DEFAULT_POLICY = "chain"
+
 PolicyFactory = Callable[[int], EvictionPolicy]
 WrapperFactory = Callable[[EvictionPolicy], EvictionPolicy]
 
@@ -101,6 +106,8 @@ WRAPPERS: dict[str, WrapperFactory] = {}
 
 
 def register_policy(name: str, factory: PolicyFactory) -> None:
+    if "+" in name:
+        raise ValueError(f"policy name {name!r} may not contain '+': it separates wrappers")
     POLICIES[name] = factory
 
 
@@ -117,6 +124,7 @@ def make_policy(spec: str, capacity_blocks: int) -> EvictionPolicy:
     # Import for the side effect of registering the policies that live in
     # their own modules; kept here so `make_policy` always sees all of them.
     from kvtier.tiers import policies as _policies  # noqa: F401
+    from kvtier.tiers import policies_chain as _policies_chain  # noqa: F401
 
     base, *wrappers = spec.split("+")
     if base not in POLICIES:

@@ -190,6 +190,7 @@ class TieredPool:
         self._inflight: dict[Transfer, _Copy] = {}
         self._pins: dict[str, list[tuple[Tier, Block | CpuEntry]]] = {}
         self._completed: list[Op] | None = None  # set while poll() runs
+        self._looked_up: list[bytes] | None = None  # hashes of the last counted lookup
         self.counters: dict[str, int] = {
             "lookups": 0,
             "looked_up_blocks": 0,
@@ -333,20 +334,27 @@ class TieredPool:
         if self.remote.write_back(entry.key, memoryview(row.numpy()), copy=True):
             self.counters["remote_write_backs"] += 1
 
-    def _count(self, hashes: Sequence[bytes], tiers: Sequence[Tier]) -> None:
+    def _count(self, hashes: Sequence[bytes], tiers: Sequence[Tier], *, is_lookup: bool = False) -> None:
         c = self.counters
         c["lookups"] += 1
         c["looked_up_blocks"] += len(hashes)
         for tier in tiers:
             c["hit_blocks_" + tier.value] += 1
         c["miss_blocks"] += len(hashes) - len(tiers)
+        # A lookup followed by the allocate (or restore) of the same hashes is
+        # one request to the policy: history-based policies would read the
+        # second call as a reuse after zero requests.
+        if self._looked_up is not None and list(hashes) == self._looked_up:
+            self._looked_up = None
+            return
+        self._looked_up = list(hashes) if is_lookup else None
         self.cpu.policy.record_request(hashes)
 
     def lookup(self, hashes: Sequence[bytes], *, count: bool = True) -> list[Tier]:
         tiers = [tier for tier, _ in self._held_prefix(hashes)]
         tiers += [Tier.REMOTE] * self._remote_run(hashes, len(tiers))
         if count:
-            self._count(hashes, tiers)
+            self._count(hashes, tiers, is_lookup=True)
         return tiers
 
     @staticmethod

@@ -52,6 +52,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.tiers.eviction import DEFAULT_POLICY
 from kvtier.tools.traces import Request, load_trace
 
 __all__ = [
@@ -65,7 +66,6 @@ __all__ = [
     "register",
 ]
 
-DEFAULT_POLICY = "lru"
 DEFAULT_BLOCK_SIZE = 512
 DEFAULT_GPU_TOKENS = 100_000
 DEFAULT_CPU_TOKENS = 3_000_000

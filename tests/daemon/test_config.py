@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvtier.daemon.config as config_mod
+from kvtier.tiers.eviction import DEFAULT_POLICY
 from kvtier.daemon.config import (
     ConfigError,
     DaemonConfig,
@@ -70,7 +71,7 @@ def test_defaults_with_no_file_env_or_flags() -> None:
     assert cfg.insecure_tcp is False
     assert cfg.curve_secret_key_file is None and cfg.curve_public_keys_dir is None
     assert cfg.hash_algo == "xxh3_128"
-    assert cfg.default_pool == PoolDefaults(gpu_bytes=None, cpu_bytes=None, policy="lru", clean_ahead_blocks=64)
+    assert cfg.default_pool == PoolDefaults(gpu_bytes=None, cpu_bytes=None, policy="chain", clean_ahead_blocks=64)
     assert dict(cfg.pools) == {}
 
 
@@ -210,7 +211,7 @@ def test_pool_from_env_only_is_found_by_real_name() -> None:
     cfg = load_config([], {**ENV, "KVTIER_POOLS__LLAMA_8B_TP0__CPU_BYTES": "30%", "KVTIER_CPU_BYTES": "1GiB"})
     settings = cfg.pool_settings("llama-8b/tp0")
     assert settings.cpu_bytes == MemoryFraction(0.3)
-    assert settings.policy == "lru"
+    assert settings.policy == DEFAULT_POLICY  # inherited from the default pool
     assert cfg.pool_settings("other").cpu_bytes == 1 * GiB
 
 
@@ -240,7 +241,7 @@ def test_pool_settings_merge_defaults_and_overrides(tmp_path: Path) -> None:
     )
     cfg = load_config(["--config", str(path)], ENV)
     a, b, c = cfg.pool_settings("a"), cfg.pool_settings("b"), cfg.pool_settings("c")
-    assert (a.cpu_bytes, a.gpu_bytes, a.clean_ahead_blocks, a.policy) == (8 * GiB, 1 * GiB, 32, "lru")
+    assert (a.cpu_bytes, a.gpu_bytes, a.clean_ahead_blocks, a.policy) == (8 * GiB, 1 * GiB, 32, DEFAULT_POLICY)
     assert (b.cpu_bytes, b.clean_ahead_blocks) == (4 * GiB, 0)
     assert (c.name, c.cpu_bytes) == ("c", 4 * GiB)
 

@@ -63,10 +63,11 @@ def test_sigkilled_client_loses_pins_arena_and_registration_after_the_lease(kvti
         with Client(daemon.endpoint, "lease", LAYOUT) as c:
             assert c.stats()["pools"]["lease"]["pinned_blocks"] == 4
             assert c.stats()["pools"]["lease-engine"]["gpu_registered"]
-            other = [bytes([100 + i]) * 16 for i in range(4)]
-            # All four GPU blocks are pinned by the crasher: no room.
+            other = [bytes([100 + i]) * 16 for i in range(8)]
+            # All four GPU blocks are pinned by the crasher; what the GPU tier
+            # cannot take overflows into the CPU tier, which holds only four.
             with pytest.raises(DaemonError) as info:
-                c.store(other, bytes(4 * BLOCK_BYTES))
+                c.store(other, bytes(8 * BLOCK_BYTES))
             assert info.value.code == ErrorCode.NO_SPACE
             # The crasher's heartbeats keep it alive well past one lease...
             time.sleep(1.5)
@@ -84,7 +85,7 @@ def test_sigkilled_client_loses_pins_arena_and_registration_after_the_lease(kvti
             # The crashed engine's registration (its GPU tier) and request went too.
             engine_stats = stats["pools"]["lease-engine"]
             assert not engine_stats["gpu_registered"] and engine_stats["gpu_blocks"] == 0
-            assert c.store(other, bytes(4 * BLOCK_BYTES)) == (4, 0)
+            assert c.store(other, bytes(8 * BLOCK_BYTES)) == (8, 0)
             # Our own session survived on heartbeats alone.
             assert c.stats()["daemon"]["lease_expiries_total"] == 2
     finally:

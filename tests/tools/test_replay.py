@@ -316,7 +316,7 @@ def test_sweep_in_processes_matches_serial() -> None:
 
 def test_cli_replay_json_and_plot(tmp_path: Path, capsys) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = cli.main(["replay", str(HAND), "--block-size", "4", "--gpu-blocks", "3", "--cpu-blocks", "4",
+    rc = cli.main(["replay", str(HAND), "--block-size", "4", "--gpu-blocks", "3", "--cpu-blocks", "4", "--policy", "lru",
                    "--block-bytes", "1k", "--json", str(out), "--plot", str(png), "-q"])
     assert rc == 0
     text = capsys.readouterr().out
