@@ -25,6 +25,7 @@ one torch thread (said on the console): timings stay steady.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -37,17 +38,18 @@ from chat_workload import build_parser, run  # noqa: E402
 from daemon_proc import DaemonProcess, daemon_available  # noqa: E402
 from paged_llama import KVGeometry, model_config  # noqa: E402
 
-CPU_TIER_BLOCKS = 4096
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     parser.description = __doc__.split("\n\n")[0]
     parser.epilog = "\n\n".join(__doc__.split("\n\n")[1:])
     parser.set_defaults(backend="daemon")
+    # The demo starts its own daemon: no backend or endpoint to choose.
+    for flag in ("--backend", "--endpoint"):
+        parser._option_string_actions[flag].help = argparse.SUPPRESS
+    parser._option_string_actions["--cpu-blocks"].help = "the daemon's CPU tier size in blocks (default: 4096)"
     args = parser.parse_args(argv)
-    if args.backend != "daemon":
-        parser.error("run_demo.py always uses the daemon; run chat_workload.py for the in-process backend")
+    if args.backend != "daemon" or args.endpoint:
+        parser.error("run_demo.py starts and uses its own kvtierd; run chat_workload.py for other set-ups")
     if not daemon_available():
         print("kvtierd or kvtier.client is not importable here; cannot run the demo", file=sys.stderr)
         return 1

@@ -302,3 +302,20 @@ def test_daemon_failed_request_leaves_no_stale_blocks(model: torch.nn.Module, kv
         assert_same_outputs(again, recomputed[1])
     finally:
         eng.backend.close()
+
+
+def test_run_demo_main_job(tmp_path: Path) -> None:
+    """The README's main job, small: kvtierd started and stopped (exit 0) around the chat workload."""
+    if not _daemon_available():
+        pytest.skip("kvtierd / kvtier.client not importable")
+    import json
+
+    from run_demo import main
+
+    out = tmp_path / "demo.json"
+    rc = main(["--model-size", "tiny", "--conversations", "2", "--turns", "2", "--system-tokens", "96",
+               "--user-tokens", "24", "--answer-tokens", "4", "--json-out", str(out), "--quiet"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["backend"] == "daemon"
+    assert report["exactness"]["same_greedy_outputs"] == report["exactness"]["requests"] == 4
