@@ -684,3 +684,48 @@ def run_campaign(world: FuzzWorld, judge: Judge, num_cases: int, seed: int, *, r
             rate = i / (time.monotonic() - t0)
             print(f"  {i} cases, {rate:.0f}/s, failures {judge.num_failures}", flush=True)
     return time.monotonic() - t0
+
+
+PROTOCOL_CODES = ("MALFORMED", "UNSUPPORTED_VERSION", "UNKNOWN_OP", "INVALID_FIELD", "TOO_LARGE")
+VICTIM_KEYS = ("stores", "cpu_used_blocks", "pinned_blocks", "cpu_evictions")
+
+
+def victim_snapshot(victim: Victim) -> tuple[Counter[str], dict[str, int]]:
+    """What ``after_checks`` compares against: error counters and the victim pool's counters."""
+    stats = victim.client.stats()
+    pool = stats["pools"][victim.client.pool]
+    return error_counts(stats), {k: int(pool[k]) for k in VICTIM_KEYS}
+
+
+def after_checks(victim: Victim, judge: Judge, errors_before: Counter[str], pool_before: dict[str, int],
+                 daemon_log: str) -> list[str]:
+    """Everything that must hold once fuzzing is over; returns the problems found (empty: all good).
+
+    The daemon answers health; its errors_total grew by at least every
+    rejection the judge saw (exactly, for the protocol errors only fuzz
+    frames cause); no INTERNAL error; no reply dropped; no traceback in its
+    log; the victim pool's counters are unchanged and every victim block
+    restores byte-exact through both planes.
+    """
+    problems: list[str] = []
+    c = victim.client
+    if c.health().get("status") != "ok":
+        problems.append("health is not ok")
+    stats = c.stats()
+    delta = error_counts(stats) - errors_before
+    seen = Counter({k: v for k, v in judge.replies.items() if k not in ("ok", "no_reply")})
+    for name, n in seen.items():
+        if delta[name] < n or (name in PROTOCOL_CODES and delta[name] != n):
+            problems.append(f"errors_total[{name}] grew by {delta[name]}, the fuzzer saw {n}")
+    if delta["INTERNAL"]:
+        problems.append(f"{delta['INTERNAL']} INTERNAL errors")
+    if stats["daemon"].get("replies_dropped_total", 0):
+        problems.append(f"{stats['daemon']['replies_dropped_total']} replies dropped")
+    pool = stats["pools"][c.pool]
+    now = {k: int(pool[k]) for k in VICTIM_KEYS}
+    if now != pool_before:
+        problems.append(f"victim pool counters changed: {pool_before} -> {now}")
+    problems += victim.verify()
+    if "Traceback" in daemon_log:
+        problems.append("the daemon logged a traceback")
+    return problems

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fuzzlib import FuzzCase, FuzzWorld, Judge, Victim, error_counts, hypothesis_requests, run_campaign
+from fuzzlib import FuzzCase, FuzzWorld, Judge, Victim, after_checks, hypothesis_requests, run_campaign, victim_snapshot
 from kvtier.client.client import Client, DaemonError
 from kvtier.client.protocol import ErrorCode, encode
 from stresslib import RawSocket, StressDaemon, store_layout
@@ -36,8 +36,6 @@ CPU_BLOCKS = 64
 MAX_PAYLOAD_BYTES = 8 * BLOCK_BYTES
 NUM_CASES = int(os.environ.get("KVTIER_FUZZ_CASES", "8000"))
 NUM_EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "1500"))
-# Errors only the fuzzer's frames cause (the fuzz sessions' own clients never do).
-PROTOCOL_CODES = ("MALFORMED", "UNSUPPORTED_VERSION", "UNKNOWN_OP", "INVALID_FIELD", "TOO_LARGE")
 
 logging.getLogger("kvtier.client").setLevel(logging.ERROR)  # the fuzz sessions' reconnect chatter
 
@@ -65,8 +63,7 @@ def fuzzed(start_module_daemon) -> Iterator[Fuzzed]:  # type: ignore[no-untyped-
     assert pool["demotions"] > 0 and pool["pinned_blocks"] == 8
     world = FuzzWorld.open(daemon.endpoint, BLOCK_BYTES, "victim", layout.to_wire(), MAX_PAYLOAD_BYTES)
     judge = Judge(daemon.endpoint, world.hard_limit_bytes)
-    yield Fuzzed(daemon, victim, world, judge, error_counts(client.stats()),
-                 {k: pool[k] for k in ("stores", "cpu_used_blocks", "pinned_blocks", "cpu_evictions")})
+    yield Fuzzed(daemon, victim, world, judge, *victim_snapshot(victim))
     judge.close()
     world.close()
     client.close()
@@ -101,27 +98,11 @@ def test_generated_frames_of_every_category_get_one_wellformed_reply_each(fuzzed
 
 
 def test_after_fuzzing_health_counters_and_every_victim_block(fuzzed: Fuzzed) -> None:
-    c = fuzzed.victim.client
-    assert c.health()["status"] == "ok" and fuzzed.daemon.alive
-    stats = c.stats()
-    delta = error_counts(stats) - fuzzed.errors_before
-    seen = Counter({k: v for k, v in fuzzed.judge.replies.items() if k not in ("ok", "no_reply")})
-    assert seen, "no fuzzing ran"
-    for name, n in seen.items():
-        # Every rejection is counted; protocol errors only the fuzzer makes match exactly.
-        assert delta[name] >= n, (name, delta[name], n)
-        if name in PROTOCOL_CODES:
-            assert delta[name] == n, (name, delta[name], n)
-    assert "INTERNAL" not in delta
-    protocol_errors = sum(stats["daemon"]["protocol_errors_total"].values())
-    assert protocol_errors >= sum(seen[name] for name in ("MALFORMED", "UNSUPPORTED_VERSION", "UNKNOWN_OP"))
-    assert stats["daemon"].get("replies_dropped_total", 0) == 0
-    # The victim pool is exactly as it was, and every block comes back byte-exact.
-    pool = stats["pools"]["victim"]
-    assert {k: pool[k] for k in fuzzed.stats_before} == fuzzed.stats_before
-    assert fuzzed.victim.verify() == []
+    assert fuzzed.judge.replies, "no fuzzing ran"
     log = fuzzed.daemon.log_path.read_text(errors="replace")
-    assert "Traceback" not in log, fuzzed.daemon.log_tail(60)
+    problems = after_checks(fuzzed.victim, fuzzed.judge, fuzzed.errors_before, fuzzed.stats_before, log)
+    assert problems == [], (problems, fuzzed.daemon.log_tail(40))
+    assert fuzzed.daemon.alive
 
 
 # ---- regressions found by fuzzing: layouts that make the daemon build millions of block records ----
@@ -172,3 +153,26 @@ def test_register_kv_with_too_many_blocks_is_refused_at_once(big_tier_daemon: St
         assert info.value.code == ErrorCode.INVALID_FIELD and "blocks" in info.value.message
         assert not c.stats()["pools"]["tinyengine"]["gpu_registered"]
     assert big_tier_daemon.rss_bytes() - rss_before < 64 << 20
+
+
+def test_unpin_of_many_hashes_is_linear_not_quadratic(big_tier_daemon: StressDaemon) -> None:
+    """Regression: unpin scanned all of the session's pins for every hash asked for (O(pins x hashes)).
+
+    8192 pins and an unpin of 8192 hashes it does not hold stalled the
+    daemon's loop for ~10 s (65536 of each: ~10 min), for every client.
+    """
+    from stresslib import chain_content, chain_hashes
+
+    n = 8192
+    with Client(big_tier_daemon.endpoint, "pins", store_layout(1024), timeout_s=60) as c:
+        hashes = chain_hashes("pins", 2)
+        c.store(hashes, chain_content(hashes, 1024))
+        assert c.pin([hashes[0]] * n) == ["gpu"] * n  # one block, pinned n times
+        t0 = time.monotonic()
+        assert c.unpin([hashes[1]] * n) == 0  # none of these is pinned: every lookup misses
+        assert c.unpin([hashes[0]] * (n - 1)) == n - 1
+        assert time.monotonic() - t0 < 1.0
+        # Pins count: one pin is left, and it still holds the block.
+        assert c.stats()["pools"]["pins"]["pinned_blocks"] == 1
+        assert c.unpin([hashes[0], hashes[0]]) == 1
+        assert c.stats()["pools"]["pins"]["pinned_blocks"] == 0
