@@ -379,19 +379,24 @@ class TieredPool:
 
     def unpin(self, owner: str, hashes: Sequence[bytes]) -> int:
         pins = self._pins.get(owner, [])
-        wanted = list(hashes)
-        released = 0
-        for h in reversed(wanted):
-            for i in range(len(pins) - 1, -1, -1):
-                tier, obj = pins[i]
-                key = obj.block_hash if tier is Tier.GPU else obj.key  # type: ignore[union-attr]
-                if key == h:
-                    self._release_pin(tier, obj)
-                    del pins[i]
-                    released += 1
-                    break
+        # Each hash asked for (last first) drops the owner's newest pin on it. An
+        # index of pin positions per hash keeps this linear: scanning the pins
+        # for every hash stalled the caller for minutes at 65536 x 65536.
+        positions: dict[bytes, list[int]] = {}
+        for i, (tier, obj) in enumerate(pins):
+            key = obj.block_hash if tier is Tier.GPU else obj.key  # type: ignore[union-attr]
+            positions.setdefault(key, []).append(i)
+        dropped: set[int] = set()
+        for h in reversed(hashes):
+            newest = positions.get(h)
+            if newest:
+                i = newest.pop()
+                self._release_pin(*pins[i])
+                dropped.add(i)
+        if dropped:
+            pins[:] = [pin for i, pin in enumerate(pins) if i not in dropped]
         self._clean_ahead()
-        return released
+        return len(dropped)
 
     def unpin_all(self, owner: str) -> int:
         pins = self._pins.pop(owner, [])
