@@ -76,6 +76,18 @@ def check_host_capacity(nbytes: int, *, pin: bool = False, what: str = "CPU tier
             )
 
 
+def _pre_touch(layout: BlockLayout, progress: Callable[[int, int], None] | None,
+               chunk_bytes: int = 256 * 1024**2) -> None:
+    """Fault every page in now: otherwise the first demotions into the tier pay
+    the page faults (measured 0.3 GB/s for first-touch copies against 5 GB/s)."""
+    flat = layout.slab().view(-1)
+    total = flat.numel()
+    for start in range(0, total, chunk_bytes):
+        flat[start : start + chunk_bytes].zero_()
+        if progress is not None:
+            progress(min(start + chunk_bytes, total), total)
+
+
 def allocate_host_slab(
     num_blocks: int,
     block_bytes: int,
@@ -91,8 +103,11 @@ def allocate_host_slab(
         pin = torch.cuda.is_available()
     check_host_capacity(num_blocks * block_bytes, pin=pin)
     if not pin:
+        started = time.monotonic()
         layout = BlockLayout.contiguous(num_blocks, block_bytes, "cpu", pin=False)
-        layout.host_info = {"pinned": False, "numa_node": None, "chunks": 0, "seconds": 0.0}
+        _pre_touch(layout, progress)
+        layout.host_info = {"pinned": False, "numa_node": None, "chunks": 0,
+                            "seconds": time.monotonic() - started}
         return layout
     node = None
     if numa:

@@ -165,6 +165,27 @@ class TransferEngine(ABC):
     def close(self, timeout_s: float = 10.0) -> None: ...
 
 
+def copy_host_blocks(
+    src: BlockLayout, src_slots: Sequence[int], dst: BlockLayout, dst_slots: Sequence[int]
+) -> int:
+    """Copy blocks between host layouts as memmoves of merged byte runs.
+
+    torch's uint8 index_copy_ moves a byte at a time on the CPU: 20-100x
+    slower than memmove over the same runs (48 MiB: ~500 ms against ~4 ms,
+    measured with the engine example). ctypes releases the GIL for memmove, so
+    copies overlap with the caller's thread. Layouts a plan cannot describe
+    (and any device memory) fall back to ``copy_blocks``.
+    """
+    from kvtier.tiers.copy_plan import NotPlannable, execute_plan_cpu, plan_block_copy
+
+    if src.device.type == "cpu" and dst.device.type == "cpu" and len(src_slots):
+        try:
+            return execute_plan_cpu(plan_block_copy(src, src_slots, dst, dst_slots))
+        except NotPlannable:
+            pass
+    return copy_blocks(src, src_slots, dst, dst_slots)
+
+
 class ThreadTransferEngine(TransferEngine):
     """Copies on two worker threads: one per priority class, each in order."""
 
@@ -193,7 +214,7 @@ class ThreadTransferEngine(TransferEngine):
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(job.transfer)
-                copy_blocks(job.src, job.src_slots, job.dst, job.dst_slots)
+                copy_host_blocks(job.src, job.src_slots, job.dst, job.dst_slots)
             except Exception as exc:  # a failed copy fails its transfer, not the engine
                 error = TransferError(f"{job.transfer.kind.value} of {job.transfer.num_blocks} blocks failed: {exc}")
             self._complete(job.transfer, error)
