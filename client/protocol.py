@@ -82,6 +82,7 @@ class ErrorCode(IntEnum):
     WRONG_MODE = 202  # verb not available in this pool's mode
     NOT_FOUND = 203  # hash, request, registration or slot does not exist
     INVALID_STATE = 204  # well-formed but contradicts current state
+    UNAUTHORIZED = 205  # hello names no tenant this daemon serves (bad or missing token/key)
 
     NO_SPACE = 300  # the tier cannot make room (nothing changed)
 
@@ -356,6 +357,9 @@ OPS: dict[str, OpSpec] = {
             "layout": Spec(LAYOUT),
             "client": Spec(Str(0, 128), required=False, default="", doc="free text for logs"),
             "lease_s": Spec(Seconds(0.0, 3600.0), required=False, doc="requested lease; the daemon may shorten it"),
+            # Added within v1: a daemon that predates tenants refuses it with
+            # INVALID_FIELD, which is right (it cannot honour the namespace).
+            "token": Spec(Str(1, 256), required=False, doc="tenant token (daemons with [tenants]); CURVE keys need none"),
         },
         session="none",
         idempotent=True,
