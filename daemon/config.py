@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import hashlib
 import json
 import math
 import os
@@ -97,6 +98,7 @@ __all__ = [
     "PoolDefaults",
     "PoolOverrides",
     "PoolSettings",
+    "TenantConfig",
     "build_arg_parser",
     "default_socket",
     "exit_on_config_error",
@@ -218,6 +220,35 @@ class PoolSettings:
         return GPU_AUTO_BYTES_CUDA if on_cuda else GPU_AUTO_BYTES_HOST
 
 
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant (``[tenants.<name>]``, TOML only): how its sessions are recognised, and its quota.
+
+    A session belongs to the tenant whose ``public_key`` (CURVE, Z85, 40
+    characters) its connection authenticated with, or whose token it sent in
+    ``hello``. Tokens are kept as ``token_sha256`` (hex SHA-256 of the token):
+    a file may give ``token = "..."`` in clear, which is hashed on loading, so
+    the loaded configuration neither holds nor prints it. ``cpu_quota_bytes``
+    (None = no quota) caps the tenant's resident CPU-tier bytes over all pools.
+    """
+
+    public_key: str | None = None
+    token_sha256: str | None = None
+    cpu_quota_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.public_key is not None:
+            _check_z85_key("public_key", self.public_key)
+        if self.token_sha256 is not None and not (
+            isinstance(self.token_sha256, str) and re.fullmatch(r"[0-9a-f]{64}", self.token_sha256)
+        ):
+            raise ConfigError("token_sha256", "must be 64 lower-case hex digits (sha256 of the token)")
+        if self.public_key is None and self.token_sha256 is None:
+            raise ConfigError("public_key", "a tenant needs a public_key (CURVE) or a token (or both)")
+        if self.cpu_quota_bytes is not None:
+            _check_int("cpu_quota_bytes", self.cpu_quota_bytes, minimum=0)
+
+
 def default_socket(environ: Mapping[str, str], *, uid: int | None = None) -> str:
     """The default ``ipc://`` endpoint; the order is in the module docstring."""
     uid = os.getuid() if uid is None else uid
@@ -250,9 +281,11 @@ class DaemonConfig:
     insecure_tcp: bool = False
     curve_secret_key_file: Path | None = None
     curve_public_keys_dir: Path | None = None
+    socket_mode: int = 0o600
     hash_algo: str = "xxh3_128"
     default_pool: PoolDefaults = field(default_factory=PoolDefaults)
     pools: Mapping[str, PoolOverrides] = field(default_factory=dict, hash=False)
+    tenants: Mapping[str, TenantConfig] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         _check_duration("lease_s", self.lease_s)
@@ -277,6 +310,7 @@ class DaemonConfig:
         if not isinstance(self.insecure_tcp, bool):
             raise ConfigError("insecure_tcp", f"must be true or false, got {self.insecure_tcp!r}")
         _check_hash_algo("hash_algo", self.hash_algo)
+        _check_socket_mode("socket_mode", self.socket_mode)
         _check_socket(self)
         if not isinstance(self.default_pool, PoolDefaults):
             raise ConfigError("default_pool", "must be a PoolDefaults")
@@ -297,6 +331,7 @@ class DaemonConfig:
                 )
         # Frozen all the way down: nobody edits the pools table after loading.
         object.__setattr__(self, "pools", MappingProxyType(pools))
+        object.__setattr__(self, "tenants", MappingProxyType(_check_tenants(self.tenants)))
 
     @property
     def is_tcp(self) -> bool:
@@ -408,6 +443,55 @@ def _check_hash_algo(key: str, value: object) -> None:
         HASH_ALGOS = ("xxh3_128", "sha256")  # noqa: N806 - mirrors the constant it stands in for
     if value not in HASH_ALGOS:
         raise ConfigError(key, f"must be one of {', '.join(HASH_ALGOS)}, got {value!r}")
+
+
+def _check_socket_mode(key: str, value: object) -> None:
+    # Read and write for the owner (connecting needs write permission), at
+    # most the same for the group, never anything for others.
+    if not _is_int(value) or value & ~0o660 or value & 0o600 != 0o600:  # type: ignore[operator]
+        shown = f"{value:04o}" if _is_int(value) else repr(value)
+        raise ConfigError(key, f"must be 0600, 0620, 0640 or 0660 (owner rw, optionally the group), got {shown}")
+
+
+TENANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MIN_TOKEN_CHARS = 16
+_Z85_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
+def _check_z85_key(key: str, value: object) -> None:
+    if not (isinstance(value, str) and len(value) == 40 and set(value) <= _Z85_CHARS):
+        raise ConfigError(key, f"must be a CURVE public key: 40 Z85 characters (kvtier keygen writes them), got {value!r:.60}")
+
+
+def tenant_key(name: object) -> str:
+    return pool_key(name).replace("pools.", "tenants.", 1)
+
+
+def _check_tenants(tenants: Mapping[str, TenantConfig]) -> dict[str, TenantConfig]:
+    from kvtier.daemon.tenants import tenant_tag  # light: hashlib only
+
+    out = dict(tenants)
+    keys: dict[str, str] = {}
+    tokens: dict[str, str] = {}
+    tags: dict[bytes, str] = {}
+    for name, tenant in out.items():
+        key = tenant_key(name)
+        if not isinstance(name, str) or not TENANT_NAME_RE.fullmatch(name):
+            raise ConfigError(key, "tenant names are 1-64 of A-Z a-z 0-9 _ . - (starting with a letter or digit)")
+        if not isinstance(tenant, TenantConfig):
+            raise ConfigError(key, "must be a TenantConfig")
+        if tenant.public_key is not None:
+            other = keys.setdefault(tenant.public_key, name)
+            if other != name:
+                raise ConfigError(f"{key}.public_key", f"is also tenant {other!r}'s key; one key, one tenant")
+        if tenant.token_sha256 is not None:
+            other = tokens.setdefault(tenant.token_sha256, name)
+            if other != name:
+                raise ConfigError(f"{key}.token", f"is also tenant {other!r}'s token; one token, one tenant")
+        other = tags.setdefault(tenant_tag(name), name)
+        if other != name:
+            raise ConfigError(key, f"tenants {other!r} and {name!r} hash to the same block namespace tag; rename one")
+    return out
 
 
 def _check_device(key: str, value: object) -> None:
@@ -608,6 +692,17 @@ def _as_optional_path(value: object, text: bool) -> Path | None:
     return Path(_as_str(value, text))
 
 
+def _as_mode(value: object, text: bool) -> int:
+    # TOML can write 0o660 (an int); text and TOML strings spell it "0660".
+    if _is_int(value):
+        return value  # type: ignore[return-value]
+    if isinstance(value, str):
+        digits = value.strip().lower().removeprefix("0o")
+        if re.fullmatch(r"[0-7]{3,4}", digits):
+            return int(digits, 8)
+    raise ValueError(f'must be an octal file mode such as "0600" or "0660" (TOML: 0o660 or "0660"), got {value!r}')
+
+
 def _as_size(value: object, text: bool) -> int:
     result = parse_byte_size(_as_text_int(value, text))
     assert isinstance(result, int)
@@ -654,7 +749,10 @@ _TOP_KEYS: dict[str, _Key] = {
     "insecure_tcp": _Key(_as_bool, "allow a tcp:// socket without CURVE authentication", "BOOL"),
     "curve_secret_key_file": _Key(_as_optional_path, "the daemon's CURVE secret key file (tcp://)", "FILE"),
     "curve_public_keys_dir": _Key(_as_optional_path, "directory of authorised client CURVE public keys (tcp://)", "DIR"),
-    "hash_algo": _Key(_as_lower_str, "block hash algorithm pools must use: xxh3_128 or sha256", "ALGO"),
+    "socket_mode": _Key(_as_mode, "file mode of the ipc socket: 0600, or 0660 to let the socket's group connect", "MODE"),
+    "hash_algo": _Key(
+        _as_lower_str, "block hash algorithm pools must use: xxh3_128 or sha256 (default sha256 with 2+ tenants)", "ALGO"
+    ),
 }
 _POOL_KEYS: dict[str, _Key] = {
     "gpu_bytes": _Key(_as_optional_size, "GPU tier size of a store-mode pool ('auto' = 1GiB on CUDA, 256MiB without)", "SIZE"),
@@ -662,7 +760,10 @@ _POOL_KEYS: dict[str, _Key] = {
     "policy": _Key(_as_lower_str, "CPU-tier eviction policy (e.g. lru)", "NAME"),
     "clean_ahead_blocks": _Key(_as_int, "free GPU blocks kept already demoted ahead of allocation", "N"),
 }
-_TABLES = ("default_pool", "pools")
+# [tenants.<name>]: file only. Tokens and key-to-tenant maps are not for the
+# environment or the command line, where other users' `ps` can read them.
+_TENANT_KEYS = ("public_key", "token", "token_sha256", "cpu_quota_bytes")
+_TABLES = ("default_pool", "pools", "tenants")
 
 
 # --------------------------------------------------------------------------------------------
@@ -676,6 +777,7 @@ class _Layers:
     top: dict[str, Any] = field(default_factory=dict)
     default_pool: dict[str, Any] = field(default_factory=dict)
     pools: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tenants: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)
 
     def pool_targets(self, name: str) -> list[str]:
@@ -757,10 +859,44 @@ def _apply_file(layers: _Layers, path: Path) -> None:
                     if sub not in _POOL_KEYS:
                         raise _unknown(f"{pool_key(name)}.{sub}", list(_POOL_KEYS), source)
                     layers.set(sub, sub_value, False, source, pool=name)
+        elif key == "tenants":
+            if not isinstance(value, dict):
+                raise ConfigError(key, f"must be a table of tables ([tenants.NAME]) (in {source})")
+            for name, table in value.items():
+                layers.tenants[name] = _tenant_values(name, table, source)
         elif key in _TOP_KEYS:
             layers.set(key, value, False, source)
         else:
             raise _unknown(key, [*_TOP_KEYS, *_TABLES], source)
+
+
+def _tenant_values(name: str, table: object, source: str) -> dict[str, Any]:
+    """One ``[tenants.<name>]`` table as TenantConfig arguments (a clear-text token hashed here)."""
+    key = tenant_key(name)
+    if not isinstance(table, dict):
+        raise ConfigError(key, f"must be a table ([tenants.{name}]) (in {source})")
+    out: dict[str, Any] = {}
+    for sub, value in table.items():
+        dotted = f"{key}.{sub}"
+        if sub not in _TENANT_KEYS:
+            raise _unknown(dotted, list(_TENANT_KEYS), source)
+        if sub == "cpu_quota_bytes":
+            try:
+                out[sub] = _as_optional_size(value, False)
+            except ValueError as exc:
+                raise ConfigError(dotted, f"{exc} (in {source})") from None
+        elif not isinstance(value, str):
+            raise ConfigError(dotted, f"must be a string, got {type(value).__name__} (in {source})")
+        elif sub == "token":
+            if len(value) < MIN_TOKEN_CHARS:
+                raise ConfigError(dotted, f"must be at least {MIN_TOKEN_CHARS} characters (in {source}); "
+                                          "use a random one, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+            if "token_sha256" in table:
+                raise ConfigError(dotted, f"give token or token_sha256, not both (in {source})")
+            out["token_sha256"] = hashlib.sha256(value.encode()).hexdigest()
+        else:
+            out[sub] = value.strip().lower() if sub == "token_sha256" else value.strip()
+    return out
 
 
 # Environment spellings that map into the [default_pool] table.
@@ -844,10 +980,20 @@ def _build(layers: _Layers, environ: Mapping[str, str]) -> DaemonConfig:
             pools[name] = PoolOverrides(**values)
         except ConfigError as err:
             raise with_source(ConfigError(f"{pool_key(name)}.{err.key}", err.message)) from None
+    tenants: dict[str, TenantConfig] = {}
+    for name, values in layers.tenants.items():
+        try:
+            tenants[name] = TenantConfig(**values)
+        except ConfigError as err:
+            raise ConfigError(f"{tenant_key(name)}.{err.key}", err.message) from None
     top = dict(layers.top)
     top.setdefault("socket", default_socket(environ))
+    if len(tenants) > 1:
+        # Tenants who do not trust each other share the cache: xxh3 is not
+        # collision resistant, so a tenant could craft colliding block hashes.
+        top.setdefault("hash_algo", "sha256")
     try:
-        return DaemonConfig(**top, default_pool=default_pool, pools=pools)
+        return DaemonConfig(**top, default_pool=default_pool, pools=pools, tenants=tenants)
     except ConfigError as err:
         raise with_source(err) from None
 
@@ -908,7 +1054,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     general.add_argument("--version", action="version", version=f"kvtierd (kvtier) {kvtier_version}")
 
     groups = {
-        "server": ("server", ["socket", "lease_s", "heartbeat_s", "poll_interval_s", "drain_timeout_s", "max_message_bytes"]),
+        "server": ("server", ["socket", "socket_mode", "lease_s", "heartbeat_s", "poll_interval_s", "drain_timeout_s",
+                              "max_message_bytes"]),
         "runtime": ("runtime", ["device", "hash_algo", "log_level", "metrics_port", "metrics_host"]),
         "security": ("tcp security", ["insecure_tcp", "curve_secret_key_file", "curve_public_keys_dir"]),
     }
@@ -922,6 +1069,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                 shown = "see below"
             elif key == "max_message_bytes":
                 shown = format_byte_size(default)
+            elif key == "socket_mode":
+                shown = f"{default:04o}"
             elif default is None:
                 shown = {"heartbeat_s": "auto", "metrics_port": "off"}.get(key, "none")
             if key == "insecure_tcp":
@@ -1043,6 +1192,8 @@ def format_config(cfg: DaemonConfig, available_bytes: int | None = None) -> str:
             lines.append('metrics_port = "off"')
         elif key == "max_message_bytes":
             lines.append(_size_line(key, value, ""))
+        elif key == "socket_mode":
+            lines.append(f'{key} = "{value:04o}"')
         elif value is None:
             lines.append(f"# {key} is not set")
         else:
@@ -1063,4 +1214,12 @@ def format_config(cfg: DaemonConfig, available_bytes: int | None = None) -> str:
     lines += ["", "[default_pool]", *pool_lines(cfg.default_pool)]
     for name in sorted(cfg.pools):
         lines += ["", f"[pools.{json.dumps(name)}]", *pool_lines(cfg.pools[name])]
+    for name in sorted(cfg.tenants):
+        tenant = cfg.tenants[name]
+        lines += ["", f"[tenants.{json.dumps(name)}]"]
+        for f in dataclasses.fields(tenant):
+            value = getattr(tenant, f.name)
+            if value is None:
+                continue
+            lines.append(_size_line(f.name, value, "") if f.name == "cpu_quota_bytes" else f"{f.name} = {json.dumps(value)}")
     return "\n".join(lines) + "\n"

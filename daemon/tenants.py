@@ -1,0 +1,346 @@
+"""Tenants: who a session belongs to, its private block namespace, and its CPU-tier quota.
+
+Contract
+========
+
+- ``TenantRegistry(tenants)`` from the configuration's ``[tenants.<name>]``
+  tables. With no tenants configured it is *disabled*: every session belongs
+  to the anonymous tenant ``""``, hashes are used as the client sent them,
+  and nothing below costs anything.
+- ``resolve(user_id, token) -> tenant name`` at ``hello``. ``user_id`` is
+  the ZMQ ``User-Id`` of the connection (set by the daemon's CURVE
+  authenticator, ``user_id_for_key``: ``"tenant:<name>"`` for a key a tenant
+  is configured with, ``"key:<z85>"`` for another authorised key, None
+  without CURVE); ``token`` the optional ``token`` field of hello. With
+  tenants configured, a session must name exactly one tenant: a token that
+  matches no tenant, a token of another tenant than the CURVE key's, or no
+  identity at all is refused with UNAUTHORIZED (the same message for every
+  case, so the refusal says nothing about which tenants exist).
+- ``namespace(tenant, hashes)``: the daemon maps every client block hash to
+  ``tag(tenant) || BLAKE2b-112(hash; key = tenant name)`` (16 bytes) at the
+  handler boundary, before any pool sees it. Pools share capacity, but two
+  tenants' keys can never collide (their 2-byte tags differ: configuration
+  refuses tenant names with equal tags), and no tenant can name another's
+  block: lookups, pins, restores and allocation hits only ever see the
+  caller's namespace. Replies carry tiers and block ids, never keys.
+- Quotas (``cpu_quota_bytes`` per tenant, over all pools): ``install(pool,
+  block_bytes)`` wraps a pool's CPU-tier eviction policy in
+  ``TenantQuotaPolicy``, which counts each tenant's CPU-tier blocks (resident,
+  plus admitted demotions whose copies are still in flight) and refuses to
+  admit a *demotion* that would take a tenant over its quota (the block is
+  dropped, as any not-admitted demotion: counted per tenant in
+  ``dropped_demotions``). ``check_store`` refuses (NO_SPACE, counted in
+  ``refused_stores``) a ``store`` whose blocks would overflow straight into
+  the CPU tier past the quota; blocks a store puts in the GPU tier are
+  checked when they are demoted. An admitted demotion that never lands
+  (the CPU tier was full, the copy failed) stops counting at the next
+  batch of admissions, so counting errs on the refusing side and never
+  drifts. A quota never evicts anybody's blocks: over it, a tenant's
+  demotions are dropped until its own blocks age out of the CPU tier.
+- ``stats(tenant)``: per-tenant counters (resident CPU bytes and blocks,
+  quota, refusals, sessions), never keys. Single-threaded (the event loop).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.client.protocol import ErrorCode, ProtocolError
+
+from kvtier.tiers.eviction import EvictionPolicy  # stdlib only: no torch
+
+if TYPE_CHECKING:
+    from kvtier.daemon.config import TenantConfig
+    from kvtier.tiers.pool import TieredPool
+
+log = logging.getLogger(__name__)
+
+ANONYMOUS = ""
+TAG_BYTES = 2
+TENANT_USER_PREFIX = "tenant:"
+KEY_USER_PREFIX = "key:"
+_TAG_PERSON = b"kvtier-tenant"
+_NS_PERSON = b"kvtier-ns"
+UNAUTHORIZED_MESSAGE = "this daemon serves tenants: authenticate with a tenant's CURVE key or token"
+
+
+def tenant_tag(name: str) -> bytes:
+    """The 2-byte prefix of every key in tenant ``name``'s namespace."""
+    return hashlib.blake2b(name.encode(), digest_size=TAG_BYTES, person=_TAG_PERSON).digest()
+
+
+def user_id_for_key(z85_key: str, tenant_by_key: Mapping[str, str]) -> str:
+    """The ZMQ User-Id the authenticator gives a connection with client key ``z85_key``."""
+    tenant = tenant_by_key.get(z85_key)
+    return f"{TENANT_USER_PREFIX}{tenant}" if tenant is not None else f"{KEY_USER_PREFIX}{z85_key}"
+
+
+@dataclass
+class _Tenant:
+    name: str
+    tag: bytes
+    token_sha256: bytes | None
+    quota_bytes: int | None
+    template: Any  # a keyed blake2b to copy per hash (cheaper than keying each time)
+
+
+class TenantRegistry:
+    """See the module docstring."""
+
+    def __init__(self, tenants: Mapping[str, TenantConfig] | None = None) -> None:
+        self._tenants: dict[str, _Tenant] = {}
+        self._by_tag: dict[bytes, str] = {}
+        self.tenant_by_key: dict[str, str] = {}  # CURVE public key (z85) -> tenant name
+        for name, cfg in (tenants or {}).items():
+            key = name.encode()
+            t = _Tenant(
+                name=name,
+                tag=tenant_tag(name),
+                token_sha256=bytes.fromhex(cfg.token_sha256) if cfg.token_sha256 else None,
+                quota_bytes=cfg.cpu_quota_bytes,
+                template=hashlib.blake2b(digest_size=16 - TAG_BYTES, key=key, person=_NS_PERSON),
+            )
+            self._tenants[name] = t
+            self._by_tag[t.tag] = name
+            if cfg.public_key:
+                self.tenant_by_key[cfg.public_key] = name
+        self.resident_bytes: Counter[str] = Counter()
+        self.pending_bytes: Counter[str] = Counter()  # admitted demotions not yet committed
+        self.resident_blocks: Counter[str] = Counter()
+        self.dropped_demotions: Counter[str] = Counter()
+        self.refused_stores: Counter[str] = Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tenants)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tenants)
+
+    # ---- who is it -----------------------------------------------------------------
+
+    def resolve(self, user_id: str | None, token: str | None) -> str:
+        """The tenant of a new session; see the module docstring."""
+        if not self._tenants:
+            if token is not None:
+                raise ProtocolError(ErrorCode.INVALID_FIELD, "this daemon has no tenants configured; send no token")
+            return ANONYMOUS
+        by_key = None
+        if user_id is not None and user_id.startswith(TENANT_USER_PREFIX):
+            by_key = user_id[len(TENANT_USER_PREFIX):]
+        by_token = self._match_token(token) if token is not None else None
+        if token is not None and by_token is None:
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+        if by_key is not None and by_token is not None and by_key != by_token:
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+        tenant = by_key or by_token
+        if tenant is None or tenant not in self._tenants:
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+        return tenant
+
+    def _match_token(self, token: str) -> str | None:
+        digest = hashlib.sha256(token.encode()).digest()
+        found = None
+        # Compare with every tenant, in constant time each: how long this
+        # takes says nothing about which token came close.
+        for t in self._tenants.values():
+            if t.token_sha256 is not None and hmac.compare_digest(digest, t.token_sha256):
+                found = t.name
+        return found
+
+    # ---- namespaces ------------------------------------------------------------------
+
+    def namespace(self, tenant: str, hashes: Sequence[bytes]) -> list[bytes]:
+        """Pool keys for a tenant's block hashes (the hashes themselves for the anonymous tenant)."""
+        if tenant == ANONYMOUS:
+            return list(hashes)
+        t = self._tenants[tenant]
+        out = []
+        for h in hashes:
+            d = t.template.copy()
+            d.update(h)
+            out.append(t.tag + d.digest())
+        return out
+
+    def tenant_of_peer(self, user_id: str | None) -> str | None:
+        """The tenant a CURVE User-Id belongs to, if any."""
+        if user_id is not None and user_id.startswith(TENANT_USER_PREFIX):
+            name = user_id[len(TENANT_USER_PREFIX):]
+            return name if name in self._tenants else None
+        return None
+
+    def clear(self, pool: TieredPool, tenant: str) -> int:
+        """``clear`` for one tenant: drop its cached blocks nobody uses or pins, in both tiers."""
+        tag = self._tenants[tenant].tag
+        dropped = 0
+        bm = pool.bm
+        if bm is not None:
+            # Blocks in the free queue are unreferenced; their hash goes, as in
+            # TieredPool.clear (no demotion).
+            for block in list(bm.iter_free()):
+                if block.block_hash is not None and block.block_hash[:TAG_BYTES] == tag:
+                    bm.discard_hash(block)
+                    dropped += 1
+        policy = pool.cpu.policy
+        if isinstance(policy, TenantQuotaPolicy):
+            dropped += pool.cpu.discard(policy.keys_of(tenant))
+        return dropped
+
+    def tenant_of(self, key: bytes) -> str | None:
+        """Whose namespace a pool key is in (None: the anonymous tenant or unknown)."""
+        return self._by_tag.get(key[:TAG_BYTES])
+
+    def tag_of(self, tenant: str) -> bytes:
+        return self._tenants[tenant].tag
+
+    # ---- quotas ----------------------------------------------------------------------
+
+    def install(self, pool: TieredPool, block_bytes: int) -> None:
+        """Count (and cap) tenants' CPU-tier residency in ``pool``. Call before the pool holds blocks."""
+        if self._tenants:
+            pool.cpu.policy = TenantQuotaPolicy(pool.cpu.policy, self, block_bytes, pool.cpu)
+
+    def over_quota(self, tenant: str | None, extra_bytes: int) -> bool:
+        if tenant is None or tenant == ANONYMOUS:
+            return False
+        quota = self._tenants[tenant].quota_bytes
+        return quota is not None and self.resident_bytes[tenant] + self.pending_bytes[tenant] + extra_bytes > quota
+
+    def check_store(self, tenant: str, pool: TieredPool, keys: Sequence[bytes], block_bytes: int) -> None:
+        """Refuse a store whose blocks would spill into the CPU tier past the tenant's quota.
+
+        Blocks the GPU tier takes do not count now: they are checked when
+        they are demoted (``TenantQuotaPolicy.admit``).
+        """
+        if tenant == ANONYMOUS or self._tenants[tenant].quota_bytes is None:
+            return
+        bm = pool.bm
+        new = sum(1 for k in keys if not ((bm is not None and bm.get_cached(k) is not None) or pool.cpu.get(k)))
+        spill = max(0, new - (bm.num_free_blocks if bm is not None else 0))
+        if spill and self.over_quota(tenant, spill * block_bytes):
+            self.refused_stores[tenant] += 1
+            quota = self._tenants[tenant].quota_bytes
+            raise ProtocolError(
+                ErrorCode.NO_SPACE,
+                f"tenant {tenant!r}: storing {spill} more blocks in the CPU tier would exceed its quota "
+                f"({self.resident_bytes[tenant] + spill * block_bytes} > {quota} bytes)",
+            )
+
+    def stats(self, only: str | None = None) -> dict[str, Any]:
+        """Per-tenant counters (all tenants, or only ``only``); no keys, ever."""
+        out: dict[str, Any] = {}
+        for name, t in self._tenants.items():
+            if only is not None and name != only:
+                continue
+            out[name] = {
+                "cpu_resident_bytes": self.resident_bytes[name],
+                "cpu_resident_blocks": self.resident_blocks[name],
+                "cpu_quota_bytes": t.quota_bytes,
+                "dropped_demotions": self.dropped_demotions[name],
+                "refused_stores": self.refused_stores[name],
+            }
+        return out
+
+
+class TenantQuotaPolicy(EvictionPolicy):
+    """Wraps a pool's CPU-tier policy: per-tenant residency counts and quota admission.
+
+    Eviction order is the wrapped policy's; only ``admit`` and the residency
+    counters are added. Keys of the anonymous tenant are not counted.
+    """
+
+    name = "tenant-quota"
+
+    def __init__(self, inner: EvictionPolicy, registry: TenantRegistry, block_bytes: int, cpu: Any) -> None:
+        super().__init__(inner.capacity_blocks)
+        self.inner = inner
+        self.registry = registry
+        self.block_bytes = block_bytes
+        self.cpu = cpu  # the CpuTier this policy orders: says which admitted keys were reserved
+        self.keys_by_tenant: dict[str, set[bytes]] = {}
+        self._pending: dict[bytes, str] = {}  # admitted, not yet committed -> tenant
+        # The pool admits a batch of demotions and reserves their slots right
+        # after, with no other policy call in between: the first admit after
+        # any other call starts a new batch.
+        self._in_batch = False
+
+    def _settle_pending(self, key: bytes) -> None:
+        tenant = self._pending.pop(key, None)
+        if tenant is not None:
+            self.registry.pending_bytes[tenant] -= self.block_bytes
+
+    def _prune_pending(self) -> None:
+        # Admitted in an earlier batch but not in the tier: its reservation
+        # failed or its copy was aborted; it will never be committed.
+        for key in [k for k in self._pending if self.cpu.get(k) is None]:
+            self._settle_pending(key)
+
+    def on_insert(self, key: bytes) -> None:
+        self._in_batch = False
+        self._settle_pending(key)
+        self.inner.on_insert(key)
+        tenant = self.registry.tenant_of(key)
+        if tenant is not None:
+            keys = self.keys_by_tenant.setdefault(tenant, set())
+            if key not in keys:
+                keys.add(key)
+                self.registry.resident_bytes[tenant] += self.block_bytes
+                self.registry.resident_blocks[tenant] += 1
+
+    def on_remove(self, key: bytes) -> None:
+        self._in_batch = False
+        self.inner.on_remove(key)
+        tenant = self.registry.tenant_of(key)
+        if tenant is not None:
+            keys = self.keys_by_tenant.get(tenant)
+            if keys is not None and key in keys:
+                keys.discard(key)
+                self.registry.resident_bytes[tenant] -= self.block_bytes
+                self.registry.resident_blocks[tenant] -= 1
+
+    def on_hit(self, key: bytes) -> None:
+        self._in_batch = False
+        self.inner.on_hit(key)
+
+    def victims(self) -> Iterator[bytes]:
+        self._in_batch = False
+        return self.inner.victims()
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def admit(self, key: bytes) -> bool:
+        if not self._in_batch:
+            self._in_batch = True
+            if self._pending:
+                self._prune_pending()
+        tenant = self.registry.tenant_of(key)
+        if self.registry.over_quota(tenant, self.block_bytes):
+            assert tenant is not None
+            self.registry.dropped_demotions[tenant] += 1
+            return False
+        if not self.inner.admit(key):
+            return False
+        if tenant is not None and key not in self._pending:
+            self._pending[key] = tenant
+            self.registry.pending_bytes[tenant] += self.block_bytes
+        return True
+
+    def record_request(self, keys: Sequence[bytes]) -> None:
+        self._in_batch = False
+        self.inner.record_request(keys)
+
+    def keys_of(self, tenant: str) -> list[bytes]:
+        return list(self.keys_by_tenant.get(tenant, ()))
+
+    def __getattr__(self, attr: str) -> Any:
+        # Anything else a policy offers (stats of learning policies) is the wrapped one's.
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
