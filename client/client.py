@@ -30,6 +30,14 @@ Contract
   come back while the engine is idle; a ``SessionLost`` it finds is raised by
   the next call, which is then not sent. The main socket is guarded by a
   lock, so a Client may be shared by threads (their calls are serialised).
+- Security: ``curve_server_key`` (the daemon's public key, Z85 or its key
+  file) with ``curve_secret_key_file`` (this client's ``NAME.key_secret``)
+  makes every socket of the client a CURVE client (``kvtier.client.curve``):
+  required by a daemon with CURVE keys configured, which never answers a
+  client it does not know. ``token`` is sent in ``hello`` to a daemon that
+  serves tenants by token; the session then works in that tenant's block
+  namespace. A refused identity raises ``DaemonError`` with code
+  UNAUTHORIZED.
 - Importing this module imports no torch. ``register_kv`` accepts torch
   tensors and imports ``kvtier.client.kv_share`` only when called.
 """
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -47,6 +56,7 @@ from typing import Any
 
 import zmq
 
+from kvtier.client.curve import CurveKeys
 from kvtier.client.hashing import BlockHasher
 from kvtier.client.protocol import (
     HASH_BYTES,
@@ -202,7 +212,14 @@ class Client:
         lease_s: float | None = None,
         client_name: str = "",
         heartbeat: bool = True,
+        curve_server_key: str | bytes | os.PathLike[str] | None = None,
+        curve_secret_key_file: str | os.PathLike[str] | None = None,
+        token: str | None = None,
     ) -> None:
+        if (curve_server_key is None) != (curve_secret_key_file is None):
+            raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
+        self._curve = CurveKeys.load(curve_server_key, curve_secret_key_file) if curve_server_key is not None else None
+        self._token = token
         self.endpoint = endpoint
         self.pool = pool
         self.layout = layout.to_wire() if isinstance(layout, PoolLayout) else dict(layout)
@@ -277,11 +294,16 @@ class Client:
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            sock = self._zctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.endpoint)
-            self._sock = sock
+            self._sock = self._new_socket()
         return self._sock
+
+    def _new_socket(self) -> zmq.Socket:
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.apply(sock)
+        sock.connect(self.endpoint)
+        return sock
 
     def _reset_socket(self) -> None:
         # A fresh DEALER: replies to abandoned requests cannot reach it, and it
@@ -363,6 +385,8 @@ class Client:
         fields: dict[str, Any] = {"pool": self.pool, "layout": self.layout, "client": self._client_name}
         if self._lease_request_s is not None:
             fields["lease_s"] = self._lease_request_s
+        if self._token is not None:
+            fields["token"] = self._token
         while True:
             attempt_deadline_s = min(deadline_s, time.monotonic() + max(MIN_ATTEMPT_S, (deadline_s - time.monotonic()) * ATTEMPT_SHARE))
             try:
@@ -412,9 +436,7 @@ class Client:
                 if sid is None or self._session_gone:
                     continue
                 if sock is None:
-                    sock = self._zctx.socket(zmq.DEALER)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.connect(self.endpoint)
+                    sock = self._new_socket()
                 rid = next(self._ids)
                 try:
                     sock.send(encode(request_header("heartbeat", rid, sid)), flags=zmq.NOBLOCK)
@@ -681,11 +703,13 @@ def _strip(rh: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in rh.items() if k not in ("v", "id", "ok")}
 
 
-def probe_health(endpoint: str, *, timeout_s: float = 1.0) -> dict[str, Any]:
-    """One session-less ``health`` request (readiness probes, scripts)."""
+def probe_health(endpoint: str, *, timeout_s: float = 1.0, curve: CurveKeys | None = None) -> dict[str, Any]:
+    """One session-less ``health`` request (readiness probes, scripts); ``curve`` for a CURVE daemon."""
     zctx = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sock)
     try:
         sock.connect(endpoint)
         sock.send(encode(request_header("health", 1, None)))

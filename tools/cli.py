@@ -26,6 +26,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("replay", "kvtier.tools.replay"),
     ("stats", "kvtier.tools.stats"),
     ("top", "kvtier.tools.top"),
+    ("keygen", "kvtier.tools.keygen"),
 ]
 
 
