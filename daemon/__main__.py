@@ -26,6 +26,7 @@ from kvtier.daemon.lifecycle import StopFlag, refuse_if_served
 from kvtier.daemon.sd_notify import Notifier
 
 if TYPE_CHECKING:
+    from kvtier.daemon.security import CurveOptions
     from kvtier.daemon.server import ServeOptions
     from kvtier.daemon.sessions import Closeable
 
@@ -54,9 +55,25 @@ def _import_kv_tensor(desc: dict[str, Any]) -> tuple[Any, Closeable]:
     return kv_share.import_tensor(desc)
 
 
-def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None) -> ServeOptions:
+def curve_from_config(cfg: DaemonConfig) -> CurveOptions | None:
+    """The CURVE server settings, or None; a bad key file is a config error (exit 2)."""
+    from kvtier.daemon.security import ClientKeys, CurveOptions, load_server_key
+
+    if cfg.curve_secret_key_file is None:
+        return None
+    try:
+        public, secret = load_server_key(cfg.curve_secret_key_file)
+    except (OSError, ValueError) as exc:
+        exit_on_config_error(ConfigError("curve_secret_key_file", str(exc)))
+    tenant_by_key = {t.public_key: name for name, t in cfg.tenants.items() if t.public_key}
+    return CurveOptions(public, secret, ClientKeys(cfg.curve_public_keys_dir, tenant_by_key))
+
+
+def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None,
+                        curve: CurveOptions | None = None) -> ServeOptions:
     from kvtier.daemon.pools import PoolSizing
     from kvtier.daemon.server import ServeOptions
+    from kvtier.daemon.tenants import TenantRegistry
 
     on_cuda = device.startswith("cuda")
 
@@ -80,6 +97,9 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         drain_timeout_s=cfg.drain_timeout_s,
         max_payload_bytes=cfg.max_message_bytes,
         hash_algo=cfg.hash_algo,
+        socket_mode=cfg.socket_mode,
+        curve=curve,
+        tenants=TenantRegistry(cfg.tenants),
     )
 
 
@@ -93,12 +113,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         fault_plan = parse_faults(faults_spec)
     except ValueError as exc:
         exit_on_config_error(ConfigError(FAULTS_ENV, str(exc)))
-    if cfg.is_tcp and not cfg.insecure_tcp:
-        # Serving tcp:// without the CURVE handshake the operator asked for
-        # would be unauthenticated while looking secure: refuse instead.
-        exit_on_config_error(ConfigError("curve_secret_key_file", "CURVE authentication is not implemented by "
-                                         "this kvtierd yet; use ipc://, or insecure_tcp = true on a trusted network"))
+    curve = curve_from_config(cfg)
     _setup_logging(cfg.log_level)
+    if len(cfg.tenants) > 1 and cfg.hash_algo != "sha256":
+        log.warning("%d tenants share this daemon with hash_algo %s: a tenant can craft colliding hashes within "
+                    "its own namespace; sha256 is the default with tenants for that reason", len(cfg.tenants),
+                    cfg.hash_algo)
+    if cfg.is_tcp and curve is None:
+        log.warning("serving %s WITHOUT authentication or encryption (insecure_tcp): anyone who reaches the port "
+                    "can read and overwrite cached KV blocks", cfg.socket)
     if fault_plan is not None:
         log.warning("TEST-ONLY fault injection is active (%s=%s): copies will fail or stall on purpose",
                     FAULTS_ENV, fault_plan.describe())
@@ -111,9 +134,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # --help and a taken socket must not wait for it.
         from kvtier.daemon.server import Server
 
+        notifier = Notifier.from_environ()
+        notifier.status("starting: checking devices and host memory")
         device = _resolve_device(cfg.device)
-        server = Server(options_from_config(cfg, device, fault_plan=fault_plan), stop, kv_import=_import_kv_tensor,
-                        notifier=Notifier.from_environ())
+        from kvtier.daemon.memory import check_startup, gib, pins_cpu_tiers
+        from kvtier.tiers.host_memory import HostMemoryError
+
+        try:
+            plan = check_startup(cfg, pin=pins_cpu_tiers())
+        except HostMemoryError as exc:
+            notifier.status(f"refused to start: {exc}")
+            exit_on_config_error(ConfigError("cpu_bytes", str(exc)))
+        log.info("CPU tiers planned: %s (allocated when the first hello names each pool)",
+                 ", ".join(f"{key} = {gib(n)}" for key, n in plan))
+        server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve), stop,
+                        kv_import=_import_kv_tensor, notifier=notifier)
         exporter = None
         if cfg.metrics_port is not None:
             from kvtier.daemon.prometheus import start_exporter

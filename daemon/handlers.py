@@ -39,6 +39,7 @@ from kvtier.client.shm_arena import ShmArena, ShmArenaError
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.daemon.sessions import Closeable, Registration, Session, SessionTable
+from kvtier.daemon.tenants import ANONYMOUS, TenantRegistry
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import Op
 
@@ -80,6 +81,10 @@ class HandlerContext:
     detach_timeout_s: float = 10.0
     started_s: float = field(default_factory=time.monotonic)
     draining: bool = False
+    tenants: TenantRegistry = field(default_factory=TenantRegistry)
+    # CURVE User-Id of the connection the request being handled came on
+    # (None without CURVE); set by the server before each dispatch.
+    peer: str | None = None
 
 
 def _entry(ctx: HandlerContext, session: Session) -> PoolEntry:
@@ -89,6 +94,11 @@ def _entry(ctx: HandlerContext, session: Session) -> PoolEntry:
 def _require_mode(entry: PoolEntry, mode: str, op: str) -> None:
     if entry.mode != mode:
         raise ProtocolError(ErrorCode.WRONG_MODE, f"{op} needs a {mode}-mode pool; pool {entry.name!r} is {entry.mode}-mode")
+
+
+def _keys(ctx: HandlerContext, session: Session, hashes: Sequence[bytes]) -> list[bytes]:
+    """The pool keys of a session's block hashes: its tenant's namespace (the only way hashes reach a pool)."""
+    return ctx.tenants.namespace(session.tenant, hashes)
 
 
 def _tiers(tiers: Sequence[Any]) -> list[str]:
@@ -109,11 +119,17 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     if ctx.draining:
         raise ProtocolError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
     f = req.fields
+    # Who it is comes first: an unauthorised hello must not create a pool.
+    tenant = ctx.tenants.resolve(ctx.peer, f["token"])
+    fresh = f["pool"] not in {e.name for e in ctx.pools}
     entry = ctx.pools.get_or_create(f["pool"], f["layout"])
+    if fresh:
+        ctx.tenants.install(entry.pool, entry.block_bytes)
     lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
-    new = ctx.sessions.open(entry.name, f["client"], lease_s)
+    new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer)
     entry.sessions.add(new.sid)
-    log.info("session %s opened on pool %r by %r (lease %.1fs)", new.sid[:8], entry.name, f["client"], lease_s)
+    log.info("session %s opened on pool %r by %r (lease %.1fs%s)", new.sid[:8], entry.name, f["client"], lease_s,
+             f", tenant {tenant!r}" if tenant != ANONYMOUS else "")
     pool = entry.pool
     return Reply(
         {
@@ -236,7 +252,7 @@ def unregister_kv(ctx: HandlerContext, req: Request, session: Session | None) ->
 def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
     pool = _entry(ctx, session).pool
-    hashes = req.fields["hashes"]
+    hashes = _keys(ctx, session, req.fields["hashes"])
     tiers = pool.lookup(hashes)
     if req.fields["pin"] and tiers:
         # Same thread, no copy in between: the pinned prefix is the one looked up.
@@ -247,14 +263,14 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
 
 def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
-    tiers = _entry(ctx, session).pool.pin(session.sid, req.fields["hashes"])
+    tiers = _entry(ctx, session).pool.pin(session.sid, _keys(ctx, session, req.fields["hashes"]))
     session.num_pins += len(tiers)
     return Reply({"tiers": _tiers(tiers)})
 
 
 def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
-    n = _entry(ctx, session).pool.unpin(session.sid, req.fields["hashes"])
+    n = _entry(ctx, session).pool.unpin(session.sid, _keys(ctx, session, req.fields["hashes"]))
     session.num_pins -= n
     return Reply({"unpinned": n})
 
@@ -267,7 +283,7 @@ def allocate(ctx: HandlerContext, req: Request, session: Session | None) -> Resu
     entry = _entry(ctx, session)
     _require_mode(entry, "engine", "allocate")
     f = req.fields
-    op = entry.pool.allocate(session.pool_request_id(f["req"]), f["hashes"], f["num_tokens"])
+    op = entry.pool.allocate(session.pool_request_id(f["req"]), _keys(ctx, session, f["hashes"]), f["num_tokens"])
     session.requests.add(f["req"])
 
     def failed(_op: Op) -> None:
@@ -283,7 +299,7 @@ def append(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     f = req.fields
     if f["req"] not in session.requests:
         raise ProtocolError(ErrorCode.NOT_FOUND, f"no request {f['req']!r} in this session")
-    op = entry.pool.append(session.pool_request_id(f["req"]), f["num_tokens"], f["hashes"])
+    op = entry.pool.append(session.pool_request_id(f["req"]), f["num_tokens"], _keys(ctx, session, f["hashes"]))
     return _done_or_pending(op, lambda o: Reply(dict(o.result)))
 
 
@@ -335,7 +351,7 @@ def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     entry = _entry(ctx, session)
     _require_mode(entry, "store", "store")
     f = req.fields
-    hashes = f["hashes"]
+    hashes = _keys(ctx, session, f["hashes"])
     n = len(hashes)
     if len(set(hashes)) != n:
         raise ProtocolError(ErrorCode.INVALID_FIELD, "'hashes' names a hash twice")
@@ -360,6 +376,7 @@ def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
         if req.payload:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"plane {f['plane']!r} takes no payload frame")
         src, slots = _plane_layout(ctx, req, session, n)
+    ctx.tenants.check_store(session.tenant, entry.pool, hashes, entry.block_bytes)
     op = entry.pool.store(hashes, src, slots)
     return _done_or_pending(op, lambda o: Reply(dict(o.result)), keep=keep)
 
@@ -369,7 +386,7 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
     entry = _entry(ctx, session)
     _require_mode(entry, "store", "restore")
     f = req.fields
-    hashes = f["hashes"]
+    hashes = _keys(ctx, session, f["hashes"])
     n = len(hashes)
     pool = entry.pool
     if f["plane"] == "inline":
@@ -414,11 +431,28 @@ def stats_fields(ctx: HandlerContext) -> dict[str, Any]:
         s["sessions"] = len(entry.sessions)
         s["gpu_registered"] = entry.gpu_owner is not None
         pools[entry.name] = s
-    return {"pools": pools, "daemon": ctx.metrics.snapshot(), "sessions": len(ctx.sessions)}
+    out = {"pools": pools, "daemon": ctx.metrics.snapshot(), "sessions": len(ctx.sessions)}
+    if ctx.tenants.enabled:
+        out["tenants"] = ctx.tenants.stats()
+    return out
 
 
 def stats(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    return Reply(stats_fields(ctx))
+    fields = stats_fields(ctx)
+    if ctx.tenants.enabled:
+        # A tenant sees its own tenant counters only; the operator (no sid, a
+        # connection no tenant owns, e.g. the local ipc socket) sees all.
+        tenant = ctx.tenants.tenant_of_peer(ctx.peer)
+        if req.sid is not None:
+            # stats does not need a session, but one it names says whose it is.
+            try:
+                named = ctx.sessions.get(req.sid)
+            except ProtocolError:
+                named = None
+            tenant = named.tenant if named is not None and named.peer == ctx.peer else ""
+        if tenant is not None:
+            fields["tenants"] = ctx.tenants.stats(only=tenant)
+    return Reply(fields)
 
 
 def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
@@ -437,7 +471,9 @@ def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result
 
 def clear(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
-    n = _entry(ctx, session).pool.clear()
+    pool = _entry(ctx, session).pool
+    # A tenant clears its own blocks only; without tenants, the whole pool.
+    n = pool.clear() if session.tenant == ANONYMOUS else ctx.tenants.clear(pool, session.tenant)
     log.info("session %s cleared pool %r: %d blocks dropped", session.sid[:8], session.pool_name, n)
     return Reply({"cleared": n})
 

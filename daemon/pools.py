@@ -16,7 +16,8 @@ Contract:
   lives (``detach_engine_gpu``).
 - CPU tiers are checked against available host memory before allocation
   (``tiers.host_memory``); a pool that does not fit is refused with NO_SPACE
-  and nothing is created.
+  and nothing is created. ``progress(name, done_bytes, total_bytes)``, when
+  given, is called after each pinned chunk of a new CPU tier.
 - Pools outlive sessions: the cache is the point. They go at ``close_all``.
 - Single-threaded: only the event loop calls this module.
 """
@@ -86,11 +87,15 @@ class PoolRegistry:
         sizing_for: Callable[[str], PoolSizing],
         hash_algo: str | None = None,
         wakeup: Callable[[], None] | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.device = device
         self._sizing_for = sizing_for
         self._hash_algo = hash_algo
         self._wakeup = wakeup
+        # (pool name, bytes done, bytes total) after each pinned chunk of a new
+        # CPU tier: the daemon reports it (STATUS=) and feeds the watchdog.
+        self._progress = progress
         self._pools: dict[str, PoolEntry] = {}
 
     def __iter__(self) -> Iterator[PoolEntry]:
@@ -136,7 +141,11 @@ class PoolRegistry:
                     f"into {blocks} blocks; at most {MAX_BLOCKS_PER_TIER} per tier (use larger blocks)",
                 )
         try:
-            cpu_storage = allocate_host_slab(cpu_blocks, block_bytes) if cpu_blocks else None
+            on_chunk = None
+            if self._progress is not None:
+                report = self._progress
+                on_chunk = lambda done, total: report(name, done, total)  # noqa: E731
+            cpu_storage = allocate_host_slab(cpu_blocks, block_bytes, progress=on_chunk) if cpu_blocks else None
         except HostMemoryError as exc:
             raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: {exc}") from None
         gpu_layout = None

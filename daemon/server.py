@@ -51,11 +51,15 @@ from kvtier.client.protocol import (
 )
 from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_registration, stats_fields
 from kvtier.daemon.lifecycle import StopFlag
+from kvtier.daemon.memory import check_new_pool, gib
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pools import PoolRegistry, PoolSizing
 from kvtier.daemon.prometheus import StatsSnapshot
 from kvtier.daemon.sd_notify import Notifier
+from kvtier.daemon.security import CurveGuard, CurveOptions, check_socket_dir, peer_user_id
 from kvtier.daemon.sessions import Session, SessionTable
+from kvtier.daemon.tenants import TenantRegistry
+from kvtier.tiers.host_memory import HostMemoryError
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
 from kvtier.tiers.transfer import TransferError
 
@@ -67,6 +71,8 @@ MAX_MESSAGES_PER_TURN = 64
 # With copies in flight the transfer engine's wakeup ends a poll early; the
 # short timeout only bounds the cost of a lost wakeup.
 BUSY_POLL_MS = 10
+# At most this often a STATUS= line for systemd (only when it changed).
+STATUS_EVERY_S = 1.0
 
 
 @dataclass
@@ -83,6 +89,8 @@ class ServeOptions:
     max_payload_bytes: int = 256 << 20
     hash_algo: str | None = None  # None: pools may use any algorithm
     socket_mode: int = 0o600  # of the ipc socket file; 0o660 lets a group of engine users in
+    curve: CurveOptions | None = None  # CURVE server keys and authorised clients; None: no CURVE
+    tenants: TenantRegistry = field(default_factory=TenantRegistry)  # none configured: one anonymous tenant
 
 
 @dataclass(eq=False)
@@ -128,9 +136,10 @@ class Server:
         self._wake_w.setblocking(False)
         self.pools = PoolRegistry(
             device=options.device,
-            sizing_for=options.sizing_for,
+            sizing_for=self._sizing_for,
             hash_algo=options.hash_algo,
             wakeup=self._wakeup,
+            progress=self._allocation_progress,
         )
         self.sessions = SessionTable(self._release_session)
         self.ctx = HandlerContext(
@@ -143,6 +152,7 @@ class Server:
             heartbeat_s=options.heartbeat_s,
             max_payload_bytes=options.max_payload_bytes,
             detach_timeout_s=options.drain_timeout_s,
+            tenants=options.tenants,
         )
         self._serial = itertools.count(1)
         self._parked: dict[int, _Parked] = {}
@@ -151,6 +161,9 @@ class Server:
         self._sock: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
         self._ipc_path: str | None = None
+        self._curve_guard: CurveGuard | None = None
+        self._status_text = ""
+        self._next_status_s = 0.0
         self._sweep_every_s = min(0.1, options.lease_s / 10)
         self._next_sweep_s = 0.0
 
@@ -163,9 +176,34 @@ class Server:
         except OSError:
             pass
 
+    def _sizing_for(self, name: str) -> PoolSizing:
+        """The configured sizing of a new pool, refused (NO_SPACE, with the numbers) if the host cannot take it."""
+        sizing = self.options.sizing_for(name)
+        existing = {e.name: e.pool.cpu.capacity_blocks * e.block_bytes for e in self.pools}
+        try:
+            check_new_pool(name, sizing.cpu_bytes, existing)
+        except HostMemoryError as exc:
+            raise ProtocolError(ErrorCode.NO_SPACE, str(exc)) from None
+        self.notifier.status(f"allocating the CPU tier of pool {name!r}: {gib(sizing.cpu_bytes)}")
+        self._status_text = ""  # the next summary goes out even if it did not change
+        return sizing
+
+    def _allocation_progress(self, name: str, done_bytes: int, total_bytes: int) -> None:
+        # Pinning a large tier blocks the loop for seconds: keep systemd's
+        # watchdog fed and say how far it got.
+        self.notifier.status(f"allocating the CPU tier of pool {name!r}: {gib(done_bytes)} of {gib(total_bytes)}")
+        self._status_text = ""  # the next summary goes out even if it did not change
+        if self.notifier.watchdog_due():
+            self.notifier.watchdog()
+
     def bind(self) -> None:
         self._zctx = zmq.Context()
         sock = self._zctx.socket(zmq.ROUTER)
+        curve = self.options.curve
+        if curve is not None:
+            # The ZAP handler must run before the socket accepts a connection.
+            self._curve_guard = CurveGuard.start(self._zctx, curve.keys)
+            CurveGuard.apply(sock, curve.public, curve.secret)
         # Above the soft limits, so that oversize requests get an error reply;
         # a frame above this makes libzmq drop the sender's connection.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(MAX_HEADER_BYTES, self.options.max_payload_bytes))
@@ -173,7 +211,10 @@ class Server:
         endpoint = self.options.endpoint
         if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
             self._ipc_path = endpoint[len("ipc://"):]
-            os.makedirs(os.path.dirname(os.path.abspath(self._ipc_path)), mode=0o700, exist_ok=True)
+            socket_dir = os.path.dirname(os.path.abspath(self._ipc_path))
+            # A group that may use the socket must be able to reach it (x only).
+            os.makedirs(socket_dir, mode=0o710 if self.options.socket_mode & 0o060 else 0o700, exist_ok=True)
+            check_socket_dir(socket_dir)
             # The socket file is born 0600: no window where others can connect.
             old_umask = os.umask(0o177)
             try:
@@ -192,6 +233,9 @@ class Server:
         if self._sock is not None:
             self._sock.close(linger=int(max(0.0, linger_s) * 1000))
             self._sock = None
+        if self._curve_guard is not None:
+            self._curve_guard.stop()
+            self._curve_guard = None
         if self._zctx is not None:
             self._zctx.term()
             self._zctx = None
@@ -255,7 +299,19 @@ class Server:
             self.stats_snapshot.refresh(lambda: stats_fields(self.ctx))
         if self.notifier.watchdog_due(now_s):
             self.notifier.watchdog(now_s)
+        if self.notifier.enabled and now_s >= self._next_status_s:
+            self._next_status_s = now_s + STATUS_EVERY_S
+            self._post_status()
         return handled
+
+    def _post_status(self) -> None:
+        """systemctl status shows this line; sent only when it changed."""
+        cpu_bytes = sum(e.pool.cpu.capacity_blocks * e.block_bytes for e in self.pools)
+        text = (f"serving on {self.options.endpoint}: {len(self.pools)} pools, {len(self.sessions)} sessions, "
+                f"CPU tiers {gib(cpu_bytes)}")
+        if text != self._status_text:
+            self._status_text = text
+            self.notifier.status(text)
 
     # ---- one request ---------------------------------------------------------
 
@@ -274,6 +330,8 @@ class Server:
             self._send_error(identity, recoverable_id(header), exc.code, exc.message)
             return
         self.metrics.inc("requests_total", op=req.op)
+        # Who is asking (CURVE User-Id); handlers read it for this request only.
+        self.ctx.peer = peer_user_id(frames[1])
         try:
             session = self._session_for(req)
             result = HANDLERS[req.op](self.ctx, req, session)
@@ -304,6 +362,13 @@ class Server:
             return None
         assert req.sid is not None
         session = self.sessions.get(req.sid)
+        if session.peer != self.ctx.peer:
+            # A session is usable only over connections of the identity that
+            # opened it: a leaked sid is no key to another tenant's session.
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_SESSION,
+                f"no session {req.sid[:64]!r} (expired, closed, or the daemon restarted): send hello again",
+            )
         if spec.renews_lease:
             self.sessions.touch(session)
         return session

@@ -65,6 +65,8 @@ class Session:
     num_pins: int = 0  # pin calls minus unpins, for stats only (the pool holds the truth)
     in_flight: int = 0  # parked requests whose copies are still running
     ended: str = ""  # why the session ended ("expired", "bye", "shutdown"); "" while live
+    tenant: str = ""  # whose block namespace it works in ("" = the anonymous tenant: no tenants configured)
+    peer: str | None = None  # CURVE User-Id that opened it; only that identity may use the sid
 
     def pool_request_id(self, req: str) -> str:
         # The sid prefix keeps two clients' request ids apart in one pool.
@@ -75,6 +77,7 @@ class Session:
             "sid": self.sid,
             "pool": self.pool_name,
             "client": self.client,
+            "tenant": self.tenant,
             "requests": len(self.requests),
             "registrations": sorted(self.registrations),
             "arena": self.arena is not None,
@@ -101,9 +104,9 @@ class SessionTable:
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
-    def open(self, pool_name: str, client: str, lease_s: float) -> Session:
+    def open(self, pool_name: str, client: str, lease_s: float, *, tenant: str = "", peer: str | None = None) -> Session:
         sid = secrets.token_hex(16)
-        session = Session(sid, pool_name, client, lease_s, self._clock() + lease_s)
+        session = Session(sid, pool_name, client, lease_s, self._clock() + lease_s, tenant=tenant, peer=peer)
         self._sessions[sid] = session
         return session
 

@@ -1,0 +1,366 @@
+"""Transport security and tenants against real kvtierd processes.
+
+- ipc socket modes (0600 default, 0660 from KVTIER_SOCKET_MODE as the unit sets it);
+- ``kvtier keygen``;
+- tcp:// with CURVE: a client without keys or with an unknown key gets no
+  reply at all (its own short deadline), a registered key works, a key file
+  added while the daemon runs works without a restart;
+- tenants: tenant A never sees tenant B's blocks through any verb (lookup,
+  pin, restore, allocate hits, clear, stats), a sid is no use to another
+  identity, tokens, quotas.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvtier.client.client import Client, DaemonError, KvtierTimeout, PoolLayout, probe_health
+from kvtier.client.curve import CurveKeys, create_key_pair, read_public_key
+from kvtier.client.protocol import ErrorCode, decode, encode
+
+BLOCK = 1024
+LAYOUT = PoolLayout(model="m", block_size=4, block_bytes=BLOCK, dtype="bfloat16", num_layers=1, kv_heads=1,
+                    head_dim=8, hash_algo="sha256")
+SHORT_S = 1.0  # how long a rejected client waits for the reply that never comes
+TOKEN = "tokenco-secret-0123456789"
+
+
+# ---- ipc socket modes and keygen ---------------------------------------------------------------
+
+
+def test_ipc_socket_is_0600_by_default_and_0660_from_the_units_environment(kvtierd_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    default = kvtierd_factory()
+    assert stat.S_IMODE(os.stat(default.endpoint[len("ipc://"):]).st_mode) == 0o600
+    # The unit sets KVTIER_SOCKET_MODE=0660; the harness passes flags, the environment is tested in test_config.
+    group = kvtierd_factory(socket_mode="0660")
+    assert stat.S_IMODE(os.stat(group.endpoint[len("ipc://"):]).st_mode) == 0o660
+
+
+def test_daemon_accepts_kvtier_socket_mode_from_the_environment(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["KVTIER_SOCKET_MODE"] = "0660"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.daemon", "--print-config"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert 'socket_mode = "0660"' in proc.stdout
+
+
+def test_keygen_writes_a_private_secret_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    from kvtier.tools.cli import main
+
+    assert main(["keygen", str(tmp_path / "keys"), "--name", "engine-0"]) == 0
+    public, secret = tmp_path / "keys" / "engine-0.key", tmp_path / "keys" / "engine-0.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(public.stat().st_mode) == 0o644
+    keys = CurveKeys.load(public, secret)
+    assert keys.public == read_public_key(public) and len(keys.secret) == 40
+    assert "secret" not in repr(keys).replace("secret_key", "")
+    with pytest.raises(SystemExit, match="exists"):
+        main(["keygen", str(tmp_path / "keys"), "--name", "engine-0"])
+
+
+# ---- daemons on tcp:// ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TcpDaemon:
+    def __init__(self, root: Path, config: str, probe: CurveKeys | None) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        root.mkdir(parents=True, exist_ok=True)
+        self.config = root / "kvtierd.toml"
+        self.config.write_text(f'socket = "{self.endpoint}"\nlog_level = "debug"\n' + textwrap.dedent(config))
+        self.log_path = root / "kvtierd.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") and k != "NOTIFY_SOCKET"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--config", str(self.config)],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvtierd exited {self.proc.returncode}:\n{self.log_path.read_text()}")
+            try:
+                probe_health(self.endpoint, timeout_s=0.3, curve=probe)
+                return
+            except KvtierTimeout:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"kvtierd did not answer:\n{self.log_path.read_text()}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("curve")
+    out: dict[str, Any] = {"root": root, "clients": root / "clients"}
+    (root / "clients").mkdir()
+    for name in ("server", "alice", "bob", "carol", "mallory", "dave"):
+        out[name] = create_key_pair(root / "own", name)  # (public file, secret file)
+    # carol is authorised through the directory; alice and bob as tenants; mallory and dave are unknown.
+    (root / "clients" / "carol.key").write_bytes(out["carol"][0].read_bytes())
+    return out
+
+
+def client_keys(keys: dict[str, Any], name: str) -> CurveKeys:
+    return CurveKeys.load(keys["server"][0], keys[name][1])
+
+
+def curve_kwargs(keys: dict[str, Any], name: str) -> dict[str, Any]:
+    return {"curve_server_key": keys["server"][0], "curve_secret_key_file": keys[name][1]}
+
+
+@pytest.fixture(scope="module")
+def curve_daemon(keys: dict[str, Any]) -> Iterator[TcpDaemon]:
+    """CURVE without tenants: any authorised key is the (one) anonymous tenant."""
+    d = TcpDaemon(keys["root"] / "plain", f"""
+        curve_secret_key_file = "{keys['server'][1]}"
+        curve_public_keys_dir = "{keys['clients']}"
+        hash_algo = "sha256"
+        [default_pool]
+        gpu_bytes = {16 * BLOCK}
+        cpu_bytes = {16 * BLOCK}
+    """, probe=client_keys(keys, "carol"))
+    yield d
+    d.stop()
+
+
+def test_tcp_client_without_keys_gets_no_reply(curve_daemon: TcpDaemon) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(KvtierTimeout):
+        Client(curve_daemon.endpoint, "p", LAYOUT, timeout_s=SHORT_S)
+    assert time.monotonic() - t0 < SHORT_S + 2.0
+    with pytest.raises(KvtierTimeout):
+        probe_health(curve_daemon.endpoint, timeout_s=SHORT_S)
+
+
+def test_tcp_client_with_an_unknown_key_gets_no_reply(curve_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    with pytest.raises(KvtierTimeout):
+        Client(curve_daemon.endpoint, "p", LAYOUT, timeout_s=SHORT_S, **curve_kwargs(keys, "mallory"))
+    # Right client key, wrong idea of the server's key: no handshake either.
+    wrong_server = CurveKeys.load(keys["mallory"][0], keys["carol"][1])
+    with pytest.raises(KvtierTimeout):
+        probe_health(curve_daemon.endpoint, timeout_s=SHORT_S, curve=wrong_server)
+
+
+def test_tcp_client_with_a_registered_key_works(curve_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    hashes = [bytes([7, i]) * 8 for i in range(4)]
+    data = os.urandom(4 * BLOCK)
+    with Client(curve_daemon.endpoint, "p", LAYOUT, timeout_s=10.0, **curve_kwargs(keys, "carol")) as c:
+        assert c.store(hashes, data) == (4, 0)
+        got = c.restore(hashes)
+        assert got.tiers == ["gpu"] * 4 and bytes(got.data) == data
+        c.heartbeat()  # the heartbeat socket is a CURVE client too
+
+
+def test_a_key_added_to_the_directory_works_without_a_restart(curve_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    with pytest.raises(KvtierTimeout):
+        probe_health(curve_daemon.endpoint, timeout_s=SHORT_S, curve=client_keys(keys, "dave"))
+    (keys["clients"] / "dave.key").write_bytes(keys["dave"][0].read_bytes())
+    time.sleep(1.1)  # the directory is re-read at most once a second
+    assert probe_health(curve_daemon.endpoint, timeout_s=5.0, curve=client_keys(keys, "dave"))["status"] == "ok"
+
+
+# ---- tenants ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tenant_daemon(keys: dict[str, Any]) -> Iterator[TcpDaemon]:
+    alice, bob = (read_public_key(keys[n][0]).decode() for n in ("alice", "bob"))
+    # Two or more tenants: hash_algo defaults to sha256 (LAYOUT says sha256).
+    d = TcpDaemon(keys["root"] / "tenants", f"""
+        curve_secret_key_file = "{keys['server'][1]}"
+        curve_public_keys_dir = "{keys['clients']}"
+        [default_pool]
+        gpu_bytes = {4 * BLOCK}
+        cpu_bytes = {16 * BLOCK}
+        clean_ahead_blocks = 0
+        [tenants.alice]
+        public_key = "{alice}"
+        [tenants.bob]
+        public_key = "{bob}"
+        [tenants.tokenco]
+        token = "{TOKEN}"
+        cpu_quota_bytes = {2 * BLOCK}
+    """, probe=client_keys(keys, "carol"))
+    yield d
+    d.stop()
+
+
+def tenant_client(d: TcpDaemon, keys: dict[str, Any], name: str, pool: str = "shared", **kw: Any) -> Client:
+    return Client(d.endpoint, pool, kw.pop("layout", LAYOUT), timeout_s=10.0, **curve_kwargs(keys, name), **kw)
+
+
+def no_hashes_in(value: Any, path: str = "") -> None:
+    """Stats carry counters and names, never block keys (bytes)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise AssertionError(f"bytes at {path or '/'}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            assert not isinstance(k, (bytes, bytearray)), f"bytes key at {path}"
+            no_hashes_in(v, f"{path}/{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            no_hashes_in(v, f"{path}/{i}")
+
+
+def test_tenant_a_never_sees_tenant_b_blocks(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    hashes = [bytes([1, i]) * 8 for i in range(8)]
+    a_data, b_data = os.urandom(8 * BLOCK), os.urandom(8 * BLOCK)
+    with tenant_client(tenant_daemon, keys, "alice") as a, tenant_client(tenant_daemon, keys, "bob") as b:
+        # 8 blocks, a 4-block GPU tier: alice's chain lies in both tiers.
+        assert a.store(hashes[:4], a_data[: 4 * BLOCK]) == (4, 0)
+        assert a.store(hashes[4:], a_data[4 * BLOCK:]) == (4, 0)
+        a_tiers = a.lookup(hashes)
+        assert len(a_tiers) == 8 and set(a_tiers) == {"gpu", "cpu"}
+        # bob, same pool, same hashes: nothing, whichever verb asks.
+        assert b.lookup(hashes) == []
+        assert b.lookup(hashes, pin=True) == []
+        assert b.pin(hashes) == []
+        assert b.unpin(hashes) == 0
+        assert len(b.restore(hashes)) == 0
+        # Content addressing does not leak either: bob's store of the same hashes
+        # is new to him (a "present" count would tell him alice has them).
+        assert b.store(hashes[:4], b_data[: 4 * BLOCK]) == (4, 0)
+        assert bytes(b.restore(hashes[:4]).data) == b_data[: 4 * BLOCK]
+        got = a.restore(hashes)
+        assert len(got) == 8 and bytes(got.data) == a_data
+        # clear is per tenant: bob's clear leaves alice's blocks.
+        assert b.clear() >= 4
+        assert b.lookup(hashes) == []
+        assert len(a.lookup(hashes)) == 8
+        # stats: bob sees his own tenant counters only, and no keys anywhere.
+        stats = b.stats()
+        no_hashes_in(stats)
+        assert list(stats["tenants"]) == ["bob"]
+        assert a.stats()["tenants"].keys() == {"alice"}
+
+
+def test_allocate_hits_are_per_tenant(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    from kvtier.client.kv_share import allocate_shared_kv
+
+    engine_layout = PoolLayout(**{**LAYOUT.to_wire(), "mode": "engine"})
+    kv, handle = allocate_shared_kv((8, BLOCK // 2), "float16", 0)
+    try:
+        with tenant_client(tenant_daemon, keys, "alice", "engine", layout=engine_layout) as a, \
+                tenant_client(tenant_daemon, keys, "bob", "engine", layout=engine_layout) as b:
+            a.register_kv("kv", [kv], 0)
+            tokens = list(range(12))
+            first = a.allocate_tokens("r1", tokens)
+            assert first.num_hit_blocks == 0
+            a.free("r1")
+            again = a.allocate_tokens("r2", tokens)
+            assert again.num_hit_blocks == 3 and again.tiers == ["gpu"] * 3
+            a.free("r2")
+            other = b.allocate_tokens("r1", tokens)  # same tokens, same hashes, another tenant
+            assert other.num_hit_blocks == 0 and not set(other.block_ids) & set(again.block_ids[:3])
+            b.free("r1")
+    finally:
+        if os.path.exists(f"/dev/shm/{handle['name']}"):
+            os.unlink(f"/dev/shm/{handle['name']}")
+
+
+def raw(sock: zmq.Socket, header: dict[str, Any]) -> dict[str, Any]:
+    sock.send(encode({"v": 1, **header}))
+    assert sock.poll(5000), "no reply"
+    return decode(sock.recv_multipart()[0])
+
+
+def test_a_sid_is_no_use_to_another_identity(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    with tenant_client(tenant_daemon, keys, "alice") as a:
+        a.store([b"\2" * 16], bytes(BLOCK))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        client_keys(keys, "bob").apply(sock)
+        sock.connect(tenant_daemon.endpoint)
+        try:
+            reply = raw(sock, {"op": "lookup", "id": 1, "sid": a.sid, "hashes": [b"\2" * 16]})
+            assert reply["ok"] is False and reply["error"]["code"] == int(ErrorCode.UNKNOWN_SESSION)
+        finally:
+            sock.close()
+            ctx.term()
+        assert a.lookup([b"\2" * 16]) == ["gpu"]  # alice's session is untouched
+
+
+def test_tenant_identity_from_tokens_and_refusals(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    # carol's key is authorised but belongs to no tenant: she needs a token.
+    with pytest.raises(DaemonError) as info:
+        tenant_client(tenant_daemon, keys, "carol")
+    assert info.value.code == ErrorCode.UNAUTHORIZED
+    with pytest.raises(DaemonError) as info:
+        tenant_client(tenant_daemon, keys, "carol", token="not-the-token-0123456789")
+    assert info.value.code == ErrorCode.UNAUTHORIZED
+    with pytest.raises(DaemonError) as info:  # alice's key with tokenco's token: two identities
+        tenant_client(tenant_daemon, keys, "alice", token=TOKEN)
+    assert info.value.code == ErrorCode.UNAUTHORIZED
+    hashes = [bytes([3, i]) * 8 for i in range(2)]
+    with tenant_client(tenant_daemon, keys, "carol", token=TOKEN) as t, tenant_client(tenant_daemon, keys, "alice") as a:
+        assert t.store(hashes, bytes(2 * BLOCK)) == (2, 0)
+        assert t.lookup(hashes) == ["gpu", "gpu"]
+        assert a.lookup(hashes) == []
+        assert list(t.stats()["tenants"]) == ["tokenco"]
+    # The refusals created nothing: no pool for an unauthorised hello.
+    with tenant_client(tenant_daemon, keys, "alice") as a:
+        assert "refused-pool" not in a.stats()["pools"]
+    with pytest.raises(DaemonError):
+        tenant_client(tenant_daemon, keys, "carol", pool="refused-pool")
+
+
+def test_cpu_quota_drops_demotions_and_refuses_spilling_stores(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    # tokenco: 2-block CPU quota; the GPU tier has 4 blocks, shared by everyone in the pool.
+    with tenant_client(tenant_daemon, keys, "carol", "quota", token=TOKEN) as t:
+        first = [bytes([4, i]) * 8 for i in range(4)]
+        second = [bytes([5, i]) * 8 for i in range(4)]
+        assert t.store(first, bytes(4 * BLOCK)) == (4, 0)
+        assert t.store(second, bytes(4 * BLOCK)) == (4, 0)  # evicts `first`: only 2 demotions fit the quota
+        mine = t.stats()["tenants"]["tokenco"]
+        assert mine["cpu_resident_bytes"] == 2 * BLOCK and mine["dropped_demotions"] == 2
+        # 4 fit the GPU tier, the other 3 would spill into the CPU tier past the quota: refused.
+        third = [bytes([6, i]) * 8 for i in range(7)]
+        with pytest.raises(DaemonError) as info:
+            t.store(third, bytes(7 * BLOCK))
+        assert info.value.code == ErrorCode.NO_SPACE and "quota" in info.value.message
+        assert t.stats()["tenants"]["tokenco"]["refused_stores"] == 1
+    # The operator (no tenant identity: carol's key, no token) sees every tenant.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    client_keys(keys, "carol").apply(sock)
+    sock.connect(tenant_daemon.endpoint)
+    try:
+        stats = raw(sock, {"op": "stats", "id": 1})
+    finally:
+        sock.close()
+        ctx.term()
+    assert {"alice", "bob", "tokenco"} <= stats["tenants"].keys()
+    no_hashes_in(stats)
+
+
+def test_tenant_daemon_requires_sha256_layouts(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    with pytest.raises(DaemonError) as info:
+        tenant_client(tenant_daemon, keys, "alice", "xxh", layout=PoolLayout(**{**LAYOUT.to_wire(), "hash_algo": "xxh3_128"}))
+    assert info.value.code == ErrorCode.LAYOUT_MISMATCH and "sha256" in info.value.message
