@@ -59,7 +59,9 @@ def curve_from_config(cfg: DaemonConfig) -> CurveOptions | None:
     """The CURVE server settings, or None; a bad key file is a config error (exit 2)."""
     from kvtier.daemon.security import ClientKeys, CurveOptions, load_server_key
 
-    if cfg.curve_secret_key_file is None:
+    if cfg.curve_secret_key_file is None or not cfg.is_tcp:
+        # ipc:// is guarded by the socket file's mode (socket_mode); CURVE is
+        # for what the network can reach.
         return None
     try:
         public, secret = load_server_key(cfg.curve_secret_key_file)
@@ -115,10 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         exit_on_config_error(ConfigError(FAULTS_ENV, str(exc)))
     curve = curve_from_config(cfg)
     _setup_logging(cfg.log_level)
+    if cfg.curve_secret_key_file is not None and curve is None:
+        log.warning("curve_secret_key_file is set but %s is not tcp://: CURVE is not used (the socket file's mode "
+                    "%04o decides who connects)", cfg.socket, cfg.socket_mode)
     if len(cfg.tenants) > 1 and cfg.hash_algo != "sha256":
         log.warning("%d tenants share this daemon with hash_algo %s: a tenant can craft colliding hashes within "
                     "its own namespace; sha256 is the default with tenants for that reason", len(cfg.tenants),
                     cfg.hash_algo)
+    if curve is None:
+        key_only = sorted(name for name, t in cfg.tenants.items() if t.token_sha256 is None)
+        if key_only:
+            log.warning("tenants %s have a public_key and no token, but CURVE is off on %s: they cannot connect",
+                        ", ".join(key_only), cfg.socket)
     if cfg.is_tcp and curve is None:
         log.warning("serving %s WITHOUT authentication or encryption (insecure_tcp): anyone who reaches the port "
                     "can read and overwrite cached KV blocks", cfg.socket)

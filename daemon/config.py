@@ -49,8 +49,18 @@ first that applies:
    directory;
 3. ``ipc://${TMPDIR:-/tmp}/kvtier-<uid>/kvtierd.sock``.
 
-The daemon creates the socket's directory (mode 0700) and the socket file
-(mode 0600); this module only names them.
+The daemon creates the socket's directory (mode 0700, 0710 when the socket's
+group may connect) and the socket file (``socket_mode``: 0600, or 0660 for
+the group; never anything for others); this module only names them. CURVE
+keys apply to ``tcp://`` sockets only.
+
+Tenants (``[tenants.<name>]`` tables, in the file only: secrets and key maps
+stay out of the environment and the command line) are ``TenantConfig``:
+``public_key`` (CURVE, Z85) and/or ``token`` (hashed to ``token_sha256`` on
+loading; ``--print-config`` prints the hash), and ``cpu_quota_bytes``. With
+two or more tenants ``hash_algo`` defaults to ``sha256`` unless a source sets
+it (tenants who do not trust each other must not share a non-cryptographic
+hash); ``kvtier.daemon.tenants`` says what the daemon does with them.
 
 Validation (all raise ``ConfigError`` naming the dotted key, e.g. ``lease_s``,
 ``default_pool.cpu_bytes``, ``pools."llama-8b/tp0".policy``): unknown keys
@@ -59,7 +69,9 @@ sockets other than ``ipc://<absolute path or @abstract>`` and
 ``tcp://<host>:<port>``, ``tcp://`` without ``insecure_tcp = true`` and
 without both CURVE key settings, CURVE key files that do not exist, unknown
 eviction policies (asked of ``kvtier.tiers.eviction.make_policy``), unknown
-hash algorithms, log levels and devices.
+hash algorithms, log levels and devices, socket modes with bits for others,
+tenants without an identity, with malformed keys or short tokens, and keys,
+tokens or namespace tags shared by two tenants.
 
 For ``main()``: ``load_config_or_exit(argv)`` does the CLI policy: on a
 ``ConfigError`` it prints ``kvtierd: config error: <key>: <message>`` to
@@ -537,7 +549,8 @@ def _check_socket(cfg: DaemonConfig) -> None:
 
 
 def _check_curve(cfg: DaemonConfig) -> None:
-    # Presence only: the CURVE handshake itself is a later issue.
+    # Presence here; the daemon reads the key file (and refuses a bad one,
+    # exit 2) and the directory of client keys when it starts.
     secret, public_dir = cfg.curve_secret_key_file, cfg.curve_public_keys_dir
     if secret is None:
         raise ConfigError("curve_secret_key_file", "is required together with curve_public_keys_dir")

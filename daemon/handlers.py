@@ -14,6 +14,11 @@ Contract:
   sends ``finish(op)``'s reply when the op is done (or an error reply when
   the op failed, after calling ``on_error``). ``keep`` holds buffers the
   copy reads or writes (ZMQ frames, staging tensors) alive until then.
+- Tenants: ``hello`` resolves the session's tenant first (UNAUTHORIZED
+  creates nothing); every block hash a client sends reaches a pool only
+  through ``_keys`` (the tenant's namespace, ``daemon.tenants``), and no
+  reply carries a pool key. ``clear`` and the ``tenants`` part of ``stats``
+  are per tenant.
 """
 
 from __future__ import annotations

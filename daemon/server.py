@@ -16,6 +16,19 @@ Contract:
 - Exactly one reply per request, carrying its id: every path through
   ``_handle`` ends in exactly one ``_send`` or one parking, and every parked
   request leaves the parking lot through exactly one ``_send``.
+- Identity: with CURVE configured (``ServeOptions.curve``) the socket is a
+  CURVE server and a ZAP handler (``daemon.security``) admits only known
+  client keys. Each request's connection User-Id is ``ctx.peer`` while it is
+  handled; a session may be used only by the identity that opened it (any
+  other gets UNKNOWN_SESSION). Tenants (``ServeOptions.tenants``) are
+  resolved at hello and applied by the handlers.
+- Memory: a pool that a hello would create is checked first
+  (``daemon.memory.check_new_pool``: NO_SPACE with the numbers when the
+  host cannot take its CPU tier).
+- systemd: READY=1 once the socket is bound, WATCHDOG=1 from the loop at
+  half of WatchdogSec (and between pinned chunks of a CPU tier being
+  allocated), STATUS= lines (allocation progress; a summary at most once a
+  second when it changed), STOPPING=1 when the drain starts.
 - Drain (stop flag set): new requests get SHUTTING_DOWN (``health`` and
   ``stats`` still answer), parked requests get their replies as their copies
   finish, and whatever is still parked at ``drain_timeout_s`` gets a
