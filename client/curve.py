@@ -6,7 +6,8 @@ Contract
 - ``CurveKeys.load(server_key, secret_key_file)``: ``server_key`` is the
   daemon's public key, either its 40 Z85 characters or the path of its
   public key file (``NAME.key``); ``secret_key_file`` is this client's
-  ``NAME.key_secret`` (both halves of its key pair are in it). Raises
+  ``NAME.key_secret`` (both halves of its key pair are in it). Paths may
+  start with ``~``. Raises
   ``ValueError`` naming the file when a key is missing or malformed.
 - ``CurveKeys.apply(sock)`` makes a socket a CURVE client of that daemon;
   call it before ``connect``. A daemon that does not know the client's
@@ -46,7 +47,7 @@ def read_public_key(key: str | bytes | os.PathLike[str]) -> bytes:
         except ValueError as exc:
             raise ValueError(f"not a Z85 CURVE key: {exc}") from None
         return raw
-    path = Path(os.fsdecode(key))
+    path = Path(os.fsdecode(key)).expanduser()
     try:
         public, _secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -65,7 +66,7 @@ class CurveKeys:
     @classmethod
     def load(cls, server_key: str | bytes | os.PathLike[str], secret_key_file: str | os.PathLike[str]) -> CurveKeys:
         server_public = read_public_key(server_key)
-        path = Path(secret_key_file)
+        path = Path(secret_key_file).expanduser()
         try:
             public, secret = zmq.auth.load_certificate(path)
         except (OSError, ValueError) as exc:
