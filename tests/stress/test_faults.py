@@ -172,9 +172,9 @@ def test_daemon_sigkilled_mid_restore_client_raises_at_its_deadline_then_reconne
 
 @pytest.fixture(scope="module")
 def faulty_daemon(start_module_daemon) -> StressDaemon:  # type: ignore[no-untyped-def]
-    # Every 3rd client store copy and every 4th client load copy fails.
+    # Every 3rd client store copy, every 4th client load copy and every 2nd demotion fails.
     return start_module_daemon(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES,
-                               env={FAULTS_ENV: "store.fail_every=3,load.fail_every=4"})
+                               env={FAULTS_ENV: "store.fail_every=3,load.fail_every=4,demote.fail_every=2"})
 
 
 def test_injected_copy_failures_fail_only_their_request(faulty_daemon: StressDaemon) -> None:
@@ -193,7 +193,9 @@ def test_injected_copy_failures_fail_only_their_request(faulty_daemon: StressDae
                 assert bystander.lookup(hashes) == []
                 assert c.store(hashes, chain_content(hashes, BLOCK_BYTES)) == (2, 0)
         assert "failed" in outcomes and "ok" in outcomes
-        restored = failed = 0
+        # 12 blocks for an 8-block GPU tier: some were demoted, and half of the demotions failed.
+        # A block whose demotion failed is gone (a short restore), never wrong.
+        restored = failed = missing = 0
         for hashes in chains * 2:
             try:
                 got = c.restore(hashes)
@@ -201,10 +203,12 @@ def test_injected_copy_failures_fail_only_their_request(faulty_daemon: StressDae
                 assert exc.code == ErrorCode.TRANSFER_FAILED and "injected fault" in exc.message, exc
                 failed += 1
                 continue
-            assert bytes(got.data) == chain_content(hashes, BLOCK_BYTES)
-            restored += 1
+            assert bytes(got.data) == chain_content(hashes[: len(got)], BLOCK_BYTES)
+            restored += len(got)
+            missing += len(hashes) - len(got)
         assert failed >= 2 and restored >= 8
         stats = c.stats()
+        assert stats["pools"]["faulty"]["demotions"] > 0
         assert stats["pools"]["faulty"]["copy_failures"] >= failed + 1
         assert stats["daemon"]["errors_total"]["code=TRANSFER_FAILED"] >= failed + 1
         assert "code=INTERNAL" not in stats["daemon"]["errors_total"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fuzzlib import FuzzCase, FuzzWorld, Judge, Victim, after_checks, hypothesis_requests, run_campaign, victim_snapshot
+from fuzzlib import CountingClient, FuzzCase, FuzzWorld, Judge, Victim, after_checks, hypothesis_requests, run_campaign, victim_snapshot
 from kvtier.client.client import Client, DaemonError
 from kvtier.client.protocol import ErrorCode, encode
 from stresslib import RawSocket, StressDaemon, store_layout
@@ -55,7 +55,7 @@ def fuzzed(start_module_daemon) -> Iterator[Fuzzed]:  # type: ignore[no-untyped-
     daemon = start_module_daemon(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES,
                                  max_message_bytes=MAX_PAYLOAD_BYTES, lease_s=5.0, log_level="warning")
     layout = store_layout(BLOCK_BYTES)
-    client = Client(daemon.endpoint, "victim", layout)
+    client = CountingClient(daemon.endpoint, "victim", layout)
     victim = Victim(client, BLOCK_BYTES)
     victim.store(num_chains=6, chain_blocks=8)  # 48 blocks: more than the GPU tier, all within the CPU tier
     stats = client.stats()
