@@ -57,7 +57,8 @@ import numpy as np  # noqa: E402
 from stresslib import StressDaemon, block_content, chain_hashes, latency_summary, store_layout  # noqa: E402
 
 SLOW_OP_S = 0.1  # ops slower than this are listed with their time, to tell stalls from noise
-VERBS = ("lookup", "pin", "unpin", "store", "restore", "allocate", "append", "free")
+VERBS = ("lookup", "pin", "unpin", "store", "restore", "allocate", "append", "free", "clear")
+CLEAR_SHARE = 0.002  # of steps: drops every unpinned block of the pool while copies are in flight
 
 
 @dataclass
@@ -184,7 +185,9 @@ class Worker:
         hashes = chain[:n]
         op = r.random()
         rep = self.report
-        if op < 0.25:
+        if op < CLEAR_SHARE:
+            rep.outcomes["cleared_blocks"] += self.timed("clear", self.client.clear)
+        elif op < 0.25:
             tiers = self.timed("lookup", self.client.lookup, hashes)
             self.check_tiers("lookup", hashes, tiers)
         elif op < 0.33:
@@ -248,6 +251,8 @@ class Worker:
         n_full = r.randint(1, min(len(chain) - 1, self.cfg.engine_blocks - 2))
         num_tokens = n_full * bs + r.randrange(bs)
         req = f"r{serial}"
+        if r.random() < CLEAR_SHARE:
+            rep.outcomes["cleared_blocks"] += self.timed("clear", self.client.clear)
         if r.random() < 0.2:
             tiers = self.timed("lookup", self.client.lookup, chain[:n_full])
             self.check_tiers("lookup", chain[:n_full], tiers)

@@ -253,6 +253,8 @@ def machine_description() -> dict[str, Any]:
 
     vm = psutil.virtual_memory()
     return {
+        # Other processes share the cores: latencies are only comparable at similar load.
+        "load_avg_1m_at_report": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
         "memory_gib": round(vm.total / 2**30, 1),
         "platform": platform.platform(),

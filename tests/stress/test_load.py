@@ -36,7 +36,8 @@ def test_mixed_load_every_byte_checked_no_deadlock_bounded_rss(tmp_path: Path) -
     verbs = result["verbs"]
     for verb in ("lookup", "pin", "unpin", "store", "restore", "allocate", "append", "free"):
         assert verbs.get(verb, {}).get("count", 0) > 0, verb
-        assert verbs[verb]["max_ms"] < MAX_STALL_S * 1e3, (verb, verbs[verb])
+    for verb, v in verbs.items():
+        assert v["max_ms"] < MAX_STALL_S * 1e3, (verb, v)
     totals = result["daemon_pool_totals"]
     # The tiers were under pressure the whole time, and bytes really moved.
     assert totals["demotions"] > 1000 and totals["cpu_evictions"] > 1000, totals
