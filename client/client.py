@@ -540,8 +540,13 @@ class Client:
                            timeout_s=timeout_s)
         return list(rh["block_ids"]), list(rh["new_block_ids"])
 
-    def free(self, req: str, *, timeout_s: float | None = None) -> None:
-        self._call("free", {"req": req}, timeout_s=timeout_s)
+    def free(self, req: str, *, valid_tokens: int | None = None, timeout_s: float | None = None) -> None:
+        """Release a request. ``valid_tokens``: after a failure, how many leading
+        tokens' K/V were really written; blocks past them are not kept cached."""
+        fields: dict[str, Any] = {"req": req}
+        if valid_tokens is not None:
+            fields["valid_tokens"] = valid_tokens
+        self._call("free", fields, timeout_s=timeout_s)
         self._requests.discard(req)
         self._tokens.pop(req, None)
 

@@ -399,7 +399,16 @@ OPS: dict[str, OpSpec] = {
         {"req": REQ, "num_tokens": Spec(UInt(0, 2**40), doc="NEW tokens"), "hashes": HASHES},
         doc="engine mode: grow a request; hashes of the blocks these tokens filled",
     ),
-    "free": OpSpec({"req": REQ}, doc="engine mode: release a request's blocks"),
+    "free": OpSpec(
+        {
+            "req": REQ,
+            "valid_tokens": Spec(
+                UInt(0, 2**40), required=False, default=None,
+                doc="tokens whose K/V the engine wrote; blocks past them lose their hash (a failed request)",
+            ),
+        },
+        doc="engine mode: release a request's blocks",
+    ),
     "store": OpSpec(
         {"hashes": HASHES, **PLANE_FIELDS},
         payload=True,

@@ -315,7 +315,7 @@ def free(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     name = req.fields["req"]
     if name not in session.requests:
         raise ProtocolError(ErrorCode.NOT_FOUND, f"no request {name!r} in this session")
-    entry.pool.free(session.pool_request_id(name))
+    entry.pool.free(session.pool_request_id(name), valid_tokens=req.fields.get("valid_tokens"))
     session.requests.discard(name)
     return Reply()
 

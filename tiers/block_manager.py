@@ -31,7 +31,9 @@ Request-oriented (engine-managed mode):
     append(request_id, num_new_tokens, new_block_hashes) -> Allocation
         Grows a running request; ``new_block_hashes`` are the hashes of the
         blocks that became full with these tokens (exactly those).
-    free(request_id) -> None
+    free(request_id, valid_tokens=None) -> None
+        Releases the blocks last to first. ``valid_tokens`` (a request that
+        failed part-way): blocks past that many tokens lose their hash.
     block_table(request_id) -> list[int]
 
 Primitives (store mode, pins, clean-ahead):
@@ -378,10 +380,15 @@ class BlockManager:
         req.num_committed = num_full
         return Allocation(request_id, [b.block_id for b in req.blocks], 0, [b.block_id for b in new], evicted)
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, *, valid_tokens: int | None = None) -> None:
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
+        if valid_tokens is not None:
+            # Committed at once when full (vLLM semantics), but the engine never
+            # wrote these: no later request may hit them.
+            for block in req.blocks[valid_tokens // self.block_size :]:
+                self.discard_hash(block)
         self.release(reversed(req.blocks))
 
     def _request(self, request_id: str) -> _Request:

@@ -503,10 +503,12 @@ class TieredPool:
         self._settle(op)
         return op
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, *, valid_tokens: int | None = None) -> None:
+        """Release a request; ``valid_tokens`` (a request that failed part-way):
+        blocks past that many tokens never got their K/V, so their hashes go."""
         bm = self._require_gpu()
         try:
-            bm.free(request_id)
+            bm.free(request_id, valid_tokens=valid_tokens)
         except KeyError as exc:
             raise NotFound(str(exc)) from None
         self._clean_ahead()

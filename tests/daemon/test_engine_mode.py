@@ -126,3 +126,21 @@ def test_registration_goes_with_the_session(kvtierd_factory) -> None:  # type: i
         assert not stats["gpu_registered"] and stats["gpu_blocks"] == 0
         # A new engine can register again.
         assert c.register_kv("kv", [kv], BLOCK_DIM) == NUM_BLOCKS
+
+
+def test_free_with_valid_tokens_keeps_unwritten_blocks_out_of_the_cache(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(cpu_bytes=16 * BLOCK_BYTES)
+    kv, _handle = allocate_shared_kv(SHAPE, "float16", BLOCK_DIM)
+    engine = Engine(kv)
+    tokens = list(range(500, 516))  # 4 full blocks
+    with Client(daemon.endpoint, "abort", layout(), lease_s=5.0) as c:
+        c.register_kv("kv", [kv], BLOCK_DIM)
+        alloc = c.allocate_tokens("a", tokens)
+        engine.compute(alloc.block_ids, tokens[:8])  # the engine got through 2 blocks, then failed
+        c.free("a", valid_tokens=8)
+        h = c.hashes_for(tokens)
+        assert c.lookup(h) == ["gpu", "gpu"]
+        # A retry recomputes blocks 2-3 instead of hitting bytes nobody wrote.
+        retry = c.allocate_tokens("b", tokens)
+        assert retry.tiers == ["gpu", "gpu"] and retry.block_ids[:2] == alloc.block_ids[:2]
+        c.free("b")

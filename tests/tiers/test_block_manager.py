@@ -564,3 +564,19 @@ def test_primitives_touch_release_and_evict_free_cached(hasher: BlockHasher) -> 
     bm.discard_hash(blocks[1])
     assert bm.num_cached_blocks == 0 and blocks[1].block_hash is None
     check_invariants(bm)
+
+
+def test_free_with_valid_tokens_withdraws_hashes_of_blocks_never_written(hasher: BlockHasher) -> None:
+    bm = BlockManager(10, 4)
+    shared = list(range(8))
+    bm.allocate("a", hasher.hash_blocks(shared), 8)
+    bm.free("a")
+    tokens = shared + list(range(100, 112))  # 2 shared blocks, then 3 new full blocks
+    hashes = hasher.hash_blocks(tokens)
+    alloc = bm.allocate("b", hashes, len(tokens))
+    assert alloc.num_hit_blocks == 2
+    # The engine computed one new block (tokens 8..11), then failed.
+    bm.free("b", valid_tokens=12)
+    assert [b.block_id for b in bm.longest_cached_prefix(hashes)] == alloc.block_ids[:3]
+    assert bm.get_cached(hashes[3]) is None and bm.get_cached(hashes[4]) is None
+    assert all(b.ref_cnt == 0 for b in bm.blocks) and bm.num_free_blocks == 10
