@@ -301,3 +301,31 @@ def test_fault_spec_parsing_and_a_bad_spec_exits_2(tmp_path: Path) -> None:
                           env={**os.environ, FAULTS_ENV: "load.fail_every=zero"}, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and FAULTS_ENV in proc.stderr
+
+
+def test_client_that_outlived_its_lease_gets_its_shm_plane_back(start_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Regression: a live client whose lease ran out (paused, starved heartbeats) lost its shm plane for good.
+
+    Lease expiry unlinks the session's arena file (protocol §3), so the
+    client's re-attach by name failed with NOT_FOUND, and from then on every
+    shm store/restore got INVALID_STATE while ``open_arena`` said "this client
+    already has an arena". Now the loss is reported once (``SessionLost``,
+    ``lost_arena``) and ``open_arena`` makes a new arena.
+    """
+    daemon = start_daemon(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES, lease_s=0.5)
+    with Client(daemon.endpoint, "expired", store_layout(BLOCK_BYTES), heartbeat=False) as c:
+        arena = c.open_arena(4)
+        hashes = chain_hashes("expired", 4)
+        for slot, h in enumerate(hashes):
+            arena.slot_view(slot)[:] = block_content(h, BLOCK_BYTES)
+        assert c.store(hashes, slots=[0, 1, 2, 3]) == (4, 0)
+        path = arena.path
+        wait_for(lambda: not os.path.exists(path), 5.0, "the expired session's arena to be unlinked")
+        with pytest.raises(SessionLost) as info:
+            c.restore(hashes, slots=[0, 1, 2, 3])
+        assert info.value.lost_arena and c.arena is None
+        # A new arena (new memory: the old views are not the daemon's any more) and the plane works.
+        arena = c.open_arena(4)
+        got = c.restore(hashes, slots=[3, 2, 1, 0])
+        assert len(got) == 4
+        assert [bytes(arena.slot_view(3 - i)) for i in range(4)] == [block_content(h, BLOCK_BYTES) for h in hashes]
