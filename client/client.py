@@ -18,8 +18,10 @@ Contract
   with it) and opens a new one. When the daemon answers UNKNOWN_SESSION, the
   client sends a new ``hello``, re-attaches its arena and re-registers its KV
   tensors, and then retries the call (the daemon had rejected it unexecuted).
-  If the old session held pins or requests, the call raises ``SessionLost``
-  instead, listing them, once; the new session is ready for the next call.
+  If the old session held pins or requests, or its arena cannot be
+  re-attached (a lease expiry unlinks the arena's file), the call raises
+  ``SessionLost`` instead, listing them, once; the new session is ready for
+  the next call (without the lost arena: ``open_arena`` makes a new one).
 - Only idempotent verbs (``protocol.OPS[op].idempotent``) are resent after a
   timeout; others raise ``KvtierTimeout`` at once, since the daemon may or
   may not have executed them.
@@ -114,13 +116,17 @@ class SessionLost(DaemonError):
 
     The client has already opened a new session (re-attached its arena and
     re-registered its KV tensors); the engine must redo ``lost_pins`` and
-    ``lost_requests`` itself if it still needs them.
+    ``lost_requests`` itself if it still needs them. ``lost_arena``: the
+    arena could not be re-attached (the lease ran out and the daemon unlinked
+    its file); the client dropped it, and ``open_arena`` makes a new one.
     """
 
-    def __init__(self, message: str, lost_pins: list[bytes], lost_requests: list[str]) -> None:
+    def __init__(self, message: str, lost_pins: list[bytes], lost_requests: list[str], *,
+                 lost_arena: bool = False) -> None:
         super().__init__(int(ErrorCode.UNKNOWN_SESSION), message)
         self.lost_pins = lost_pins
         self.lost_requests = lost_requests
+        self.lost_arena = lost_arena
 
 
 @dataclass(frozen=True)
@@ -413,17 +419,31 @@ class Client:
         old_sid = self.sid
         self.sid = None
         self._hello(deadline_s)
+        lost_arena = False
         if self._arena is not None:
-            self._roundtrip("attach_arena", self._arena_fields(), (), deadline_s)
+            try:
+                self._roundtrip("attach_arena", self._arena_fields(), (), deadline_s)
+            except DaemonError as exc:
+                if exc.code != ErrorCode.NOT_FOUND:
+                    raise
+                # Our lease ran out and the daemon unlinked the arena's file: its
+                # name cannot come back. Dropped, not silently replaced: the
+                # caller's views of the old memory would no longer be the
+                # daemon's. open_arena makes a new one.
+                arena, self._arena = self._arena, None
+                arena.close()
+                lost_arena = True
         for name, reg in self._registrations.items():
             self._roundtrip("register_kv", {"name": name, "tensors": reg.tensors}, (), deadline_s)
         log.warning("kvtier session %s lost; new session %s", (old_sid or "")[:8], (self.sid or "")[:8])
-        if lost_pins or lost_requests:
+        if lost_pins or lost_requests or lost_arena:
             raise SessionLost(
                 f"the daemon lost session {old_sid} (restart or lease expiry): "
-                f"{len(lost_pins)} pins and {len(lost_requests)} requests are gone",
+                f"{len(lost_pins)} pins and {len(lost_requests)} requests are gone"
+                + ("; the arena's file was unlinked: call open_arena again" if lost_arena else ""),
                 lost_pins,
                 lost_requests,
+                lost_arena=lost_arena,
             )
 
     # ---- heartbeats ----------------------------------------------------------
