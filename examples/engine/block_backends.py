@@ -40,7 +40,6 @@ Two implementations share it:
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -148,13 +147,9 @@ class InProcessBackend:
         self.pool.poll()
 
     def abort(self, request_id: str, num_valid_blocks: int) -> None:
-        bm = self.pool.bm
-        if bm is not None and bm.has_request(request_id):
-            # Blocks past the valid prefix were allocated by this request (hits
-            # are always a prefix), and no other request has run since.
-            for block_id in bm.block_table(request_id)[num_valid_blocks:]:
-                bm.discard_hash(bm.blocks[block_id])
-        self.free(request_id)
+        # Blocks past the valid prefix lose their hash: their K/V was never written.
+        self.pool.free(request_id, valid_tokens=num_valid_blocks * self.kv.geometry.block_size)
+        self.pool.poll()
 
     def stats(self) -> dict[str, Any]:
         self.pool.poll()
@@ -211,24 +206,12 @@ class DaemonBackend:
             torch.cuda.synchronize(self.kv.device)
         self.client.free(request_id)
 
-    def abort(self, request_id: str, num_valid_blocks: int, *, timeout_s: float = 10.0) -> None:
-        # The protocol has no verb to withdraw the hashes of blocks a request
-        # never wrote, so the only safe move is to drop every unused cached
-        # block of the pool (both tiers) once the request is freed. Freeing
-        # lets the daemon start demoting those blocks at once (clean-ahead),
-        # and ``clear`` cannot drop a CPU-tier entry still being written: wait
-        # until no copy is in flight first, or the garbage lands in the CPU
-        # tier after the clear. (Another session's calls could still start a
-        # demotion in between; a proper verb would close that window.)
-        # Correct, and costly: it is for failures only.
-        log.warning("request %s failed after %d valid blocks: freeing it and clearing the pool's cached blocks "
-                    "(kvtierd cannot withdraw the hashes of blocks that were never written)",
-                    request_id, num_valid_blocks)
-        self.free(request_id)
-        deadline = time.monotonic() + timeout_s
-        while self.stats().get("copies_in_flight", 0) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.client.clear()
+    def abort(self, request_id: str, num_valid_blocks: int) -> None:
+        # Blocks are hashed as soon as they are full; those this request never
+        # wrote must not stay cached: free tells the daemon how far the K/V is valid.
+        if self.kv.device.type == "cuda":
+            torch.cuda.synchronize(self.kv.device)
+        self.client.free(request_id, valid_tokens=num_valid_blocks * self.kv.geometry.block_size)
 
     def stats(self) -> dict[str, Any]:
         """This pool's counters (the same keys as ``TieredPool.stats``) plus the daemon's under "daemon"."""
