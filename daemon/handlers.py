@@ -46,7 +46,7 @@ from kvtier.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.daemon.sessions import Closeable, Registration, Session, SessionTable
 from kvtier.daemon.tenants import ANONYMOUS, TenantRegistry
 from kvtier.tiers.layout import BlockLayout
-from kvtier.tiers.pool import Op
+from kvtier.tiers.pool import Op, Tier
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ def _keys(ctx: HandlerContext, session: Session, hashes: Sequence[bytes]) -> lis
 
 
 def _tiers(tiers: Sequence[Any]) -> list[str]:
-    return [t.value if hasattr(t, "value") else str(t) for t in tiers]
+    # Tier is a str enum: _value_ is the plain string, without enum.__get__ per element.
+    return [t._value_ if isinstance(t, Tier) else str(t) for t in tiers]
 
 
 def _done_or_pending(op: Op, finish: Callable[[Op], Reply], **kw: Any) -> Result:

@@ -175,6 +175,7 @@ class PoolRegistry:
             transfer=transfer,
             cpu_storage=cpu_storage,
             clean_ahead_blocks=sizing.clean_ahead_blocks,
+            defer_learning=True,  # the loop calls learn() after sending its replies
         )
         if gpu_layout is not None:
             pool.attach_gpu(gpu_layout)
@@ -214,6 +215,10 @@ class PoolRegistry:
     def poll(self) -> None:
         for entry in self._pools.values():
             entry.pool.poll()
+
+    def learn(self) -> None:
+        for entry in self._pools.values():
+            entry.pool.learn()
 
     def close_all(self, timeout_s: float) -> None:
         for entry in self._pools.values():

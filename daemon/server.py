@@ -300,6 +300,7 @@ class Server:
                 handled += 1
         self.pools.poll()
         self._deliver_done()
+        self.pools.learn()  # policy bookkeeping off the reply path
         now_s = time.monotonic()
         if now_s >= self._next_sweep_s:
             self._next_sweep_s = now_s + self._sweep_every_s

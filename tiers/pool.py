@@ -162,6 +162,7 @@ class TieredPool:
         enable_caching: bool = True,
         clean_ahead_blocks: int = 64,
         remote: Any = None,
+        defer_learning: bool = False,
     ) -> None:
         if data and transfer is None:
             raise ValueError("a pool that moves bytes needs a transfer engine")
@@ -174,6 +175,11 @@ class TieredPool:
         self.transfer = transfer
         self.enable_caching = enable_caching
         self.clean_ahead_blocks = clean_ahead_blocks
+        # History-based policies learn from every request (hundreds of
+        # microseconds for a long one); a server defers that until its replies
+        # are out and calls learn() once per loop turn.
+        self.defer_learning = defer_learning
+        self._to_learn: list[Sequence[bytes]] = []
         self.cpu = CpuTier(cpu_blocks, make_policy(policy, cpu_blocks), cpu_storage if data else None)
         self.remote = remote  # kvtier.tiers.remote_tier.RemoteTier or None
         if remote is not None:
@@ -338,8 +344,10 @@ class TieredPool:
         c = self.counters
         c["lookups"] += 1
         c["looked_up_blocks"] += len(hashes)
-        for tier in tiers:
-            c["hit_blocks_" + tier.value] += 1
+        for tier in Tier:
+            n = tiers.count(tier)
+            if n:
+                c["hit_blocks_" + tier.value] += n
         c["miss_blocks"] += len(hashes) - len(tiers)
         # A lookup followed by the allocate (or restore) of the same hashes is
         # one request to the policy: history-based policies would read the
@@ -348,7 +356,16 @@ class TieredPool:
             self._looked_up = None
             return
         self._looked_up = list(hashes) if is_lookup else None
-        self.cpu.policy.record_request(hashes)
+        if self.defer_learning:
+            self._to_learn.append(hashes)
+        else:
+            self.cpu.policy.record_request(hashes)
+
+    def learn(self) -> None:
+        """Feed the requests counted since the last call to the policy (see ``defer_learning``)."""
+        pending, self._to_learn = self._to_learn, []
+        for hashes in pending:
+            self.cpu.policy.record_request(hashes)
 
     def lookup(self, hashes: Sequence[bytes], *, count: bool = True) -> list[Tier]:
         tiers = [tier for tier, _ in self._held_prefix(hashes)]

@@ -121,7 +121,6 @@ def test_remote_down_pool_keeps_serving(tmp_path: Path) -> None:
     srv = rs.RedisServer(tmp_path).start()
     pool = make_pool(srv.url)
     srv.kill()
-    t0 = time.monotonic()
     store_in_chunks(pool, keys(12, 5), src_big := _random_layout(12), range(12))  # write-backs dropped
     # The writers find out on their own time (the engine path never waits):
     # give them a moment to try, fail and count.
