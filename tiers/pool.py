@@ -183,8 +183,8 @@ class TieredPool:
         self.cpu = CpuTier(cpu_blocks, make_policy(policy, cpu_blocks), cpu_storage if data else None)
         self.remote = remote  # kvtier.tiers.remote_tier.RemoteTier or None
         if remote is not None:
-            if not data:
-                raise ValueError("a remote tier needs a pool that moves bytes")
+            # In bookkeeping mode (replay) the remote tier is a stand-in that
+            # tracks keys only: fetch returns placeholders, write_back gets None.
             self.cpu.on_evict = self._write_back
         self.bm: BlockManager | None = None
         self.gpu: BlockLayout | None = None
@@ -293,7 +293,7 @@ class TieredPool:
 
     def _pull_remote(self, hashes: Sequence[bytes]) -> list[CpuEntry]:
         """Fetch blocks from the remote tier into the CPU tier; the verified prefix only."""
-        assert self.remote is not None and self.cpu.storage is not None
+        assert self.remote is not None
         payloads = self.remote.fetch(hashes)
         good = 0
         while good < len(payloads) and payloads[good] is not None:
@@ -306,10 +306,10 @@ class TieredPool:
             entries = self.cpu.reserve(list(hashes[:good]))
         except CpuTierFull:
             return []
-        slab = self.cpu.storage.slab()
+        slab = self.cpu.storage.slab() if self.cpu.storage is not None else None
         for entry, payload in zip(entries, payloads):
-            # The payload is a read-only view of the reply; copy_ only reads it.
-            slab[entry.slot].numpy()[:] = memoryview(payload)
+            if slab is not None:
+                slab[entry.slot].numpy()[:] = memoryview(payload)
             self.cpu.commit(entry)
         return entries
 
@@ -335,9 +335,9 @@ class TieredPool:
         return held + [(Tier.CPU, e) for e in entries], len(entries)
 
     def _write_back(self, entry: CpuEntry) -> None:
-        assert self.remote is not None and self.cpu.storage is not None
-        row = self.cpu.storage.slab()[entry.slot]
-        if self.remote.write_back(entry.key, memoryview(row.numpy()), copy=True):
+        assert self.remote is not None
+        data = None if self.cpu.storage is None else memoryview(self.cpu.storage.slab()[entry.slot].numpy())
+        if self.remote.write_back(entry.key, data, copy=True):
             self.counters["remote_write_backs"] += 1
 
     def _count(self, hashes: Sequence[bytes], tiers: Sequence[Tier], *, is_lookup: bool = False) -> None:
