@@ -707,11 +707,14 @@ def error_counts(stats: dict[str, Any]) -> Counter[str]:
 
 
 def run_campaign(world: FuzzWorld, judge: Judge, num_cases: int, seed: int, *, refresh_every: int = 50,
-                 progress_every: int = 0) -> float:
-    """Send ``num_cases`` generated cases (all categories, seeded); returns the seconds it took."""
+                 progress_every: int = 0, until_s: float | None = None) -> float:
+    """Send ``num_cases`` generated cases (all categories, seeded), stopping early at monotonic
+    time ``until_s`` if given; returns the seconds it took."""
     gen = FrameGen(random.Random(seed), world)
     t0 = time.monotonic()
     for i in range(num_cases):
+        if until_s is not None and time.monotonic() >= until_s:
+            break
         if i and i % refresh_every == 0:
             world.refresh()
         judge.send(gen.next(CATEGORIES[i % len(CATEGORIES)] if i < len(CATEGORIES) else None))
@@ -719,7 +722,6 @@ def run_campaign(world: FuzzWorld, judge: Judge, num_cases: int, seed: int, *, r
             rate = i / (time.monotonic() - t0)
             print(f"  {i} cases, {rate:.0f}/s, failures {judge.num_failures}", flush=True)
     return time.monotonic() - t0
-
 
 
 VICTIM_KEYS = ("stores", "cpu_used_blocks", "pinned_blocks", "cpu_evictions")

@@ -80,6 +80,8 @@ class LoadConfig:
     ready_timeout_s: float = 180.0
     seed: int = 6
     rss_overhead_bytes: int = 160 << 20  # allowed above start-up RSS + configured capacity
+    fuzz: bool = True  # hostile frames from the parent for the whole run, on pools of their own
+    max_message_bytes: int = 1 << 20
     root: str = ""  # folder for the daemon's socket and log; a temporary one if empty
 
     def roles(self) -> list[str]:
@@ -344,7 +346,8 @@ def run_load(cfg: LoadConfig, *, progress: bool = False) -> dict[str, Any]:
     root = Path(cfg.root or tempfile.mkdtemp(prefix="kvtier-load-"))
     daemon = StressDaemon.start(root, flags={"gpu_bytes": cfg.gpu_blocks * cfg.block_bytes,
                                              "cpu_bytes": cfg.cpu_blocks * cfg.block_bytes,
-                                             "log_level": "warning", "lease_s": 10.0})
+                                             "log_level": "warning", "lease_s": 10.0,
+                                             "max_message_bytes": cfg.max_message_bytes})
     workers: list[subprocess.Popen[str]] = []
     roles = cfg.roles()
     try:
@@ -374,6 +377,7 @@ def run_load(cfg: LoadConfig, *, progress: bool = False) -> dict[str, Any]:
             assert w.stdin is not None
             w.stdin.write("go\n")
             w.stdin.flush()
+        fuzz = _start_fuzz(cfg, daemon, t0 + cfg.duration_s) if cfg.fuzz else None
         hung: list[int] = []
         for i, w in enumerate(workers):
             try:
@@ -393,6 +397,10 @@ def run_load(cfg: LoadConfig, *, progress: bool = False) -> dict[str, Any]:
             if path.exists():
                 reports.append(json.loads(path.read_text()))
         result = summarize(cfg, roles, reports, hung, wall_s, stats, rss_start, max(samples + [rss_end]), daemon)
+        if fuzz is not None:
+            result["fuzz"] = fuzz.finish()
+            result["failures"] += [f"fuzz frame: {f}" for f in result["fuzz"]["failures"]]
+            result["passed"] = result["passed"] and not result["fuzz"]["failures"]
         # Slow operations as seconds after the start signal.
         result["slow_ops"] = [(round(t - go_unix_s, 3), verb, ms, i) for t, verb, ms, i in result["slow_ops"]]
         return result
@@ -402,6 +410,47 @@ def run_load(cfg: LoadConfig, *, progress: bool = False) -> dict[str, Any]:
                 w.kill()
                 w.wait(10)
         daemon.stop()
+
+
+class _Fuzzer:
+    """Hostile frames (``fuzzlib``) from a thread of the parent while the workers run.
+
+    They aim at fuzz pools of their own; the frames' replies are judged as in
+    ``test_fuzz.py``, and the workers' byte checks show that none of it
+    reached their blocks.
+    """
+
+    def __init__(self, cfg: LoadConfig, daemon: StressDaemon, until_s: float) -> None:
+        from fuzzlib import FuzzWorld, Judge
+
+        self.world = FuzzWorld.open(daemon.endpoint, cfg.block_bytes, "load", store_layout(cfg.block_bytes).to_wire(),
+                                    cfg.max_message_bytes)
+        self.judge = Judge(daemon.endpoint, self.world.hard_limit_bytes)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(cfg.seed, until_s), daemon=True)
+        self.thread.start()
+
+    def _run(self, seed: int, until_s: float) -> None:
+        from fuzzlib import run_campaign
+
+        try:
+            run_campaign(self.world, self.judge, 10**9, seed, until_s=until_s)
+        except BaseException as exc:  # reported, not raised on this thread
+            self.error = exc
+
+    def finish(self) -> dict[str, Any]:
+        self.thread.join(30)
+        out = {"cases": sum(self.judge.cases.values()), "replies": dict(self.judge.replies),
+               "failures": list(self.judge.failures) + ([f"fuzzer crashed: {self.error!r}"] if self.error else []),
+               "slowest_reply_ms": round(self.judge.slowest_s * 1e3, 2)}
+        self.judge.close()
+        self.world.close()
+        return out
+
+
+def _start_fuzz(cfg: LoadConfig, daemon: StressDaemon, until_s: float) -> _Fuzzer:
+    logging.getLogger("kvtier.client").setLevel(logging.ERROR)  # the fuzz sessions' reconnect chatter
+    return _Fuzzer(cfg, daemon, until_s)
 
 
 def _daemon_stats(daemon: StressDaemon) -> dict[str, Any]:
@@ -499,6 +548,10 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"daemon RSS: start {r['start_bytes'] / 2**20:.0f} MiB, max {r['max_bytes'] / 2**20:.0f} MiB, "
           f"limit {r['limit_bytes'] / 2**20:.0f} MiB (start + capacity {r['capacity_bytes'] / 2**20:.1f} MiB "
           f"+ overhead {r['overhead_allowed_bytes'] / 2**20:.0f} MiB): {'ok' if r['within_limit'] else 'OVER'}")
+    if "fuzz" in result:
+        f = result["fuzz"]
+        print(f"fuzzing alongside: {f['cases']} hostile frames, slowest reply {f['slowest_reply_ms']} ms, "
+              f"{len(f['failures'])} failures")
     print(f"failures: {len(result['failures'])}")
     for f in result["failures"][:20]:
         print("  " + f)

@@ -6,7 +6,9 @@ run all the time. Every restore and every engine hit is checked byte for
 byte (or reported missing after eviction, never shorter than a pinned
 prefix); every worker must finish (no deadlock, no call without a reply);
 the daemon's RSS stays within its start-up RSS plus the configured capacity
-plus a stated overhead (``LoadConfig.rss_overhead_bytes``).
+plus a stated overhead (``LoadConfig.rss_overhead_bytes``). Hostile frames
+from a fuzzing thread hit the same daemon all along; each gets its one
+well-formed reply.
 
 ``KVTIER_LOAD_WORKERS`` / ``KVTIER_LOAD_SECONDS`` change the size.
 """
@@ -43,6 +45,7 @@ def test_mixed_load_every_byte_checked_no_deadlock_bounded_rss(tmp_path: Path) -
     assert totals["demotions"] > 1000 and totals["cpu_evictions"] > 1000, totals
     assert totals["hit_blocks_cpu"] > 0 and totals["restores"] > 0 and totals["copy_failures"] == 0
     assert result["outcomes"]["restored_blocks"] > 1000 and result["verified_bytes"] > 10 << 20
+    assert result["fuzz"]["cases"] > 500 and result["fuzz"]["failures"] == []
 
 
 def test_the_loop_freezes_its_startup_objects_out_of_the_cyclic_gc(tmp_path: Path) -> None:
