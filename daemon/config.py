@@ -101,6 +101,7 @@ from typing import Any, NoReturn, TextIO
 
 import psutil
 
+from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
 from kvtier.tiers.eviction import DEFAULT_POLICY  # no torch: config stays fast to load
 
 __all__ = [
@@ -259,21 +260,6 @@ class TenantConfig:
             raise ConfigError("public_key", "a tenant needs a public_key (CURVE) or a token (or both)")
         if self.cpu_quota_bytes is not None:
             _check_int("cpu_quota_bytes", self.cpu_quota_bytes, minimum=0)
-
-
-def default_socket(environ: Mapping[str, str], *, uid: int | None = None) -> str:
-    """The default ``ipc://`` endpoint; the order is in the module docstring."""
-    uid = os.getuid() if uid is None else uid
-    runtime_dir = environ.get("XDG_RUNTIME_DIR", "")
-    if runtime_dir and os.path.isabs(runtime_dir):
-        return f"ipc://{Path(runtime_dir) / 'kvtier' / 'kvtierd.sock'}"
-    user_run = Path(f"/run/user/{uid}")
-    if user_run.is_dir():
-        return f"ipc://{user_run / 'kvtier' / 'kvtierd.sock'}"
-    tmp_dir = environ.get("TMPDIR", "")
-    if not (tmp_dir and os.path.isabs(tmp_dir)):
-        tmp_dir = "/tmp"
-    return f"ipc://{Path(tmp_dir) / f'kvtier-{uid}' / 'kvtierd.sock'}"
 
 
 @dataclass(frozen=True)
