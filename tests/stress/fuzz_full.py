@@ -37,7 +37,6 @@ from fuzzlib import (  # noqa: E402
     run_campaign,
     victim_snapshot,
 )
-from kvtier.client.client import Client  # noqa: E402
 from stresslib import RESULTS_DIR, StressDaemon, machine_description, print_table, store_layout, write_result  # noqa: E402
 
 BLOCK_BYTES = 1024

@@ -454,7 +454,6 @@ def _start_fuzz(cfg: LoadConfig, daemon: StressDaemon, until_s: float) -> _Fuzze
 
 
 def _daemon_stats(daemon: StressDaemon) -> dict[str, Any]:
-    from kvtier.client.client import probe_health  # noqa: F401  (health first: the daemon must answer)
     from kvtier.client.protocol import decode, encode, request_header
     from stresslib import RawSocket
 
