@@ -348,6 +348,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", help="write the report as JSON ('-' for stdout)")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG (with --sweep: the miss-ratio curve)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    from kvtier.tools import replay_nodes
+
+    replay_nodes.add_arguments(p)  # --nodes, --remote-tokens/--remote-blocks, --assign
     p.set_defaults(func=main)
     return p
 
@@ -372,6 +375,9 @@ class _NoBar:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kvtier.tools import replay_nodes
+
+    replay_nodes.check_args(args)
     bs = args.block_size
     if bs < 1:
         raise SystemExit("kvtier replay: --block-size must be >= 1")
@@ -408,6 +414,8 @@ def main(args: argparse.Namespace) -> int:
         requests = load_trace(args.trace, bs, hash_algo=args.hash_algo, limit=args.limit)
     except (OSError, TraceError, ValueError) as exc:
         raise SystemExit(f"kvtier replay: {exc}") from None
+    if args.nodes is not None:
+        return replay_nodes.main(args, requests, config)
 
     t0 = time.perf_counter()
     if args.sweep:
