@@ -194,7 +194,7 @@ class TieredPool:
         self._cpu_busy: dict[bytes, _Copy] = {}  # pending write into a CPU entry
         self._deferred: list[_Copy] = []
         self._inflight: dict[Transfer, _Copy] = {}
-        self._pins: dict[str, list[tuple[Tier, Block | CpuEntry]]] = {}
+        self._pins: dict[str, list[tuple[Tier, Block | CpuEntry, bytes]]] = {}  # (tier, holder, hash pinned)
         self._completed: list[Op] | None = None  # set while poll() runs
         self._looked_up: list[bytes] | None = None  # hashes of the last counted lookup
         self.counters: dict[str, int] = {
@@ -242,7 +242,7 @@ class TieredPool:
             return
         self.wait_idle(timeout_s)
         for owner, pins in self._pins.items():
-            self._pins[owner] = [(tier, obj) for tier, obj in pins if tier is Tier.CPU]
+            self._pins[owner] = [pin for pin in pins if pin[0] is Tier.CPU]
         self.bm = None
         self.gpu = None
         self._gpu_busy.clear()
@@ -384,14 +384,15 @@ class TieredPool:
     def pin(self, owner: str, hashes: Sequence[bytes]) -> list[Tier]:
         held = self._held_prefix(hashes)
         pins = self._pins.setdefault(owner, [])
-        for tier, obj in held:
+        for key, (tier, obj) in zip(hashes, held):
             if tier is Tier.GPU:
                 assert self.bm is not None and isinstance(obj, Block)
                 self.bm.touch([obj])
             else:
                 assert isinstance(obj, CpuEntry)
                 self.cpu.pin(obj)
-            pins.append((tier, obj))
+            # The hash pinned, not the block's: a failed write may withdraw that.
+            pins.append((tier, obj, key))
         return [tier for tier, _ in held]
 
     def unpin(self, owner: str, hashes: Sequence[bytes]) -> int:
@@ -400,15 +401,14 @@ class TieredPool:
         # index of pin positions per hash keeps this linear: scanning the pins
         # for every hash stalled the caller for minutes at 65536 x 65536.
         positions: dict[bytes, list[int]] = {}
-        for i, (tier, obj) in enumerate(pins):
-            key = obj.block_hash if tier is Tier.GPU else obj.key  # type: ignore[union-attr]
+        for i, (_tier, _obj, key) in enumerate(pins):
             positions.setdefault(key, []).append(i)
         dropped: set[int] = set()
         for h in reversed(hashes):
             newest = positions.get(h)
             if newest:
                 i = newest.pop()
-                self._release_pin(*pins[i])
+                self._release_pin(pins[i][0], pins[i][1])
                 dropped.add(i)
         if dropped:
             pins[:] = [pin for i, pin in enumerate(pins) if i not in dropped]
@@ -417,7 +417,7 @@ class TieredPool:
 
     def unpin_all(self, owner: str) -> int:
         pins = self._pins.pop(owner, [])
-        for tier, obj in reversed(pins):
+        for tier, obj, _key in reversed(pins):
             self._release_pin(tier, obj)
         self._clean_ahead()
         return len(pins)

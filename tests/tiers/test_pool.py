@@ -392,6 +392,27 @@ def test_pin_returns_the_held_prefix_across_tiers(make) -> None:
     assert hx.pool.cpu.num_pinned == 0 and hx.bm.num_free_blocks == 2
 
 
+def test_unpin_releases_a_pin_whose_block_lost_its_hash(make) -> None:
+    # Bug found by the state machine: pins were matched by the block's current hash, so
+    # a pin taken on a block whose store then failed (hash withdrawn) could never be
+    # released by unpin(): the block stayed referenced until unpin_all.
+    hx = make(gpu_blocks=4, cpu_blocks=4)
+    a = chain("a", 2)
+    hx.fail_kinds = {CopyKind.STORE}
+    hx.gate.clear()
+    st = hx.store(a)
+    assert hx.pool.pin("o", a) == [Tier.GPU, Tier.GPU]  # committed at plan time: pinnable
+    hx.gate.set()
+    st.wait(10)
+    assert isinstance(st.error, TransferError)
+    hx.fail_kinds = set()
+    assert hx.pool.wait_idle(10)
+    assert hx.pool.lookup(a) == []
+    assert hx.pool.unpin("o", a) == 2
+    assert hx.pool.num_pinned() == 0 and hx.bm.num_free_blocks == 4
+    hx.check()
+
+
 # ---- failed copies --------------------------------------------------------------------------
 
 
