@@ -497,7 +497,9 @@ def test_allocate_host_slab_pins_in_chunks_through_cuda_copy(monkeypatch: pytest
     assert layout.host_info["pinned"] == "chunked" and len(reg.calls) == 4
     assert layout.is_slab and layout.num_blocks == 16 and layout.block_bytes == 8192
     unpinned = host_memory.allocate_host_slab(4, 64, pin=False)
-    assert unpinned.host_info == {"pinned": False, "numa_node": None, "chunks": 0, "seconds": 0.0}
+    info = dict(unpinned.host_info)
+    assert info.pop("seconds") >= 0.0  # the unpinned slab is pre-touched, which takes time
+    assert info == {"pinned": False, "numa_node": None, "chunks": 0}
 
 
 def fake_sysfs(root: Path, bus_id: str, node: str, cpulist: str) -> Path:
