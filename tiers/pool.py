@@ -314,25 +314,54 @@ class TieredPool:
         return entries
 
     def _held_with_remote(self, hashes: Sequence[bytes], *, gpu_after_cpu: bool = True
-                          ) -> tuple[list[tuple[Tier, Block | CpuEntry]], int]:
-        """The held prefix with the remote run pulled into the CPU tier.
+                          ) -> list[tuple[Tier, Block | CpuEntry]]:
+        """The held prefix with remote runs pulled into the CPU tier.
 
-        Returns the prefix and how many of its blocks came from the remote tier.
+        Blocks fetched from the remote tier come back as ``(Tier.REMOTE,
+        CpuEntry)``: they are CPU-tier entries now, attributed to the remote
+        tier. A remote run stops at a block the CPU tier already has (it is
+        not fetched twice); the prefix then goes on through the local tiers
+        and, past them, through the remote tier again.
         """
         held = self._held_prefix(hashes, gpu_after_cpu=gpu_after_cpu)
-        n_remote = self._remote_run(hashes, len(held))
-        if not n_remote:
-            return held, 0
-        # Room made for the fetched blocks must not evict the CPU hits before them.
-        cpu_held = [obj for tier, obj in held if tier is Tier.CPU]
-        for e in cpu_held:
+        if self.remote is None:
+            return held
+        bm = self.bm if gpu_after_cpu else None
+        # Room made for fetched blocks must not evict the CPU hits before them.
+        reading = [obj for tier, obj in held if tier is Tier.CPU]
+        for e in reading:
             self.cpu.begin_read(e)  # type: ignore[arg-type]
         try:
-            entries = self._pull_remote(hashes[len(held) : len(held) + n_remote])
+            while len(held) < len(hashes):
+                pos = len(held)
+                run = self._remote_run(hashes, pos)
+                cut = next((i for i in range(run) if self.cpu.get(hashes[pos + i]) is not None), run)
+                entries = self._pull_remote(hashes[pos : pos + cut]) if cut else []
+                for e in entries:
+                    self.cpu.begin_read(e)
+                    reading.append(e)
+                    held.append((Tier.REMOTE, e))
+                if len(entries) < cut:
+                    break  # a block missing or bad in the remote tier ends the prefix
+                extended = False
+                for h in hashes[len(held):]:
+                    entry = self.cpu.get_ready(h)
+                    block = bm.get_cached(h) if entry is None and bm is not None else None
+                    if entry is not None:
+                        self.cpu.begin_read(entry)
+                        reading.append(entry)
+                        held.append((Tier.CPU, entry))
+                    elif block is not None:
+                        held.append((Tier.GPU, block))
+                    else:
+                        break
+                    extended = True
+                if not extended and not entries:
+                    break
         finally:
-            for e in cpu_held:
+            for e in reading:
                 self.cpu.end_read(e)  # type: ignore[arg-type]
-        return held + [(Tier.CPU, e) for e in entries], len(entries)
+        return held
 
     def _write_back(self, entry: CpuEntry) -> None:
         assert self.remote is not None
@@ -372,13 +401,6 @@ class TieredPool:
         tiers += [Tier.REMOTE] * self._remote_run(hashes, len(tiers))
         if count:
             self._count(hashes, tiers, is_lookup=True)
-        return tiers
-
-    @staticmethod
-    def _tiers_of(held: Sequence[tuple[Tier, Block | CpuEntry]], n_remote: int) -> list[Tier]:
-        tiers = [tier for tier, _ in held]
-        if n_remote:
-            tiers[len(tiers) - n_remote :] = [Tier.REMOTE] * n_remote
         return tiers
 
     def pin(self, owner: str, hashes: Sequence[bytes]) -> list[Tier]:
@@ -447,7 +469,7 @@ class TieredPool:
             raise PoolError(f"request {request_id!r} is already allocated; free it first")
         # Remote blocks land in the CPU tier first (a side effect that survives
         # a failed allocation: the CPU tier is only warmer for it).
-        held, n_remote = self._held_with_remote(hashes, gpu_after_cpu=False)
+        held = self._held_with_remote(hashes, gpu_after_cpu=False)
         num_gpu_prefix = sum(1 for tier, _ in held if tier is Tier.GPU)
         try:
             alloc = bm.allocate(request_id, hashes, num_tokens)
@@ -456,13 +478,13 @@ class TieredPool:
         except ValueError as exc:
             raise PoolError(str(exc)) from None
         assert alloc.num_hit_blocks == num_gpu_prefix or not self.enable_caching
-        tiers = self._tiers_of(held, n_remote)
+        tiers = [tier for tier, _ in held]
         if count:
             self._count(hashes, tiers)
         op = Op(self, "allocate", {"block_ids": alloc.block_ids, "tiers": [t.value for t in tiers],
                                    "num_gpu_hits": tiers.count(Tier.GPU), "num_cpu_hits": tiers.count(Tier.CPU),
-                                   "num_remote_hits": n_remote})
-        cpu_hits = [(obj, alloc.block_ids[pos]) for pos, (tier, obj) in enumerate(held) if tier is Tier.CPU]
+                                   "num_remote_hits": tiers.count(Tier.REMOTE)})
+        cpu_hits = [(obj, alloc.block_ids[pos]) for pos, (tier, obj) in enumerate(held) if tier is not Tier.GPU]
         entries = [e for e, _ in cpu_hits]
         # Hold the CPU entries before anything can reserve CPU slots: the
         # demotions below must not evict the very blocks we restore.
@@ -613,13 +635,13 @@ class TieredPool:
             raise PoolError(f"{len(hashes)} hashes but only {len(dst_slots)} destination slots")
         if self.data and (dst is None or dst.block_bytes != self.spec.block_bytes):
             raise PoolError(f"destination blocks must be {self.spec.block_bytes} bytes")
-        held, n_remote = self._held_with_remote(hashes)
-        tiers = self._tiers_of(held, n_remote)
+        held = self._held_with_remote(hashes)
+        tiers = [tier for tier, _ in held]
         if count:
             self._count(hashes, tiers)
         op = Op(self, "restore", {"tiers": [t.value for t in tiers]})
         gpu = [(obj, dst_slots[i]) for i, (tier, obj) in enumerate(held) if tier is Tier.GPU]
-        cpu = [(obj, dst_slots[i]) for i, (tier, obj) in enumerate(held) if tier is Tier.CPU]
+        cpu = [(obj, dst_slots[i]) for i, (tier, obj) in enumerate(held) if tier is not Tier.GPU]
         if gpu:
             assert self.bm is not None
             blocks = [b for b, _ in gpu]

@@ -203,44 +203,6 @@ class SimulatedRemoteTier:
         return s
 
 
-class _NodeRemote:
-    """One node's handle on the shared remote tier: the remote run stops at a block the node's CPU tier holds.
-
-    Why: ``TieredPool`` (as of 6d10784) fetches the whole remote run after the
-    locally held prefix into the CPU tier, and ``CpuTier.reserve`` raises
-    ValueError when a block of that run is already in the CPU tier (the
-    chain is broken locally at block j, but the CPU tier still holds a later
-    block that is also in the remote tier; round-robin assignment makes this
-    common). Cutting the run there ends the prefix there: the blocks after
-    the cut count as misses even where the CPU tier holds them, an
-    undercount reported as ``remote_runs_cut``. Remove once the pool handles
-    the case (see ``test_pool_fetch_of_a_cpu_held_block``).
-    """
-
-    def __init__(self, remote: SimulatedRemoteTier) -> None:
-        self.remote = remote
-        self.cpu: Any = None  # the node's CpuTier, set once the pool exists
-        self.runs_cut = 0
-
-    def exists_prefix(self, hashes: Sequence[bytes]) -> int:
-        n = self.remote.exists_prefix(hashes)
-        get = self.cpu.get
-        for i in range(n):
-            if get(hashes[i]) is not None:
-                self.runs_cut += 1
-                return i
-        return n
-
-    def fetch(self, hashes: Sequence[bytes]) -> list[object | None]:
-        return self.remote.fetch(hashes)
-
-    def write_back(self, key: bytes, data: Any = None, copy: bool = True) -> bool:
-        return self.remote.write_back(key, data, copy)
-
-    def stats(self) -> dict[str, Any]:
-        return self.remote.stats()
-
-
 # ---- node assignment -------------------------------------------------------------------
 
 
@@ -373,7 +335,7 @@ def run_nodes(requests: Sequence[Request], node: ReplayConfig, assignment: Seque
     implement): after each request, the blocks it computed (its misses that
     were allocated) are also written to the remote tier at once, not only
     when a CPU tier evicts them. Returns ``_summary``'s dict (plus
-    ``remote``: its stats, ``remote_runs_cut``: see ``_NodeRemote``).
+    ``remote``: its stats).
     ``progress``: an object with ``update(n)``, called once per request, or None.
     """
     from kvtier.tiers.pool import PoolSpec, TieredPool
@@ -382,15 +344,10 @@ def run_nodes(requests: Sequence[Request], node: ReplayConfig, assignment: Seque
         raise ValueError(f"{len(assignment)} node numbers for {len(requests)} requests")
     _register_policies()
     pools = []
-    views = []
     for i in range(nodes):
-        view = _NodeRemote(remote) if remote is not None else None
         pool = TieredPool(PoolSpec("replay", node.block_size, node.block_bytes), cpu_blocks=node.cpu_blocks,
-                          policy=node.policy, transfer=None, data=False, clean_ahead_blocks=0, remote=view)
+                          policy=node.policy, transfer=None, data=False, clean_ahead_blocks=0, remote=remote)
         pool.attach_gpu(num_blocks=node.gpu_blocks)
-        if view is not None:
-            view.cpu = pool.cpu
-            views.append(view)
         pools.append(pool)
     n_requests = [0] * nodes
     n_tokens = [0] * nodes
@@ -418,7 +375,6 @@ def run_nodes(requests: Sequence[Request], node: ReplayConfig, assignment: Seque
     out["truncated_requests"] = sum(1 for r in requests if len(r.keys) > g)
     if remote is not None:
         out["remote"] = remote.stats()
-        out["remote_runs_cut"] = sum(v.runs_cut for v in views)
     return out
 
 

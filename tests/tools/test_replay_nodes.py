@@ -18,7 +18,6 @@ from kvtier.tools.replay import ReplayConfig, replay
 from kvtier.tools.replay_nodes import (
     NodesConfig,
     SimulatedRemoteTier,
-    _NodeRemote,
     assign_nodes,
     compare,
     hot_keys,
@@ -229,26 +228,9 @@ def test_counters_add_up(paths: list[list[int]], nodes: int, remote_blocks: int 
             assert h["remote"] == 0
 
 
-def test_node_remote_cuts_the_run_at_a_cpu_held_block() -> None:
-    class Cpu:
-        def get(self, key: bytes) -> object | None:
-            return object() if key == k(3) else None
-
-    remote = SimulatedRemoteTier()
-    for i in (1, 2, 3, 4):
-        remote.write_back(k(i))
-    view = _NodeRemote(remote)
-    view.cpu = Cpu()
-    assert view.exists_prefix([k(1), k(2), k(3), k(4)]) == 2 and view.runs_cut == 1
-    assert view.exists_prefix([k(4)]) == 1 and view.runs_cut == 1
-
-
-@pytest.mark.xfail(raises=ValueError, strict=True,
-                   reason="TieredPool fetches a remote run into the CPU tier even where the CPU tier already "
-                          "holds a block of it (CpuTier.reserve raises); replay_nodes._NodeRemote works around it")
 def test_pool_fetch_of_a_cpu_held_block() -> None:
     """Block 2 is in the CPU tier, block 1 is not; both are in the remote tier. Allocating [1,2] fetches
-    the remote run [1,2]. Once this passes, drop _NodeRemote."""
+    block 1 from the remote tier and takes block 2 from the CPU tier (not fetched twice)."""
     from kvtier.tiers.pool import PoolSpec, TieredPool
 
     remote = SimulatedRemoteTier()
@@ -259,7 +241,8 @@ def test_pool_fetch_of_a_cpu_held_block() -> None:
     remote.write_back(k(1))
     remote.write_back(k(2))
     op = pool.allocate("r", [k(1), k(2)], 8)
-    assert op.result["num_remote_hits"] >= 1
+    assert op.result["tiers"] == ["remote", "cpu"]
+    assert remote.stats()["remote_hits"] == 1  # block 2 came from the CPU tier, not fetched again
 
 
 # ---- compare and CLI -------------------------------------------------------------------------
