@@ -419,6 +419,26 @@ class Client:
         old_sid = self.sid
         self.sid = None
         self._hello(deadline_s)
+        try:
+            lost_arena = self._restore_session_state(deadline_s)
+        except BaseException:
+            # Half a session (no arena or registrations) must not pass for a
+            # whole one: the next call starts over with a new hello.
+            self._session_gone = True
+            raise
+        log.warning("kvtier session %s lost; new session %s", (old_sid or "")[:8], (self.sid or "")[:8])
+        if lost_pins or lost_requests or lost_arena:
+            raise SessionLost(
+                f"the daemon lost session {old_sid} (restart or lease expiry): "
+                f"{len(lost_pins)} pins and {len(lost_requests)} requests are gone"
+                + ("; the arena's file was unlinked: call open_arena again" if lost_arena else ""),
+                lost_pins,
+                lost_requests,
+                lost_arena=lost_arena,
+            )
+
+    def _restore_session_state(self, deadline_s: float) -> bool:
+        """Re-attach the arena and re-register KV tensors in a new session; True if the arena is lost."""
         lost_arena = False
         if self._arena is not None:
             try:
@@ -435,16 +455,7 @@ class Client:
                 lost_arena = True
         for name, reg in self._registrations.items():
             self._roundtrip("register_kv", {"name": name, "tensors": reg.tensors}, (), deadline_s)
-        log.warning("kvtier session %s lost; new session %s", (old_sid or "")[:8], (self.sid or "")[:8])
-        if lost_pins or lost_requests or lost_arena:
-            raise SessionLost(
-                f"the daemon lost session {old_sid} (restart or lease expiry): "
-                f"{len(lost_pins)} pins and {len(lost_requests)} requests are gone"
-                + ("; the arena's file was unlinked: call open_arena again" if lost_arena else ""),
-                lost_pins,
-                lost_requests,
-                lost_arena=lost_arena,
-            )
+        return lost_arena
 
     # ---- heartbeats ----------------------------------------------------------
 

@@ -163,3 +163,34 @@ def test_idle_engine_gets_its_registration_back_after_a_restart(kvtierd_factory)
             c.free("r")
         assert info.value.lost_requests == ["r"] and info.value.lost_pins == []
         assert c.allocate_tokens("r", list(range(6))).block_ids == [0, 1]
+
+
+def test_a_half_reestablished_session_is_redone_by_the_next_call(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    """A restart, then re-registration times out after the new hello (a busy
+    machine): the client must not use that session as if its KV were back."""
+    from dataclasses import replace
+
+    from kvtier.client.client import KvtierTimeout
+    from kvtier.client.kv_share import allocate_shared_kv
+
+    daemon = kvtierd_factory(cpu_bytes=16 * BLOCK_BYTES, lease_s=5.0)
+    engine_layout = replace(LAYOUT, mode="engine")
+    kv, _handle = allocate_shared_kv((8, BLOCK_BYTES // 2), "float16", 0)
+    with Client(daemon.endpoint, "engine", engine_layout) as c:
+        c.register_kv("kv", [kv], 0)
+        real_roundtrip = c._roundtrip
+        fail_once = {"register_kv": True}
+
+        def flaky(op, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if fail_once.pop(op, False):
+                raise KvtierTimeout("injected: register_kv timed out during re-establishment")
+            return real_roundtrip(op, *args, **kwargs)
+
+        c._roundtrip = flaky  # type: ignore[method-assign]
+        daemon.restart()
+        c._session_gone = True  # as the heartbeat thread's UNKNOWN_SESSION would
+        with pytest.raises(KvtierTimeout):
+            c.allocate_tokens("r", list(range(6)))
+        assert c._session_gone  # half a session: start over next time
+        alloc = c.allocate_tokens("r", list(range(6)))  # new hello, registration back
+        assert alloc.block_ids == [0, 1]
