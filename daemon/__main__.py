@@ -87,6 +87,7 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
             cpu_bytes=settings.resolve_cpu_bytes(),
             policy=settings.policy,
             clean_ahead_blocks=settings.clean_ahead_blocks,
+            remote_url=settings.remote_url,
             fault_hook=fault_plan,
         )
 

@@ -180,12 +180,14 @@ class PoolDefaults:
     cpu_bytes: CpuBytes | None = None
     policy: str = DEFAULT_POLICY
     clean_ahead_blocks: int = 64
+    remote_url: str | None = None  # Redis/Valkey remote tier below the CPU tier; None: none
 
     def __post_init__(self) -> None:
         _check_gpu_bytes("gpu_bytes", self.gpu_bytes)
         _check_cpu_bytes("cpu_bytes", self.cpu_bytes)
         _check_policy("policy", self.policy)
         _check_int("clean_ahead_blocks", self.clean_ahead_blocks, minimum=0)
+        _check_remote_url("remote_url", self.remote_url)
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,7 @@ class PoolOverrides:
     cpu_bytes: CpuBytes | None = None
     policy: str | None = None
     clean_ahead_blocks: int | None = None
+    remote_url: str | None = None
 
     def __post_init__(self) -> None:
         _check_gpu_bytes("gpu_bytes", self.gpu_bytes)
@@ -204,6 +207,7 @@ class PoolOverrides:
             _check_policy("policy", self.policy)
         if self.clean_ahead_blocks is not None:
             _check_int("clean_ahead_blocks", self.clean_ahead_blocks, minimum=0)
+        _check_remote_url("remote_url", self.remote_url)
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,7 @@ class PoolSettings:
     cpu_bytes: CpuBytes | None
     policy: str
     clean_ahead_blocks: int
+    remote_url: str | None = None
 
     def resolve_cpu_bytes(self, available_bytes: int | None = None) -> int:
         """CPU-tier bytes for this pool; ``available_bytes`` defaults to psutil's available memory now."""
@@ -362,6 +367,7 @@ class DaemonConfig:
             clean_ahead_blocks=(
                 overrides.clean_ahead_blocks if overrides.clean_ahead_blocks is not None else d.clean_ahead_blocks
             ),
+            remote_url=overrides.remote_url if overrides.remote_url is not None else d.remote_url,
         )
 
 
@@ -671,6 +677,22 @@ def _as_str(value: object, text: bool) -> str:
     return value.strip() if text else value
 
 
+REMOTE_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys", "redis+cluster", "rediss+cluster",
+                  "valkey+cluster", "valkeys+cluster")
+
+
+def _as_optional_url(value: object, text: bool) -> str | None:
+    url = _as_str(value, text)
+    return None if url.lower() in ("", "off", "none") else url
+
+
+def _check_remote_url(key: str, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or value.split("://", 1)[0].lower() not in REMOTE_SCHEMES or "://" not in value:
+        raise ConfigError(key, f"must be a URL with one of the schemes {', '.join(REMOTE_SCHEMES)}, got {value!r}")
+
+
 def _as_lower_str(value: object, text: bool) -> str:
     return _as_str(value, text).strip().lower()
 
@@ -758,6 +780,11 @@ _POOL_KEYS: dict[str, _Key] = {
     "cpu_bytes": _Key(_as_optional_cpu_size, "CPU tier size: bytes, or N%% of available memory ('auto' = 25%%, at most 64GiB)", "SIZE"),
     "policy": _Key(_as_lower_str, "CPU-tier eviction policy (e.g. lru)", "NAME"),
     "clean_ahead_blocks": _Key(_as_int, "free GPU blocks kept already demoted ahead of allocation", "N"),
+    "remote_url": _Key(
+        _as_optional_url,
+        "remote tier below the CPU tier: redis://HOST:PORT/DB or redis+cluster://HOST:PORT[,...] ('off' = none)",
+        "URL",
+    ),
 }
 # [tenants.<name>]: file only. Tokens and key-to-tenant maps are not for the
 # environment or the command line, where other users' `ps` can read them.

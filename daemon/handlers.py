@@ -471,6 +471,9 @@ def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result
             "protocol_version": PROTOCOL_VERSION,
             "daemon_version": DAEMON_VERSION,
             "pid": os.getpid(),
+            # Per pool with a remote tier: is it reachable now (the daemon
+            # serves the GPU and CPU tiers either way and reconnects alone).
+            "remote": {e.name: bool(e.pool.remote.available) for e in ctx.pools if e.pool.remote is not None},
         }
     )
 

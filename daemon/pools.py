@@ -54,6 +54,7 @@ class PoolSizing:
     cpu_bytes: int
     policy: str = "lru"
     clean_ahead_blocks: int = 64
+    remote_url: str | None = None  # Redis/Valkey tier below the CPU tier
     # TEST-ONLY copy fault injection (kvtier.daemon.faults); None in production.
     fault_hook: Callable[[Any], None] | None = None
 
@@ -168,6 +169,15 @@ class PoolRegistry:
             block_bytes=block_bytes,
             extra=tuple(sorted((k, v) for k, v in layout.items() if k not in ("block_size", "block_bytes"))),
         )
+        remote = None
+        if sizing.remote_url:
+            from kvtier.tiers.remote_tier import RemoteTier, make_pool_key
+
+            # Keyed by the whole layout identity: daemons of one model share
+            # blocks, other pools (and, through the hashes, tenants) never do.
+            # Never raises for an unreachable server: it starts unavailable.
+            remote = RemoteTier(sizing.remote_url, make_pool_key(spec.name, spec.block_size, spec.block_bytes,
+                                                                 [list(kv) for kv in spec.extra]), block_bytes)
         pool = TieredPool(
             spec,
             cpu_blocks=cpu_blocks,
@@ -175,6 +185,7 @@ class PoolRegistry:
             transfer=transfer,
             cpu_storage=cpu_storage,
             clean_ahead_blocks=sizing.clean_ahead_blocks,
+            remote=remote,
             defer_learning=True,  # the loop calls learn() after sending its replies
         )
         if gpu_layout is not None:
@@ -226,4 +237,6 @@ class PoolRegistry:
                 entry.pool.close(timeout_s)
             finally:
                 entry.transfer.close(timeout_s)
+                if entry.pool.remote is not None:
+                    entry.pool.remote.close(timeout_s)
         self._pools.clear()

@@ -1,0 +1,87 @@
+"""Two kvtierd processes sharing one Redis as their remote tier (issue 9, end to end)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.client.client import Client, PoolLayout
+
+
+def _load_servers_module():  # tests/ is not a package; load the helper by path
+    path = Path(__file__).resolve().parents[1] / "redis_servers.py"
+    spec = importlib.util.spec_from_file_location("kvtier_test_redis_servers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rs = _load_servers_module()
+pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
+
+BLOCK_BYTES = 4096
+LAYOUT = PoolLayout(model="shared-model", block_size=16, block_bytes=BLOCK_BYTES, dtype="float16",
+                    num_layers=2, kv_heads=2, head_dim=64)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[object]:
+    srv = rs.RedisServer(tmp_path / "redis").start()
+    yield srv
+    srv.stop()
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_block_stored_through_daemon_a_restores_byte_exact_through_daemon_b(kvtierd_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+    # Four GPU blocks and four CPU blocks per daemon: 12 stored blocks push the
+    # first four out of A's CPU tier, which writes them back to Redis.
+    flags = dict(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, remote_url=redis_server.url)
+    a, b = kvtierd_factory(**flags), kvtierd_factory(**flags)
+    data = [os.urandom(BLOCK_BYTES) for _ in range(12)]
+    hashes = [bytes([7, i]) * 8 for i in range(12)]
+    with Client(a.endpoint, "m/tp0", LAYOUT) as ca, Client(b.endpoint, "m/tp0", LAYOUT) as cb:
+        for i in range(0, 12, 4):
+            assert ca.store(hashes[i : i + 4], data[i : i + 4]) == (4, 0)
+        wait_for(lambda: ca.lookup(hashes[:4]) == ["remote"] * 4, 10.0, "A's evicted blocks to reach Redis")
+        assert cb.lookup(hashes[:4]) == ["remote"] * 4
+        got = cb.restore(hashes[:4])
+        assert got.tiers == ["remote"] * 4
+        assert bytes(got.data) == b"".join(data[:4])
+        # Now in B's CPU tier: no second fetch.
+        assert cb.lookup(hashes[:4]) == ["cpu"] * 4
+        pool_b = cb.stats()["pools"]["m/tp0"]
+        assert pool_b["hit_blocks_remote"] >= 4 and pool_b["remote"]["available"]
+        assert cb.health()["remote"] == {"m/tp0": True}
+
+
+def test_remote_down_daemon_keeps_serving_and_recovers(kvtierd_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, remote_url=redis_server.url)
+    data = [os.urandom(BLOCK_BYTES) for _ in range(4)]
+    hashes = [bytes([9, i]) * 8 for i in range(4)]
+    with Client(daemon.endpoint, "m/tp0", LAYOUT) as c:
+        wait_for(lambda: c.health()["remote"] == {"m/tp0": True}, 10.0, "the remote tier to connect")
+        port = redis_server.port
+        redis_server.kill()
+        assert c.store(hashes, data) == (4, 0)  # GPU and CPU tiers serve on
+        got = c.restore(hashes)
+        assert got.tiers == ["gpu"] * 4 and bytes(got.data) == b"".join(data)
+        wait_for(lambda: c.health()["remote"] == {"m/tp0": False}, 10.0, "the outage to show in health")
+        restarted = rs.RedisServer(redis_server.workdir, port=port).start()
+        try:
+            wait_for(lambda: c.health()["remote"] == {"m/tp0": True}, 20.0, "the remote tier to reconnect by itself")
+        finally:
+            restarted.stop()
