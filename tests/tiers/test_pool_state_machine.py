@@ -324,7 +324,7 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate_async(self, d: int, fail: bool) -> None:
         """Allocate a fully held prefix (GPU and CPU hits) and do not wait for its restore."""
         tokens = self.warm_tokens(d)
-        held = len(self.pool.lookup(HASHER.hash_blocks(tokens), count=False))
+        held = self.allocation_hits(HASHER.hash_blocks(tokens))
         if held == 0:
             return
         tokens = tokens[: held * BS]
@@ -341,6 +341,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.requests[rid] = (list(tokens), table)
         self.pending_allocs[rid] = (op, hashes, table)
         self.reconcile()
+
+    def allocation_hits(self, hashes: list[bytes]) -> int:
+        """How many leading blocks an allocation finds held: the GPU run, then the CPU run
+        (a GPU-only block after the GPU run ends the prefix: it may be the one evicted)."""
+        n = len(self.bm.longest_cached_prefix(hashes))
+        while n < len(hashes) and self.pool.cpu.get_ready(hashes[n]) is not None:
+            n += 1
+        return n
 
     def reconcile(self) -> None:
         """Settle the model with pending allocations that completed."""
