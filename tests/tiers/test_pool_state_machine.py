@@ -162,7 +162,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def finish(self, op: Op) -> Op:
         """Run copies until ``op`` is done: the whole high-priority queue, low ones one by one."""
-        for _ in range(10_000):
+        for _ in range(500):
             if op.done:
                 return op
             if not self.engine.run(True, 1_000_000):
@@ -171,7 +171,7 @@ class PoolMachine(RuleBasedStateMachine):
         raise AssertionError(f"{op.name} never completed")
 
     def drain(self) -> None:
-        for _ in range(10_000):
+        for _ in range(100):
             if not self.pool.busy and not self.engine.queued:
                 return
             self.engine.run(True, 1_000_000)
