@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,18 +14,8 @@ from kvtier.tiers.pool import PoolSpec, Tier, TieredPool
 from kvtier.tiers.remote_tier import RemoteTier
 from kvtier.tiers.transfer import ThreadTransferEngine
 
+import redis_servers as rs  # tests/redis_servers.py (tests/conftest.py puts tests/ on sys.path)
 
-def _load_servers_module():  # tests/ is not a package; load the helper by path
-    path = Path(__file__).resolve().parents[1] / "redis_servers.py"
-    spec = importlib.util.spec_from_file_location("kvtier_test_redis_servers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rs = _load_servers_module()
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 
 BLOCK = 4096

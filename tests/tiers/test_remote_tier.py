@@ -7,11 +7,9 @@ module is skipped with the apt command to install it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import struct
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,18 +26,8 @@ from kvtier.tiers.remote_tier import (
     make_pool_key,
 )
 
+import redis_servers as rs  # tests/redis_servers.py (tests/conftest.py puts tests/ on sys.path)
 
-def _load_servers_module():  # tests/ is not a package; load the helper by path
-    path = Path(__file__).resolve().parents[1] / "redis_servers.py"
-    spec = importlib.util.spec_from_file_location("kvtier_test_redis_servers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rs = _load_servers_module()
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 
 BLOCK = 64 * 1024
