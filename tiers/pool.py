@@ -265,25 +265,39 @@ class TieredPool:
         mode (chains stored in batches) the tail often sits in the GPU tier
         behind a demoted head, and lookups and restores take it from there.
         """
-        held: list[tuple[Tier, Block | CpuEntry]] = []
         if not self.enable_caching:
-            return held
-        bm = self.bm
-        i = 0
-        if bm is not None:
-            for block in bm.longest_cached_prefix(hashes):
-                held.append((Tier.GPU, block))
-            i = len(held)
-        for h in hashes[i:]:
+            return []
+        gpu_run = self.bm.longest_cached_prefix(hashes) if self.bm is not None else []
+        held: list[tuple[Tier, Block | CpuEntry]] = [(Tier.GPU, b) for b in gpu_run]
+        if len(gpu_run) < len(hashes):
+            held += self._held_after(hashes, len(gpu_run), gpu_after_cpu)
+        return held
+
+    def _held_after(self, hashes: Sequence[bytes], start: int, gpu_after_cpu: bool
+                    ) -> list[tuple[Tier, Block | CpuEntry]]:
+        """``_held_prefix`` from ``start`` on, where the leading GPU run has ended."""
+        bm = self.bm if gpu_after_cpu else None
+        held: list[tuple[Tier, Block | CpuEntry]] = []
+        for h in hashes[start:]:
             entry = self.cpu.get_ready(h)
             if entry is not None:
                 held.append((Tier.CPU, entry))
                 continue
-            block = bm.get_cached(h) if gpu_after_cpu and bm is not None else None
+            block = bm.get_cached(h) if bm is not None else None
             if block is None:
                 break
             held.append((Tier.GPU, block))
         return held
+
+    def _held_tiers(self, hashes: Sequence[bytes]) -> list[Tier]:
+        """The tiers of ``_held_prefix(hashes)``: a lookup's path, which needs no holders."""
+        if not self.enable_caching:
+            return []
+        n = len(self.bm.longest_cached_prefix(hashes)) if self.bm is not None else 0
+        tiers = [Tier.GPU] * n
+        if n < len(hashes):
+            tiers += [tier for tier, _ in self._held_after(hashes, n, True)]
+        return tiers
 
     def _remote_run(self, hashes: Sequence[bytes], start: int) -> int:
         """How many hashes from ``start`` on the remote tier holds (one round trip)."""
@@ -397,7 +411,7 @@ class TieredPool:
             self.cpu.policy.record_request(hashes)
 
     def lookup(self, hashes: Sequence[bytes], *, count: bool = True) -> list[Tier]:
-        tiers = [tier for tier, _ in self._held_prefix(hashes)]
+        tiers = self._held_tiers(hashes)
         tiers += [Tier.REMOTE] * self._remote_run(hashes, len(tiers))
         if count:
             self._count(hashes, tiers, is_lookup=True)
