@@ -336,6 +336,11 @@ class TenantQuotaPolicy(EvictionPolicy):
         self._in_batch = False
         self.inner.record_request(keys)
 
+    def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:
+        # Forwarded explicitly: the base class's one-step default would hide the wrapped policy's steps.
+        self._in_batch = False
+        yield from self.inner.record_request_steps(keys, chunk_keys)
+
     def keys_of(self, tenant: str) -> list[bytes]:
         return list(self.keys_by_tenant.get(tenant, ()))
 

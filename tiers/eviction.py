@@ -20,6 +20,21 @@ Who calls what (always from the tier's single owner thread):
                        (hit or miss). Lets frequency- and history-based
                        policies learn what is asked for, not only what is
                        resident. Default: nothing.
+- ``record_request_steps(keys, chunk_keys=64)``  the same, resumable: a
+                       generator that records the request in steps, each
+                       doing the work of about ``chunk_keys`` keys, so an
+                       owner with other work to do (an event loop) can
+                       interleave it. Nothing is recorded before the first
+                       step; drained with nothing in between, it leaves the
+                       policy exactly as ``record_request(keys)`` would.
+                       Between steps the owner may call ``on_insert``,
+                       ``on_hit``, ``on_remove``, ``admit`` and ``victims``
+                       (they see the request half-recorded, which is safe
+                       and consistent), but starts no other
+                       ``record_request`` or ``record_request_steps`` before
+                       this one is exhausted. Default: ``record_request(keys)``
+                       in a single step. Wrappers forward it to the wrapped
+                       policy's, doing their own bookkeeping once.
 
 Policies are small classes chosen by name from ``POLICIES`` through
 ``make_policy("lru")``; a wrapper is named with a ``+`` suffix, e.g.
@@ -64,6 +79,11 @@ class EvictionPolicy(ABC):
 
     def record_request(self, keys: Sequence[bytes]) -> None:
         return None
+
+    def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:
+        """``record_request(keys)``, resumable (see the module docstring). Here: one step."""
+        self.record_request(keys)
+        yield from ()
 
 
 class LRUPolicy(EvictionPolicy):

@@ -73,7 +73,8 @@ resident are no-ops.
     SIGCOMM CCR 2015): a key is cached only once it has been seen before, so blocks of
     one-off prompts never displace reused ones. The rule is spelled out on
     the class. The seen-set is a bounded LRU of keys. Everything but
-    ``admit`` and ``record_request`` is delegated to the wrapped policy.
+    ``admit`` and ``record_request`` (and its resumable form
+    ``record_request_steps``) is delegated to the wrapped policy.
     Cost: O(len(keys)) per ``record_request``, O(1) per ``admit``, plus the
     wrapped policy's costs.
 """
@@ -372,9 +373,18 @@ class AdmissionWrapper(EvictionPolicy):
         return False
 
     def record_request(self, keys: Sequence[bytes]) -> None:
+        self._count_request(keys)
+        self.inner.record_request(keys)
+
+    def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:
+        # The seen-set is counted in the first step (cheap next to the wrapped policy's work),
+        # then the wrapped policy records in its own steps.
+        self._count_request(keys)
+        yield from self.inner.record_request_steps(keys, chunk_keys)
+
+    def _count_request(self, keys: Sequence[bytes]) -> None:
         for key in dict.fromkeys(keys):
             self._touch(key).requests += 1
-        self.inner.record_request(keys)
 
     def on_insert(self, key: bytes) -> None:
         self.inner.on_insert(key)
