@@ -67,9 +67,10 @@ classes. Densities are re-estimated every ``bucket_width`` requests (until
 the first estimate every block ranks the same, so the order is oldest
 first: FIFO).
 
-Assumptions: ``record_request`` is called once per request (the pool calls
-it for a counted lookup or allocation); a second call for the same request
-would read as a reuse after zero requests. Hub detection needs the keys of a
+Assumptions: ``record_request`` (or its resumable form,
+``record_request_steps``) is called once per request (the pool calls it for a
+counted lookup or allocation); a second call for the same request would read
+as a reuse after zero requests. Hub detection needs the keys of a
 request in chain order, as the pool passes them.
 
 Measured (``kvtier replay``, GPU 195 / CPU 5,859 blocks of 512 tokens): block
@@ -80,8 +81,11 @@ which blocks come back (an offline fit of the same classes to the whole
 trace, i.e. knowing the future statistics, reaches 0.204 on conversation),
 so the gap to Belady is mostly unpredictability, not tuning.
 
-Cost: ``record_request`` O(len(keys)); ``on_insert``/``on_remove``/``admit``
-O(1); ``victims()`` walks a cached order of groups (one group per class and
+Cost: ``record_request`` O(len(keys)), about 0.5 µs per key measured (the
+counts are buffered and folded into the statistics with numpy at each
+re-estimate); ``record_request_steps`` does the same work in steps of
+``chunk_keys`` keys. ``on_insert``/``on_remove``/``admit`` O(1);
+``victims()`` walks a cached order of groups (one group per class and
 ``bucket_width`` window of last use), re-sorted every ``bucket_width``
 requests (O(G log G), G <= classes × horizon/bucket_width). Memory:
 metadata for each block used within the last ``horizon`` requests or
@@ -94,6 +98,7 @@ class at age 0 and the policy degrades to FIFO with admit-all.
 from __future__ import annotations
 
 import bisect
+import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -165,13 +170,26 @@ class ChainPolicy(EvictionPolicy):
         self.admission = admission
         self.now = 0
         self._meta: dict[bytes, _Meta] = {}
-        self._pending: deque[tuple[int, bytes]] = deque()  # (time, key) of uses not yet resolved
+        # Uses not yet resolved, one entry per request: (time, keys used).
+        self._pending: deque[tuple[int, list[bytes]]] = deque()
         nb = self.nb
         # Outcomes of the uses born in each retained epoch (ring of `epochs` slots of `horizon` requests):
-        # reuse gaps by bucket, and uses not reused within the horizon.
+        # reuse gaps by bucket, and uses not reused within the horizon. A slot is zeroed when its
+        # epoch falls out.
         self._hist = np.zeros((epochs, self.num_classes, nb))
         self._gone = np.zeros((epochs, self.num_classes))
-        self._pend: dict[tuple[int, int], int] = {}  # (class, window of birth) -> uses still pending
+        # Uses still pending, by class and window of birth; window w is column w % (epochs * nb),
+        # so an epoch's windows are the columns of its slot above.
+        self._columns = epochs * nb
+        self._pend = np.zeros((self.num_classes, self._columns))
+        # Changes to those arrays, applied vectorized by `_fold` before they are read or zeroed: a
+        # numpy scalar update per key cost more than the rest of the per-key work together.
+        self._born: list[int] = []  # flat indices into _pend of new uses
+        # Resolved uses, each packed by `_outcome` into one int: its class, its time of birth modulo
+        # the retained span (`_ring`) and its gap (up to `horizon`, hence the radix `_span`).
+        self._outcomes: list[int] = []
+        self._ring = epochs * horizon
+        self._span = horizon + 1
         self._epoch = 0
         self._density: list[list[float]] = [[0.0] * nb for _ in range(self.num_classes)]
         # Resident blocks, grouped by (window of last use, class); a group's keys map to depth.
@@ -184,120 +202,194 @@ class ChainPolicy(EvictionPolicy):
     # ---- learning -------------------------------------------------------------------
 
     def record_request(self, keys: Sequence[bytes]) -> None:
+        # One code path with the resumable form; drained in one go it yields a few times per
+        # request, which costs well under a microsecond.
+        for _ in self.record_request_steps(keys, sys.maxsize):
+            pass
+
+    def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:
+        """``record_request(keys)`` in steps of at most ``chunk_keys`` keys (see ``EvictionPolicy``).
+
+        Steps: the key pass (metadata, successors, use counts), the per-key pass (outcome of the
+        previous use, class, group), the expiry of the uses made ``horizon`` requests ago, then
+        the re-estimate. Between steps the request is half-recorded: the keys passed so far carry
+        this request's time, the others do not yet; groups and the resident count are consistent
+        at every step. ``keys`` must not change until the generator is exhausted.
+
+        Closed (or dropped) before it is exhausted, a started request is finished right there,
+        in one go: a use counted in one pass and not the other would unbalance the counts."""
+        if chunk_keys < 1:
+            raise ValueError(f"chunk_keys must be >= 1, got {chunk_keys}")
+        steps = self._record_steps(keys, chunk_keys)
+        try:
+            for _ in steps:
+                yield
+        finally:
+            for _ in steps:  # empty unless the owner stopped early
+                pass
+
+    def _record_steps(self, keys: Sequence[bytes], chunk_keys: int) -> Iterator[None]:
         self.now += 1
         now = self.now
         if now // self.horizon != self._epoch:
             self._new_epoch(now // self.horizon)
         meta = self._meta
-        uses: list[tuple[bytes, _Meta, int]] = []  # (key, meta, time of the previous use or -1)
+        # The request's uses, as parallel lists rather than a tuple per key: fewer objects for the
+        # garbage collector, whose passes over them cost as much as the rest of the work.
+        used: list[bytes] = []
+        metas: list[_Meta] = []
+        lasts: list[int] = []  # time of each one's previous use, or -1
+        # Queued now, filled below: the request's uses expire together, `horizon` requests on.
+        self._pending.append((now, used))
+
+        # Key pass: what is new, who follows whom (hubs), and the chain's turns: the largest use
+        # count among the blocks that are not hubs. A block's hub flag is final once its successor
+        # in this request is seen (a block is passed once per request), so it is counted then.
         new = 0
-        prev: _Meta | None = None
-        for key in keys:
-            m = meta.get(key)
-            if m is None:
-                m = meta[key] = _Meta()
-                new += 1
-            elif m.last == now:
-                continue  # the same block twice in one request: once is enough
-            if prev is not None:
-                if prev.child is None:
-                    prev.child = key
-                elif prev.child != key:
-                    prev.hub = True
-            uses.append((key, m, m.last))
-            m.last = now
-            m.uses += 1
-            prev = m
         turns = 1
-        for _, m, _ in uses:
-            if not m.hub and m.uses > turns:
-                turns = m.uses
-        width = self.width
-        pending, pend = self._pending, self._pend
-        window = now // width
-        for depth, (key, m, last) in enumerate(uses):
-            if last >= 0:
-                self._resolve(m.cls, last, now - last)
-            m.cls = cls = self.classify(turns, m.uses, new)
-            m.depth = depth
-            pending.append((now, key))
-            pend[cls, window] = pend.get((cls, window), 0) + 1
-            if m.group is not None:
-                self._ungroup(key, m.group)
-                self._group(key, m)
-        self._expire()
-        if now % width == 0:
-            if now % (width * self.REFRESH) == 0:
+        prev: _Meta | None = None
+        for start in range(0, len(keys), chunk_keys):
+            for key in keys[start:start + chunk_keys]:
+                m = meta.get(key)
+                if m is None:
+                    m = meta[key] = _Meta()
+                    new += 1
+                elif m.last == now:
+                    continue  # the same block twice in one request: once is enough
+                if prev is not None:
+                    if prev.child is None:
+                        prev.child = key
+                    elif prev.child != key:
+                        prev.hub = True
+                    if not prev.hub and prev.uses > turns:
+                        turns = prev.uses
+                used.append(key)
+                metas.append(m)
+                lasts.append(m.last)
+                m.last = now
+                m.uses += 1
+                prev = m
+            yield
+        if prev is not None and not prev.hub and prev.uses > turns:
+            turns = prev.uses
+
+        # Per-key pass. `turns` and `new` are the request's, so a class depends on the key only
+        # through its use count: classify once per distinct count (classify is pure).
+        classes: dict[int, int] = {}
+        ring, span, num_classes, columns = self._ring, self._span, self.num_classes, self._columns
+        born_at = now // self.width % columns  # this window's column in _pend; + class * columns
+        born, outcomes = self._born, self._outcomes
+        for start in range(0, len(used), chunk_keys):
+            for depth in range(start, min(start + chunk_keys, len(used))):
+                m = metas[depth]
+                last = lasts[depth]
+                if last >= 0:
+                    # Reused after now - last requests: `_outcome`, inlined. Uses expire after
+                    # `horizon` requests (below), so the gap is at most `horizon`, and the use was
+                    # born in a retained epoch (at least two are).
+                    outcomes.append((last % ring * num_classes + m.cls) * span + now - last)
+                u = m.uses
+                cls = classes.get(u)
+                if cls is None:
+                    cls = classes[u] = self.classify(turns, u, new)
+                m.cls = cls
+                m.depth = depth
+                born.append(cls * columns + born_at)
+                g = m.group
+                if g is not None:
+                    self._ungroup(used[depth], g)
+                    self._group(used[depth], m)
+            yield
+
+        # The uses made `horizon` requests ago that saw no reuse: count them, forget idle blocks.
+        pending, horizon = self._pending, self.horizon
+        limit = now - horizon
+        while pending and pending[0][0] <= limit:
+            t, expired = pending.popleft()
+            for start in range(0, len(expired), chunk_keys):
+                for key in expired[start:start + chunk_keys]:
+                    m = meta.get(key)
+                    if m is None or m.last != t:
+                        continue  # used again since (already counted)
+                    outcomes.append(self._outcome(m.cls, t, horizon))
+                    m.last = -1  # outcome recorded: a later use is a new sighting, not a gap
+                    if m.group is None:
+                        del meta[key]
+                yield
+
+        if now % self.width == 0:
+            if now % (self.width * self.REFRESH) == 0:
                 self._recompute()  # re-sorts too
             else:
                 self._resort()  # ages moved on by one bucket
 
-    def _resolve(self, cls: int, born: int, gap: int | None) -> None:
+    def _outcome(self, cls: int, born: int, gap: int) -> int:
         """The use of a block of class ``cls`` at time ``born`` was followed by a reuse after ``gap``
-        requests (None: not within the horizon)."""
-        key = (cls, born // self.width)
-        n = self._pend.get(key)
-        if n is None:
-            return  # born in an epoch no longer retained
-        if n > 1:
-            self._pend[key] = n - 1
-        else:
-            del self._pend[key]
-        slot = (born // self.horizon) % self.epochs
-        if gap is None or gap >= self.horizon:
-            self._gone[slot, cls] += 1.0
-        else:
-            self._hist[slot, cls, gap // self.width] += 1.0
+        requests (``horizon``: not within the horizon), packed in one int for ``_outcomes``. The
+        per-key pass inlines it."""
+        return (born % self._ring * self.num_classes + cls) * self._span + gap
+
+    def _fold(self) -> None:
+        """Apply the buffered births and outcomes to the arrays. Counts are whole numbers, exact in
+        floats, so the order of the additions does not matter."""
+        if self._born:
+            np.add.at(self._pend.reshape(-1), self._born, 1.0)  # reshape of a contiguous array: a view
+            self._born.clear()
+        if self._outcomes:
+            packed = np.array(self._outcomes, dtype=np.int64)
+            self._outcomes.clear()
+            use, gap = np.divmod(packed, self._span)
+            born, cls = np.divmod(use, self.num_classes)  # time of birth modulo epochs * horizon
+            np.add.at(self._pend, (cls, born // self.width), -1.0)
+            slot = born // self.horizon
+            reused = gap < self.horizon
+            np.add.at(self._hist, (slot[reused], cls[reused], gap[reused] // self.width), 1.0)
+            np.add.at(self._gone, (slot[~reused], cls[~reused]), 1.0)
 
     def _new_epoch(self, epoch: int) -> None:
         """Forget the outcomes of uses born ``epochs`` epochs ago or earlier."""
+        self._fold()  # buffered changes may belong to a slot about to be zeroed
         for e in range(self._epoch + 1, epoch + 1):
             slot = e % self.epochs
             self._hist[slot] = 0.0
             self._gone[slot] = 0.0
+            self._pend[:, slot * self.nb:(slot + 1) * self.nb] = 0.0
         self._epoch = epoch
-        oldest = (epoch - self.epochs + 1) * self.horizon // self.width
-        for key in [k for k in self._pend if k[1] < oldest]:
-            del self._pend[key]
-
-    def _expire(self) -> None:
-        """Uses older than the horizon that saw no reuse: count them, forget idle blocks."""
-        limit = self.now - self.horizon
-        pending, meta = self._pending, self._meta
-        while pending and pending[0][0] <= limit:
-            t, key = pending.popleft()
-            m = meta.get(key)
-            if m is None or m.last != t:
-                continue  # used again since (already counted)
-            self._resolve(m.cls, t, None)
-            m.last = -1  # outcome recorded: a later use is a new sighting, not a gap
-            if m.group is None:
-                del meta[key]
 
     def _recompute(self) -> None:
         """Kaplan-Meier estimate of each class's reuse-gap distribution, then hit densities."""
+        self._fold()
         nb = self.nb
         hist = self._hist.sum(axis=0)  # (classes, nb)
         gone = self._gone.sum(axis=0)  # (classes,)
-        # Pending uses of age A (buckets) are known to have survived buckets 0..A-1.
-        survived = np.zeros((self.num_classes, nb + 1))
-        now_w = self.now // self.width
-        for (cls, w), n in self._pend.items():
-            survived[cls, min(now_w - w, nb)] += n
+        # Pending uses of age A (buckets) are known to have survived buckets 0..A-1; ages beyond
+        # the horizon count as nb. The columns of the last nb windows hold ages 0..nb-1; the
+        # others hold older windows or future ones of this epoch (zeroed, nothing born yet).
+        survived = np.empty((self.num_classes, nb + 1))
+        survived[:, :nb] = self._pend[:, (self.now // self.width - np.arange(nb)) % self._columns]
+        survived[:, nb] = self._pend.sum(axis=1) - survived[:, :nb].sum(axis=1)
         # pend_beyond[c, b] = pending uses with age > b
         pend_beyond = np.cumsum(survived[:, ::-1], axis=1)[:, ::-1][:, 1:]
         samples = hist.sum(axis=1) + gone + pend_beyond[:, 0] + survived[:, 0]
         pooled = samples.sum()
         small = samples < self.min_samples
+        # Classes with too few samples borrow the pooled statistics. The estimate below works row by
+        # row, so it runs on the distinct rows only (each class with its own statistics, then the
+        # pooled row) and the small classes share the pooled result: most classes are small, and
+        # this is most of the cost of a re-estimate.
+        row_of = np.arange(self.num_classes)  # class -> its row below
         if small.any() and pooled > 0:
-            hist[small] = hist.sum(axis=0)
-            gone[small] = gone.sum()
-            pend_beyond[small] = pend_beyond.sum(axis=0)
+            own = np.flatnonzero(~small)
+            row_of[own] = np.arange(len(own))
+            row_of[small] = len(own)
+            hist = np.vstack([hist[own], hist.sum(axis=0)])
+            gone = np.append(gone[own], gone.sum())
+            pend_beyond = np.vstack([pend_beyond[own], pend_beyond.sum(axis=0)])
         resolved_beyond = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1]  # reuses with gap bucket >= b
         at_risk = resolved_beyond + gone[:, None] + pend_beyond
         with np.errstate(divide="ignore", invalid="ignore"):
             hazard = np.where(at_risk > 0, hist / at_risk, 0.0)
-        alive = np.cumprod(np.concatenate([np.ones((self.num_classes, 1)), 1.0 - hazard], axis=1), axis=1)
+        alive = np.cumprod(np.concatenate([np.ones((len(hist), 1)), 1.0 - hazard], axis=1), axis=1)
         p = alive[:, :-1] * hazard  # probability of the reuse falling in bucket b
         never = alive[:, -1]  # not reused within the horizon
         # Hit density at age a: sum_{b>=a} p[b] / (sum_{b>=a} p[b](b-a+1/2) + never(nb-a)).
@@ -306,7 +398,8 @@ class ChainPolicy(EvictionPolicy):
         life = np.cumsum((later + 0.5 * p)[:, ::-1], axis=1)[:, ::-1]
         with np.errstate(divide="ignore", invalid="ignore"):
             density = np.where(life > 0, hits / life, 0.0)
-        self._density = density.tolist()  # plain lists: indexed once per ranking decision
+        rows = density.tolist()  # plain lists: indexed once per ranking decision
+        self._density = [rows[r] for r in row_of.tolist()]
         self._resort()
 
     # ---- ranking -----------------------------------------------------------------------

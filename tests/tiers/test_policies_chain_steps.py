@@ -1,4 +1,5 @@
-"""The "chain" policy's decisions pinned by a golden digest, and its resumable ``record_request_steps``.
+"""The "chain" policy's decisions pinned by a golden digest, and ``record_request_steps`` (its own and
+the wrappers' forwarding).
 
 The digest covers every decision a tier sees (victims order, admit answers), the learned densities
 and the admission threshold over seeded workloads small enough (capacity, horizon, bucket width)
@@ -11,10 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvtier.tiers.eviction import EvictionPolicy, LRUPolicy
+from kvtier.tiers.policies import AdmissionWrapper
 from kvtier.tiers.policies_chain import ChainPolicy
 
 
@@ -48,6 +53,9 @@ CONFIGS: dict[str, tuple[Callable[[int], ChainPolicy], int]] = {
                                            admission=False), 24),
     "wide-uses": (lambda c: _WideUses(c, horizon=64, bucket_width=4, min_samples=10.0), 24),
     "slow-refresh": (lambda c: _SlowRefresh(c, horizon=64, bucket_width=4, min_samples=10.0), 24),
+    # Every class on its own statistics, and every class on the pooled ones.
+    "own-stats": (lambda c: ChainPolicy(c, horizon=64, bucket_width=4, min_samples=0.0), 24),
+    "all-pooled": (lambda c: ChainPolicy(c, horizon=64, bucket_width=4, min_samples=1e12), 24),
 }
 
 
@@ -147,7 +155,10 @@ class Workload:
             elif r < 0.75:
                 self.log.append("first " + ",".join(v.hex() for _, v in zip(range(5), self.p.victims())))
             elif r < 0.85:
-                key = rng.choice(self.recent) if self.recent and rng.random() < 0.7 else k(rng.randrange(self.next_id + 5))
+                if self.recent and rng.random() < 0.7:
+                    key = rng.choice(self.recent)
+                else:
+                    key = k(rng.randrange(self.next_id + 5))
                 self.log.append(f"probe {key.hex()} {self.p.admit(key)}")
             elif self.recent:
                 # A store the policy did not see looked up: inserted without asking admit.
@@ -181,3 +192,182 @@ GOLDEN: dict[tuple[str, int], str] = {
 @pytest.mark.parametrize("name, seed", sorted(GOLDEN))
 def test_decisions_match_the_golden_digest(name: str, seed: int) -> None:
     assert workload_digest(name, seed) == GOLDEN[name, seed]
+
+
+# ---- record_request_steps ----------------------------------------------------------------------
+
+
+def drained(chunk_keys: int) -> Callable[[ChainPolicy, list[bytes]], None]:
+    """Records a request through ``record_request_steps``, with nothing between the steps."""
+
+    def record(p: ChainPolicy, keys: list[bytes]) -> None:
+        for _ in p.record_request_steps(keys, chunk_keys):
+            pass
+
+    return record
+
+
+def state(p: ChainPolicy) -> tuple[object, ...]:
+    """Everything the policy decides from, and its decisions."""
+    p._fold()  # buffered counts into the arrays: whole numbers, so folding early changes nothing
+    meta = sorted((key, m.last, m.cls, m.uses, m.child, m.hub, m.depth, m.group) for key, m in p._meta.items())
+    return (p.now, list(p.victims()), p._density, p._victim_density, len(p), p._hist.tobytes(),
+            p._gone.tobytes(), p._pend.tobytes(), meta)
+
+
+def check_consistent(p: ChainPolicy, resident: set[bytes]) -> None:
+    order = list(p.victims())
+    assert len(order) == len(set(order)) == len(p) == len(resident)
+    assert set(order) == resident
+    for key in resident:
+        g = p._meta[key].group
+        assert g is not None and key in p._groups[g]
+    assert sum(map(len, p._groups.values())) == len(resident)
+
+
+def check_balanced(p: ChainPolicy) -> None:
+    """After a whole request: the pending counts are exactly the uses not yet resolved."""
+    p._fold()
+    unresolved = sum(1 for t, keys in p._pending for key in keys if key in p._meta and p._meta[key].last == t)
+    assert p._pend.min() >= 0
+    assert p._pend.sum() == unresolved
+
+
+@pytest.mark.parametrize("chunk_keys", [1, 3, 64])
+@pytest.mark.parametrize("name", ["w4", "w1", "wide-uses", "slow-refresh"])
+def test_drained_steps_match_the_golden_digest(name: str, chunk_keys: int) -> None:
+    assert workload_digest(name, 1, record=drained(chunk_keys)) == GOLDEN[name, 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(CONFIGS)), seed=st.integers(0, 2**32), chunk_keys=st.integers(1, 10))
+def test_drained_steps_decide_as_record_request_on_workloads(name: str, seed: int, chunk_keys: int) -> None:
+    assert workload_digest(name, seed, 400, drained(chunk_keys)) == workload_digest(name, seed, 400)
+
+
+@settings(max_examples=80, deadline=None)
+@given(requests=st.lists(st.lists(st.integers(0, 40), max_size=30), max_size=80),
+       chunk_keys=st.integers(1, 8), inserted=st.lists(st.integers(0, 40), max_size=10))
+def test_drained_steps_leave_the_state_of_record_request(requests: list[list[int]], chunk_keys: int,
+                                                         inserted: list[int]) -> None:
+    a, b = (ChainPolicy(6, horizon=16, bucket_width=2, min_samples=3.0) for _ in range(2))
+    for i in inserted:
+        a.on_insert(k(i))
+        b.on_insert(k(i))
+    for ids in requests:
+        keys = [k(i) for i in ids]
+        a.record_request(keys)
+        drained(chunk_keys)(b, keys)
+        probes = [k(i) for i in range(41)]
+        assert [a.admit(key) for key in probes] == [b.admit(key) for key in probes]
+        assert state(a) == state(b)
+        if keys:  # an eviction, so admission has a threshold to compare with
+            a.on_remove(keys[-1])
+            b.on_remove(keys[-1])
+    check_balanced(b)
+
+
+@settings(max_examples=80, deadline=None)
+@given(requests=st.lists(st.lists(st.integers(0, 30), max_size=25), max_size=60),
+       chunk_keys=st.integers(1, 6), data=st.data())
+def test_calls_between_steps_keep_the_policy_consistent(requests: list[list[int]], chunk_keys: int,
+                                                       data: st.DataObject) -> None:
+    p = ChainPolicy(8, horizon=16, bucket_width=2, min_samples=3.0)
+    resident: set[bytes] = set()
+    between = st.lists(st.tuples(st.sampled_from(["ins", "rem", "vic", "adm", "hit"]), st.integers(0, 30)),
+                       max_size=3)
+    for ids in requests:
+        for _ in p.record_request_steps([k(i) for i in ids], chunk_keys):
+            for op, i in data.draw(between):
+                key = k(i)
+                if op == "ins":
+                    p.on_insert(key)
+                    resident.add(key)
+                elif op == "rem":
+                    p.on_remove(key)
+                    resident.discard(key)
+                elif op == "vic":
+                    list(zip(range(3), p.victims()))
+                elif op == "adm":
+                    p.admit(key)
+                else:
+                    p.on_hit(key)
+                check_consistent(p, resident)
+        check_consistent(p, resident)
+        check_balanced(p)
+
+
+def test_steps_are_chunked() -> None:
+    p = ChainPolicy(100, horizon=64, bucket_width=4)
+    assert sum(1 for _ in p.record_request_steps([k(i) for i in range(20)], 4)) >= 10  # 5 + 5 chunks
+    assert sum(1 for _ in p.record_request_steps([k(i) for i in range(20)], 1000)) <= 3
+    with pytest.raises(ValueError):
+        next(p.record_request_steps([k(1)], 0))
+
+
+def test_a_request_closed_early_is_finished_and_one_never_started_is_not_recorded() -> None:
+    a, b = ChainPolicy(10, horizon=16, bucket_width=2), ChainPolicy(10, horizon=16, bucket_width=2)
+    for t in range(40):
+        keys = [k(t % 7 + j) for j in range(12)]
+        a.record_request(keys)
+        steps = b.record_request_steps(keys, 2)
+        for _ in range(t % 5):
+            next(steps)
+        steps.close()  # t % 5 == 0: never started, so record it the ordinary way
+        if t % 5 == 0:
+            assert b.now == a.now - 1
+            b.record_request(keys)
+        assert state(a) == state(b)
+
+
+# ---- wrappers forward the steps -------------------------------------------------------------------
+
+
+def test_default_steps_are_one_step_of_record_request() -> None:
+    calls: list[list[bytes]] = []
+
+    class Spy(LRUPolicy):
+        def record_request(self, keys: Sequence[bytes]) -> None:
+            calls.append(list(keys))
+
+    steps = Spy(4).record_request_steps([k(1), k(2)], 1)
+    assert calls == []  # nothing before the first step
+    assert list(steps) == []  # one step, which ends the generator
+    assert calls == [[k(1), k(2)]]
+
+
+def _wrapped(kind: str) -> tuple[EvictionPolicy, ChainPolicy]:
+    from kvtier.daemon.tenants import TenantQuotaPolicy, TenantRegistry
+
+    chain = ChainPolicy(6, horizon=16, bucket_width=2, min_samples=3.0)
+    if kind == "admit2":
+        return AdmissionWrapper(chain), chain
+    if kind == "tenant":
+        return TenantQuotaPolicy(chain, TenantRegistry(), 4096, None), chain
+    return TenantQuotaPolicy(AdmissionWrapper(chain), TenantRegistry(), 4096, None), chain
+
+
+@pytest.mark.parametrize("kind", ["admit2", "tenant", "tenant+admit2"])
+def test_wrappers_forward_the_steps(kind: str) -> None:
+    a, chain_a = _wrapped(kind)
+    b, chain_b = _wrapped(kind)
+    rng = random.Random(5)
+    for _ in range(60):
+        keys = [k(rng.randrange(30)) for _ in range(rng.randrange(12))]
+        a.record_request(keys)
+        steps = sum(1 for _ in b.record_request_steps(keys, 2))
+        assert steps >= len(set(keys)) // 2  # the chain policy's own steps, not one default step
+        for key in keys[:2]:
+            assert a.admit(key) == b.admit(key)
+            a.on_insert(key)
+            b.on_insert(key)
+        assert state(chain_a) == state(chain_b)
+    if "admit2" in kind:  # the seen-set counted each request once, as record_request does
+        seen_a, seen_b = (_admit2_of(p)._seen for p in (a, b))
+        assert seen_a == seen_b and any(s.requests >= 2 for s in seen_b.values())
+
+
+def _admit2_of(p: EvictionPolicy) -> AdmissionWrapper:
+    while not isinstance(p, AdmissionWrapper):
+        p = p.__dict__["inner"]
+    return p
