@@ -186,6 +186,8 @@ GOLDEN: dict[tuple[str, int], str] = {
     ("no-admission", 1): "4e97e35d0b18ac299b7f31ef3a35f190dbe9fa8d79ebb7a0855a07f2eebefb26",
     ("wide-uses", 1): "89902253c7bd7af84f7a50febcff0947ef17fc6e0a6ca4009918c450c7077d70",
     ("slow-refresh", 1): "4055f4eaa8e43d5d40226fdfdfd0f1bac5199693ffb83fd7207fdf759cf26975",
+    ("own-stats", 1): "c95b0c29c0761d8227a4d5bfda6de4b57679cf99c88065c7a299cd249b49c1e7",
+    ("all-pooled", 1): "7b71a0834e875d0f1ee1bf8577b1cf1ce9f49f32969748ce814f809a3b0a6dcd",
 }
 
 
