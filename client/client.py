@@ -40,6 +40,11 @@ Contract
   serves tenants by token; the session then works in that tenant's block
   namespace. A refused identity raises ``DaemonError`` with code
   UNAUTHORIZED.
+- Packed hashes: when the daemon's hello reply lists the feature
+  ``"packed_hashes"``, hash lists go out as one packed bin and the daemon
+  answers with packed tier codes; otherwise as arrays (an older daemon).
+  Either way ``lookup``/``pin``/``allocate``/``restore`` return tiers as a
+  ``Sequence[str]``: a ``TierList`` over the codes, or a list of strings.
 - Importing this module imports no torch. ``register_kv`` accepts torch
   tensors and imports ``kvtier.client.kv_share`` only when called.
 """
@@ -61,12 +66,14 @@ import zmq
 from kvtier.client.curve import CurveKeys
 from kvtier.client.hashing import BlockHasher
 from kvtier.client.protocol import (
+    FEATURE_PACKED_HASHES,
     HASH_BYTES,
     OPS,
     PROTOCOL_VERSION,
     ErrorCode,
     KvtierError,
     ProtocolError,
+    TierList,
     decode,
     encode,
     error_name,
@@ -85,6 +92,7 @@ __all__ = [
     "ProtocolError",
     "RestoreResult",
     "SessionLost",
+    "TierList",
     "probe_health",
 ]
 
@@ -152,7 +160,7 @@ class PoolLayout:
 @dataclass(frozen=True)
 class Allocation:
     block_ids: list[int]  # the request's whole block table
-    tiers: list[str]  # tier of each hit block, prefix order
+    tiers: Sequence[str]  # tier of each hit block, prefix order
     num_gpu_hits: int
     num_cpu_hits: int
 
@@ -163,7 +171,7 @@ class Allocation:
 
 @dataclass(frozen=True)
 class RestoreResult:
-    tiers: list[str]  # one per restored block: the longest held prefix
+    tiers: Sequence[str]  # one per restored block: the longest held prefix
     data: memoryview | None = None  # inline plane: len(tiers) * block_bytes bytes, zero-copy
 
     def __len__(self) -> int:
@@ -201,8 +209,35 @@ def _check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
     out = list(hashes)
     for h in out:
         if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"block hashes must be {HASH_BYTES}-byte bytes, got {h!r:.40}")
+            i = next(i for i, x in enumerate(out) if x is h)  # counted only here: enumerate costs ~1 us per 256
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"block hash {i}: must be {HASH_BYTES}-byte bytes, got {h!r:.40}")
     return out
+
+
+def _pack_hashes(hashes: Sequence[bytes]) -> bytes:
+    """The packed-hashes bin of ``hashes``, checked on the way.
+
+    The join is the type check (it refuses anything that is not a buffer,
+    naming it) and one len() pass in C the length check: 4.4 us for 256
+    hashes, against 6.9 us for the exact per-element check alone (a Python
+    loop, or one pass for the types and one for the lengths: the same) plus
+    the join. The total length catches a buffer whose len() is not its size.
+    A 16-byte bytearray or memoryview goes through: it packs to the same bin.
+    """
+    try:
+        packed = b"".join(hashes)
+    except TypeError:
+        packed = b""
+    n = len(hashes)
+    if len(packed) != HASH_BYTES * n or list(map(len, hashes)).count(HASH_BYTES) != n:
+        _check_hashes(hashes)  # names the culprit
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"block hashes must be {HASH_BYTES}-byte bytes")
+    return packed
+
+
+def _tier_list(tiers: Any) -> Sequence[str]:
+    # Packed in, packed out: codes come back as one bin, names as an array.
+    return TierList(tiers) if type(tiers) is bytes else list(tiers)
 
 
 class Client:
@@ -241,6 +276,7 @@ class Client:
         self.heartbeat_s = 0.0
         self.pool_info: dict[str, Any] = {}
         self.limits: dict[str, Any] = {}
+        self._packed_hashes = False  # the daemon listed FEATURE_PACKED_HASHES in its hello reply
         self._session_gone = False  # the daemon answered UNKNOWN_SESSION
         self._pending_loss: SessionLost | None = None  # found by the heartbeat thread, raised by the next call
         self._pins: Counter[bytes] = Counter()
@@ -323,7 +359,9 @@ class Client:
     ) -> tuple[dict[str, Any], list[zmq.Frame]]:
         """Send one request and wait for its reply; raises on error replies."""
         rid = next(self._ids)
-        header = request_header(op, rid, self.sid if with_sid else None, **fields)
+        # The form is settled per send: a call that re-opened its session on
+        # an older daemon sends the hashes it packed as an array again.
+        header = request_header(op, rid, self.sid if with_sid else None, packed_hashes=self._packed_hashes, **fields)
         sock = self._socket()
         try:
             sock.send_multipart([encode(header), *frames], flags=zmq.NOBLOCK, copy=False)
@@ -407,6 +445,8 @@ class Client:
         self.heartbeat_s = float(rh["heartbeat_s"])
         self.pool_info = dict(rh.get("pool", {}))
         self.limits = dict(rh.get("limits", {}))
+        features = rh.get("features")
+        self._packed_hashes = isinstance(features, list) and FEATURE_PACKED_HASHES in features
         self._session_gone = False
 
     def _reestablish(self, deadline_s: float) -> None:
@@ -532,19 +572,28 @@ class Client:
 
     # ---- lookups and pins ------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[bytes], *, pin: bool = False, timeout_s: float | None = None) -> list[str]:
-        """Tiers of the longest cached prefix of ``hashes`` ("gpu"/"cpu" per block)."""
-        hashes = _check_hashes(hashes)
-        rh, _ = self._call("lookup", {"hashes": hashes, "pin": pin}, timeout_s=timeout_s)
-        tiers = list(rh["tiers"])
+    def _wire_hashes(self, hashes: Sequence[bytes], *, keys: bool = False) -> tuple[list[bytes], Any]:
+        """Checked hashes and their wire form: packed when the daemon takes it.
+        ``keys``: the caller counts them as pins, so they must be exactly bytes."""
+        if keys or not self._packed_hashes:
+            out = _check_hashes(hashes)
+            return out, out
+        out = hashes if type(hashes) is list else list(hashes)
+        return out, _pack_hashes(out)
+
+    def lookup(self, hashes: Sequence[bytes], *, pin: bool = False, timeout_s: float | None = None) -> Sequence[str]:
+        """Tiers of the longest cached prefix of ``hashes`` ("gpu"/"cpu"/"remote" per block)."""
+        hashes, wire = self._wire_hashes(hashes, keys=pin)
+        rh, _ = self._call("lookup", {"hashes": wire, "pin": pin}, timeout_s=timeout_s)
+        tiers = _tier_list(rh["tiers"])
         if pin:
             self._pins.update(hashes[: rh.get("pinned", 0)])
         return tiers
 
-    def pin(self, hashes: Sequence[bytes], *, timeout_s: float | None = None) -> list[str]:
+    def pin(self, hashes: Sequence[bytes], *, timeout_s: float | None = None) -> Sequence[str]:
         hashes = _check_hashes(hashes)
         rh, _ = self._call("pin", {"hashes": hashes}, timeout_s=timeout_s)
-        tiers = list(rh["tiers"])
+        tiers = _tier_list(rh["tiers"])
         self._pins.update(hashes[: len(tiers)])
         return tiers
 
@@ -559,16 +608,16 @@ class Client:
 
     def allocate(self, req: str, hashes: Sequence[bytes], num_tokens: int, *, timeout_s: float | None = None) -> Allocation:
         """Block table for a new request; CPU-tier hits are already restored into their slots."""
-        rh, _ = self._call("allocate", {"req": req, "hashes": _check_hashes(hashes), "num_tokens": num_tokens},
-                           timeout_s=timeout_s)
+        _, wire = self._wire_hashes(hashes)
+        rh, _ = self._call("allocate", {"req": req, "hashes": wire, "num_tokens": num_tokens}, timeout_s=timeout_s)
         self._requests.add(req)
-        return Allocation(list(rh["block_ids"]), list(rh["tiers"]), int(rh["num_gpu_hits"]), int(rh["num_cpu_hits"]))
+        return Allocation(list(rh["block_ids"]), _tier_list(rh["tiers"]), int(rh["num_gpu_hits"]), int(rh["num_cpu_hits"]))
 
     def append(self, req: str, num_new_tokens: int, new_hashes: Sequence[bytes], *,
                timeout_s: float | None = None) -> tuple[list[int], list[int]]:
         """Grow a request; returns (whole block table, newly allocated block ids)."""
-        rh, _ = self._call("append", {"req": req, "num_tokens": num_new_tokens, "hashes": _check_hashes(new_hashes)},
-                           timeout_s=timeout_s)
+        _, wire = self._wire_hashes(new_hashes)
+        rh, _ = self._call("append", {"req": req, "num_tokens": num_new_tokens, "hashes": wire}, timeout_s=timeout_s)
         return list(rh["block_ids"]), list(rh["new_block_ids"])
 
     def free(self, req: str, *, valid_tokens: int | None = None, timeout_s: float | None = None) -> None:
@@ -632,9 +681,9 @@ class Client:
         ``slots`` of this client's arena (``open_arena``), or ``slots`` of the
         registered tensors ``reg``.
         """
-        hashes = _check_hashes(hashes)
+        hashes, wire = self._wire_hashes(hashes)
         fields, frames = self._plane(data, slots, reg, len(hashes))
-        fields["hashes"] = hashes
+        fields["hashes"] = wire
         rh, _ = self._call("store", fields, frames, timeout_s=timeout_s)
         return int(rh["stored"]), int(rh["present"])
 
@@ -647,11 +696,11 @@ class Client:
         timeout_s: float | None = None,
     ) -> RestoreResult:
         """Copy out the longest held prefix: inline (``data``), to arena ``slots``, or to ``reg``'s slots."""
-        hashes = _check_hashes(hashes)
+        hashes, wire = self._wire_hashes(hashes)
         fields, _ = self._plane(None, slots, reg, len(hashes))
-        fields["hashes"] = hashes
+        fields["hashes"] = wire
         rh, frames = self._call("restore", fields, timeout_s=timeout_s)
-        tiers = list(rh["tiers"])
+        tiers = _tier_list(rh["tiers"])
         if fields["plane"] != "inline":
             return RestoreResult(tiers)
         data = frames[0].buffer if frames else memoryview(b"")

@@ -19,10 +19,15 @@ Contract:
   through ``_keys`` (the tenant's namespace, ``daemon.tenants``), and no
   reply carries a pool key. ``clear`` and the ``tenants`` part of ``stats``
   are per tenant.
+- Packed in, packed out: a request whose hashes came packed
+  (``Request.packed``) gets its reply's ``tiers`` as packed codes
+  (``protocol.pack_tiers``); lookup and pin pack the pool's tiers directly,
+  allocate and restore through ``_packs_tiers``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -32,6 +37,7 @@ from typing import Any
 
 from kvtier.client.protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    FEATURES,
     MAX_HASHES,
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
@@ -39,6 +45,7 @@ from kvtier.client.protocol import (
     ProtocolError,
     Request,
     frame_nbytes,
+    pack_tiers,
 )
 from kvtier.client.shm_arena import ShmArena, ShmArenaError
 from kvtier.daemon.metrics import Counters
@@ -111,6 +118,11 @@ def _tiers(tiers: Sequence[Any]) -> list[str]:
     return [t._value_ if isinstance(t, Tier) else str(t) for t in tiers]
 
 
+def _reply_tiers(req: Request, tiers: Sequence[Any]) -> bytes | list[str]:
+    # Packed straight from the Tier members: no string per block on that path.
+    return pack_tiers(tiers) if req.packed else _tiers(tiers)
+
+
 def _done_or_pending(op: Op, finish: Callable[[Op], Reply], **kw: Any) -> Result:
     # An op with nothing to copy is already done; reply at once.
     if op.done and op.error is None:
@@ -144,6 +156,7 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
             "heartbeat_s": min(ctx.heartbeat_s or lease_s / 3, lease_s / 3),
             "protocol_version": PROTOCOL_VERSION,
             "daemon_version": DAEMON_VERSION,
+            "features": list(FEATURES),
             "pool": {
                 "name": entry.name,
                 "mode": entry.mode,
@@ -264,14 +277,14 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
         # Same thread, no copy in between: the pinned prefix is the one looked up.
         tiers = pool.pin(session.sid, hashes[: len(tiers)])
         session.num_pins += len(tiers)
-    return Reply({"tiers": _tiers(tiers), "pinned": len(tiers) if req.fields["pin"] else 0})
+    return Reply({"tiers": _reply_tiers(req, tiers), "pinned": len(tiers) if req.fields["pin"] else 0})
 
 
 def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
     tiers = _entry(ctx, session).pool.pin(session.sid, _keys(ctx, session, req.fields["hashes"]))
     session.num_pins += len(tiers)
-    return Reply({"tiers": _tiers(tiers)})
+    return Reply({"tiers": _reply_tiers(req, tiers)})
 
 
 def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
@@ -489,6 +502,32 @@ def clear(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
 
 Handler = Callable[[HandlerContext, Request, Session | None], Result]
 
+
+def _packs_tiers(handler: Handler) -> Handler:
+    """Packed in, packed out for a verb whose reply's ``tiers`` the pool builds as
+    strings: packs them after the handler (or its ``Pending.finish``), so the
+    handler itself stays as it is."""
+
+    @functools.wraps(handler)
+    def packing(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+        result = handler(ctx, req, session)
+        if not req.packed:
+            return result
+        if isinstance(result, Reply):
+            return _pack_reply_tiers(result)
+        finish = result.finish
+        result.finish = lambda op: _pack_reply_tiers(finish(op))
+        return result
+
+    return packing
+
+
+def _pack_reply_tiers(reply: Reply) -> Reply:
+    if "tiers" in reply.fields:
+        reply.fields["tiers"] = pack_tiers(reply.fields["tiers"])
+    return reply
+
+
 HANDLERS: dict[str, Handler] = {
     "hello": hello,
     "heartbeat": heartbeat,
@@ -499,11 +538,11 @@ HANDLERS: dict[str, Handler] = {
     "lookup": lookup,
     "pin": pin,
     "unpin": unpin,
-    "allocate": allocate,
+    "allocate": _packs_tiers(allocate),
     "append": append,
     "free": free,
     "store": store,
-    "restore": restore,
+    "restore": _packs_tiers(restore),
     "stats": stats,
     "health": health,
     "clear": clear,

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgpack
 import pytest
 
 from kvtier.client.protocol import (
+    FEATURE_PACKED_HASHES,
+    FEATURES,
+    HASH_FIELDS,
     MAX_HEADER_BYTES,
     OPS,
     PROTOCOL_VERSION,
+    TIER_CODES,
+    TIERS,
     ErrorCode,
     ProtocolError,
+    TierList,
     decode_header,
     encode,
     error_reply,
+    pack_tiers,
     recoverable_id,
+    request_header,
     validate_request,
 )
 
@@ -123,3 +133,120 @@ def test_lookup_does_not_renew_and_mutations_do_not_retry() -> None:
     assert not OPS["lookup"].renews_lease and OPS["lookup"].idempotent
     for op in ("pin", "unpin", "allocate", "append", "free", "register_kv"):
         assert not OPS[op].idempotent, op
+
+
+# ---- packed hashes and packed tiers -------------------------------------------
+
+
+def hashes_of(n: int, seed: int = 0) -> list[bytes]:
+    return [(seed * 1_000_003 + i).to_bytes(16, "little") for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 1024, 1025, 3000, 65536])
+def test_packed_hashes_validate_to_the_same_list(n: int) -> None:
+    hs = hashes_of(n, seed=n)
+    for op in ("lookup", "pin", "unpin", "restore", "store"):
+        array = validate_request(hdr(op, hashes=hs), (b"x",) if op == "store" else ())
+        packed = validate_request(hdr(op, hashes=b"".join(hs)), (b"x",) if op == "store" else ())
+        assert packed.fields == array.fields and type(packed.fields["hashes"]) is list
+        assert packed.packed and not array.packed
+    # Packing is part of the wire schema: request_header does it for every hash field.
+    header = request_header("allocate", 3, "s" * 32, packed_hashes=True, req="r", hashes=hs, num_tokens=4)
+    assert header["hashes"] == b"".join(hs)
+    assert validate_request(header).fields["hashes"] == hs
+    assert request_header("lookup", 3, "s" * 32, hashes=hs)["hashes"] is hs
+    # Hashes the client packed go out as an array again to a daemon without the feature.
+    assert request_header("lookup", 3, "s" * 32, hashes=b"".join(hs))["hashes"] == hs
+    assert request_header("lookup", 3, "s" * 32, packed_hashes=True, hashes=b"".join(hs))["hashes"] == b"".join(hs)
+
+
+def test_packed_hashes_survive_msgpack() -> None:
+    hs = hashes_of(300)
+    wire = encode(request_header("lookup", 9, "s" * 32, packed_hashes=True, hashes=hs, pin=True))
+    assert len(wire) < 16 * 300 + 100 < 18 * 300  # one bin: no per-hash bin header (2 bytes each)
+    req = validate_request(decode_header(wire))
+    assert req.fields == {"hashes": hs, "pin": True} and req.packed
+
+
+@pytest.mark.parametrize(
+    ("value", "code", "words"),
+    [
+        (b"\x01" * 17, ErrorCode.INVALID_FIELD, "not a multiple of 16"),
+        (b"\x01" * 15, ErrorCode.INVALID_FIELD, "not a multiple of 16"),
+        (b"\x01" * 16 * 65537, ErrorCode.TOO_LARGE, "65537 packed hashes, limit 65536"),
+        ("x" * 32, ErrorCode.INVALID_FIELD, "got str"),
+        (1234, ErrorCode.INVALID_FIELD, "got int"),
+        (bytearray(32), ErrorCode.INVALID_FIELD, "got bytearray"),
+    ],
+)
+def test_bad_packed_hashes(value: object, code: ErrorCode, words: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        validate_request(hdr("lookup", hashes=value))
+    assert info.value.code == code
+    assert "'hashes'" in info.value.message and words in info.value.message, info.value.message
+
+
+def test_every_op_with_hashes_takes_them_packed() -> None:
+    assert {op for op, names in HASH_FIELDS.items() if names} == {
+        "lookup", "pin", "unpin", "allocate", "append", "store", "restore"}
+    assert all(names == ("hashes",) for names in HASH_FIELDS.values() if names)
+    assert FEATURE_PACKED_HASHES in FEATURES
+
+
+def test_tier_codes_table() -> None:
+    # Other-language clients hard-code these: never change a code.
+    assert TIER_CODES == {"gpu": b"g", "cpu": b"c", "remote": b"r"}
+    assert TIERS == ("gpu", "cpu", "remote")
+    names = ["gpu", "cpu", "remote", "cpu", "gpu", "gpu", "remote"]
+    assert pack_tiers(names) == b"gcrcggr"
+    assert pack_tiers([]) == b""
+    with pytest.raises(ValueError):
+        pack_tiers(["gpu", "disk"])
+
+
+def test_pack_tiers_takes_str_enum_members() -> None:
+    import enum
+
+    class T(str, enum.Enum):  # the shape of kvtier.tiers.pool.Tier
+        GPU = "gpu"
+        CPU = "cpu"
+        REMOTE = "remote"
+
+    assert pack_tiers([T.GPU, T.REMOTE, T.CPU]) == b"grc"
+
+
+def test_tier_list_reads_like_a_list_of_names() -> None:
+    names = ["gpu", "gpu", "cpu", "remote"]
+    t = TierList(b"ggcr")
+    assert isinstance(t, Sequence)
+    assert len(t) == 4 and t.codes == b"ggcr"
+    assert t == names and names == t and t == tuple(names) and t == TierList.of(names)
+    assert t != names[:3] and t != ["gpu", "gpu", "cpu", "cpu"] and t != [1, 2, 3, 4] and t != "ggcr"
+    assert not (t != names)
+    assert list(t) == names and [*t] == names and list(reversed(t)) == names[::-1]
+    assert t[0] == "gpu" and t[2] == "cpu" and t[-1] == "remote"
+    assert t[1:3] == ["gpu", "cpu"] and isinstance(t[1:3], TierList) and t[::-1] == names[::-1]
+    with pytest.raises(IndexError):
+        t[4]
+    assert t.count("gpu") == 2 and t.count("remote") == 1 and t.count("disk") == 0 and t.count(3) == 0
+    assert "cpu" in t and "disk" not in t and 103 not in t
+    assert t.index("cpu") == 2 and t.index("gpu", 1) == 1
+    with pytest.raises(ValueError):
+        t.index("disk")
+    with pytest.raises(ValueError):
+        t.index("gpu", 2)
+    assert repr(t) == "TierList(['gpu', 'gpu', 'cpu', 'remote'])"
+    assert TierList(b"") == [] and not TierList(b"") and len(TierList(b"")) == 0
+    assert sorted(t) == sorted(names) and set(t) == {"gpu", "cpu", "remote"}
+    with pytest.raises(TypeError):
+        hash(t)  # equal to lists, so unhashable like them
+    with pytest.raises(TypeError):
+        t[0] = "cpu"  # type: ignore[index]
+
+
+def test_tier_list_refuses_unknown_codes() -> None:
+    with pytest.raises(ProtocolError) as info:
+        TierList(b"gcx")
+    assert info.value.code == ErrorCode.MALFORMED and "b'x'" in info.value.message
+    with pytest.raises(ProtocolError):
+        TierList(["gpu"])  # type: ignore[arg-type]
