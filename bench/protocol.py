@@ -20,9 +20,10 @@ Sections
    over ``--lookups`` calls each after 10% warm-up:
    - ``kvtier Client.lookup``: the real client against the live daemon (ipc://);
    - ``zmq echo (raw)``: a DEALER sends the same msgpack request bytes the
-     client sends (256 x 16-byte hashes, same header size) to a ROUTER in
-     another process that sends them straight back, same ipc:// transport,
-     no encoding or decoding: the transport floor;
+     client sends (256 x 16-byte hashes as one packed 4096-byte bin, as the
+     client sends them to a daemon that advertises ``packed_hashes``; same
+     header size) to a ROUTER in another process that sends them straight
+     back, same ipc:// transport, no encoding or decoding: the transport floor;
    - ``zmq echo + msgpack``: the same echo, with the request encoded and the
      echoed reply decoded by msgpack on the client (what framing costs);
    - ``redis MGET``: MGET of the same 256 16-byte keys (all present, 3-byte
@@ -90,7 +91,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -457,7 +458,8 @@ def bench_lookup(args, env: dict) -> dict:
     r_unix, r_tcp = env["redis_unix"], env["redis_tcp"]
 
     # The exact bytes the client sends for this lookup (its id differs per call; same size).
-    req_bytes = encode(request_header("lookup", 1 << 40, client.sid, hashes=hashes, pin=False))
+    packed = client._packed_hashes
+    req_bytes = encode(request_header("lookup", 1 << 40, client.sid, packed_hashes=packed, hashes=hashes, pin=False))
     zctx = zmq.Context.instance()
     echo = zctx.socket(zmq.DEALER)
     echo.setsockopt(zmq.LINGER, 0)
@@ -473,7 +475,8 @@ def bench_lookup(args, env: dict) -> dict:
 
     def echo_msgpack() -> Any:
         counter[0] += 1
-        echo2.send(encode(request_header("lookup", counter[0], client.sid, hashes=hashes, pin=False)), copy=False)
+        echo2.send(encode(request_header("lookup", counter[0], client.sid, packed_hashes=packed, hashes=hashes, pin=False)),
+                   copy=False)
         return msgpack.unpackb(echo2.recv_multipart(copy=False)[0].buffer, raw=False)
 
     keys = hashes  # the 16-byte hashes themselves are the Redis keys
@@ -485,7 +488,7 @@ def bench_lookup(args, env: dict) -> dict:
         "redis MGET (tcp)": lambda: r_tcp.mget(keys),
     }
 
-    def want_all_gpu(tiers: list[str]) -> None:
+    def want_all_gpu(tiers: Sequence[str]) -> None:
         if len(tiers) != LOOKUP_HASHES or tiers[0] != "gpu" or tiers[-1] != "gpu":
             raise AssertionError(f"lookup found {len(tiers)} blocks ({tiers[:1]}...), expected {LOOKUP_HASHES} in the GPU tier")
 
@@ -496,7 +499,7 @@ def bench_lookup(args, env: dict) -> dict:
     # One checked call of each before timing.
     want_all_gpu(client.lookup(hashes))
     assert len(raw_echo()[0]) == len(req_bytes)
-    assert len(echo_msgpack()["hashes"]) == LOOKUP_HASHES
+    assert len(echo_msgpack()["hashes"]) == (16 * LOOKUP_HASHES if packed else LOOKUP_HASHES)
     want_all_values(r_unix.mget(keys))
     want_all_values(r_tcp.mget(keys))
     gc.collect()
@@ -508,8 +511,8 @@ def bench_lookup(args, env: dict) -> dict:
     n1, s1 = _request_counters(client, "lookup")
     echo.close(0)
     echo2.close(0)
-    out: dict = {"hashes": LOOKUP_HASHES, "request_header_bytes": len(req_bytes), "iterations": args.lookups,
-                 "warmup": warm, "variants": {}}
+    out: dict = {"hashes": LOOKUP_HASHES, "packed_hashes": packed, "request_header_bytes": len(req_bytes),
+                 "iterations": args.lookups, "warmup": warm, "variants": {}}
     transport = {"kvtier Client.lookup": "ipc://", "zmq echo (raw)": "ipc://", "zmq echo + msgpack": "ipc://",
                  "redis MGET (unix)": "unix socket", "redis MGET (tcp)": "tcp 127.0.0.1"}
     for name, ts in times.items():
@@ -741,9 +744,21 @@ def copy_path_breakdown(spec: tuple, reps: int) -> dict:
 
 def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict:
     """The pieces of one lookup of 256 hashes, each timed alone in this process (no profiler):
-    what the client and the daemon's loop thread run per lookup, on a bookkeeping-only pool."""
-    from kvtier.client.client import _check_hashes
-    from kvtier.client.protocol import decode, decode_header, encode, ok_reply, request_header, validate_request
+    what the client and the daemon's loop thread run per lookup, on a bookkeeping-only pool.
+    Array form (hashes as 256 bins, tiers as 256 strings) and packed form (one bin each way)
+    side by side; the ``total`` rows add up each form's protocol pieces (the pool lookup aside)."""
+    from kvtier.client.client import _check_hashes, _pack_hashes
+    from kvtier.client.protocol import (
+        TierList,
+        decode,
+        decode_header,
+        encode,
+        ok_reply,
+        pack_tiers,
+        request_header,
+        unpack_hashes,
+        validate_request,
+    )
     from kvtier.daemon.handlers import _tiers
     from kvtier.tiers.pool import PoolSpec, TieredPool
 
@@ -760,22 +775,53 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict:
     tiers = pools["lru"].lookup(hashes)
     tier_strs = _tiers(tiers)
     reply = encode(ok_reply(1 << 40, tiers=tier_strs, pinned=0))
+    reply_list = decode(reply)["tiers"]
+    preq = encode(request_header("lookup", 1 << 40, sid, packed_hashes=True, hashes=hashes, pin=False))
+    pheader = decode_header(preq)
+    codes = pack_tiers(tiers)
+    preply = encode(ok_reply(1 << 40, tiers=codes, pinned=0))
+    preply_codes = decode(preply)["tiers"]
+    assert validate_request(pheader).fields == validate_request(header).fields and TierList(codes) == tier_strs
     chain = pools["chain"]
-    cases = {
+    array_pieces = {
         "client: _check_hashes": lambda: _check_hashes(hashes),
         "client: request_header + msgpack encode": lambda: encode(request_header("lookup", 1 << 40, sid, hashes=hashes, pin=False)),
         "daemon: decode_header (msgpack)": lambda: decode_header(req),
         "daemon: validate_request (schema, 256 hash checks)": lambda: validate_request(header),
+        "daemon: handlers._tiers (enum -> str)": lambda: _tiers(tiers),
+        "daemon: ok_reply + msgpack encode (tiers as str)": lambda: encode(ok_reply(1 << 40, tiers=tier_strs, pinned=0)),
+        "client: msgpack decode of the reply": lambda: decode(reply),
+        "client: list() of the reply's tiers": lambda: list(reply_list),
+    }
+    packed_hashes = _pack_hashes(hashes)
+    packed_pieces = {
+        "packed: client _pack_hashes (join + len pass)": lambda: _pack_hashes(hashes),
+        "  of which b''.join": lambda: b"".join(hashes),
+        "packed: client request_header + msgpack encode (one bin)":
+            lambda: encode(request_header("lookup", 1 << 40, sid, packed_hashes=True, hashes=packed_hashes, pin=False)),
+        "packed: daemon decode_header (msgpack)": lambda: decode_header(preq),
+        "packed: daemon validate_request (schema, split)": lambda: validate_request(pheader),
+        "  of which unpack_hashes (cached struct)": lambda: unpack_hashes(pheader["hashes"]),
+        "packed: daemon pack_tiers (enum -> codes)": lambda: pack_tiers(tiers),
+        "packed: daemon ok_reply + msgpack encode (tiers as codes)": lambda: encode(ok_reply(1 << 40, tiers=codes, pinned=0)),
+        "packed: client msgpack decode of the reply": lambda: decode(preply),
+        "packed: client TierList of the reply's codes": lambda: TierList(preply_codes),
+    }
+    cases = {
+        **array_pieces,
+        **packed_pieces,
         "daemon: TieredPool.lookup, policy chain (default)": lambda: chain.lookup(hashes),
         "  of which chain record_request (every 2nd lookup)": lambda: chain.cpu.policy.record_request(hashes),
         "daemon: TieredPool.lookup, policy lru": lambda: pools["lru"].lookup(hashes),
         "  of which _held_prefix": lambda: pools["lru"]._held_prefix(hashes),
-        "daemon: handlers._tiers (enum -> str)": lambda: _tiers(tiers),
-        "daemon: ok_reply + msgpack encode (tiers as str)": lambda: encode(ok_reply(1 << 40, tiers=tier_strs, pinned=0)),
-        "client: msgpack decode of the reply": lambda: decode(reply),
     }
     times = interleaved(cases, n, max(10, n // 10), label="lookup path")
-    return {k: dict(mean_us=statistics.fmean(v) * 1e6, p50_us=percentile(v, 0.5) * 1e6) for k, v in times.items()}
+    out = {k: dict(mean_us=statistics.fmean(v) * 1e6, p50_us=percentile(v, 0.5) * 1e6) for k, v in times.items()}
+    for form, pieces in (("array", array_pieces), ("packed", packed_pieces)):
+        names = [k for k in pieces if not k.startswith("  ")]
+        out[f"total, {form} form (protocol pieces)"] = {
+            stat: sum(out[k][stat] for k in names) for stat in ("mean_us", "p50_us")}
+    return out
 
 
 def _request_counters(client: Any, op: str) -> tuple[float, float]:
