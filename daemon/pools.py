@@ -227,9 +227,15 @@ class PoolRegistry:
         for entry in self._pools.values():
             entry.pool.poll()
 
-    def learn(self) -> None:
+    def learn(self, should_yield: Callable[[], bool] | None = None) -> bool:
+        """Policy bookkeeping of every pool (see ``TieredPool.learn``); True when none is left."""
         for entry in self._pools.values():
-            entry.pool.learn()
+            if not entry.pool.learn(should_yield):
+                return False
+        return True
+
+    def learn_backlog_keys(self) -> int:
+        return sum(e.pool.learn_backlog_keys for e in self._pools.values())
 
     def close_all(self, timeout_s: float) -> None:
         for entry in self._pools.values():

@@ -206,6 +206,7 @@ DAEMON_DEFAULTS: dict[str, Any] = {
     "replies_dropped_total": 0,
     "sessions": 0,
     "requests_in_flight": 0,
+    "learn_backlog_keys": 0,
 }
 DAEMON_HELP: dict[str, str] = {
     "requests_total": "Requests that passed validation, by verb.",
@@ -216,6 +217,7 @@ DAEMON_HELP: dict[str, str] = {
     "replies_dropped_total": "Replies that could not be sent (the client's socket was gone or full).",
     "sessions": "Live sessions, all pools.",
     "requests_in_flight": "Requests waiting for their copies to finish.",
+    "learn_backlog_keys": "Block keys counted but not yet fed to the CPU-tier policy (its bookkeeping waits for idle moments).",
 }
 
 

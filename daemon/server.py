@@ -86,6 +86,10 @@ MAX_MESSAGES_PER_TURN = 64
 BUSY_POLL_MS = 10
 # At most this often a STATUS= line for systemd (only when it changed).
 STATUS_EVERY_S = 1.0
+# Policy bookkeeping runs between requests and gives way to any client that
+# is waiting; past this many keys behind it stops giving way, so a loop that
+# is never idle still learns (and the backlog's memory stays bounded).
+MAX_LEARN_BACKLOG_KEYS = 1 << 16
 
 
 @dataclass
@@ -300,7 +304,9 @@ class Server:
                 handled += 1
         self.pools.poll()
         self._deliver_done()
-        self.pools.learn()  # policy bookkeeping off the reply path
+        # Policy bookkeeping off the reply path: it stops for a waiting request
+        # or a client waiting on copies (whose threads need the GIL to finish).
+        self.pools.learn(self._clients_waiting)
         now_s = time.monotonic()
         if now_s >= self._next_sweep_s:
             self._next_sweep_s = now_s + self._sweep_every_s
@@ -309,6 +315,7 @@ class Server:
                 self.metrics.inc("lease_expiries_total", len(expired))
         self.metrics.set("sessions", len(self.sessions))
         self.metrics.set("requests_in_flight", len(self._parked))
+        self.metrics.set("learn_backlog_keys", self.pools.learn_backlog_keys())
         if self.stats_snapshot.wanted():
             self.stats_snapshot.refresh(lambda: stats_fields(self.ctx))
         if self.notifier.watchdog_due(now_s):
@@ -317,6 +324,12 @@ class Server:
             self._next_status_s = now_s + STATUS_EVERY_S
             self._post_status()
         return handled
+
+    def _clients_waiting(self) -> bool:
+        if self.pools.learn_backlog_keys() > MAX_LEARN_BACKLOG_KEYS:
+            return False
+        assert self._sock is not None
+        return bool(self._parked) or bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _post_status(self) -> None:
         """systemctl status shows this line; sent only when it changed."""

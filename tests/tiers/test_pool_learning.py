@@ -38,3 +38,53 @@ def test_lookup_then_allocate_of_one_request_is_one_sighting() -> None:
     pool.free("r")
     pool.allocate("r2", h, 32)  # a second request
     assert pool.cpu.policy.admit(h[1])
+
+
+def _victims_after(pool: TieredPool) -> list[bytes]:
+    return list(pool.cpu.policy.victims())
+
+
+def test_yielding_learn_stops_when_asked_and_ends_where_plain_learning_does() -> None:
+    # Two pools see the same requests; one learns in yielding steps, asked
+    # to stop every other check, the other all at once. Same policy state.
+    def run(yielding: bool) -> tuple[TieredPool, int]:
+        pool = TieredPool(PoolSpec("p", 16, 64), cpu_blocks=64, policy="chain", data=False, defer_learning=True)
+        pool.attach_gpu(num_blocks=8)
+        stops = 0
+        for r in range(40):
+            keys = hashes(r % 7, 3 + r % 40)
+            pool.store(keys[:6], None, list(range(len(keys[:6]))))  # GPU evictions fill the CPU tier
+            pool.lookup(keys)
+            if yielding:
+                asks = iter([False, True] * 1000)
+
+                def should_yield() -> bool:
+                    return next(asks)
+
+                while not pool.learn(should_yield, chunk_keys=4):
+                    stops += 1
+            else:
+                pool.learn()
+        return pool, stops
+
+    stepped, stops = run(True)
+    plain, _ = run(False)
+    assert stops > 40  # it did stop, many times, and resumed where it was
+    assert stepped.learn_backlog_keys == 0 == plain.learn_backlog_keys
+    assert _victims_after(stepped) == _victims_after(plain)
+    assert len(_victims_after(plain)) > 8
+    assert stepped.cpu.policy.now == plain.cpu.policy.now == 40
+
+
+def test_learn_without_should_yield_finishes_a_half_recorded_request() -> None:
+    pool = TieredPool(PoolSpec("p", 16, 64), cpu_blocks=64, policy="chain", data=False, defer_learning=True)
+    pool.attach_gpu(num_blocks=8)
+    pool.lookup(hashes(1, 40))
+    pool.lookup(hashes(2, 40))
+    assert pool.learn_backlog_keys == 80
+    assert not pool.learn(lambda: True)  # asked to stop before any step
+    assert pool.learn_backlog_keys == 40  # the first request is taken, not yet recorded
+    calls = iter([False, True])
+    assert not pool.learn(lambda: next(calls), chunk_keys=8)  # one step of it
+    assert pool.learn() and pool.learn_backlog_keys == 0
+    assert pool.cpu.policy.now == 2
