@@ -64,6 +64,9 @@ DAEMON_VERSION = "0.1.0"
 class Reply:
     fields: dict[str, Any] = field(default_factory=dict)
     frames: list[Any] = field(default_factory=list)
+    # Called on the loop thread once ZMQ no longer reads ``frames`` (sent,
+    # dropped, or the daemon stopped): frames that lend memory return it here.
+    on_sent: Callable[[], None] | None = None
 
 
 @dataclass
@@ -422,6 +425,13 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
         if k == 0:
             pool.lookup(hashes)  # counted like any restore of a miss
             return Reply({"tiers": []})
+        borrowed = pool.borrow(hashes, max_views=1)
+        if borrowed is not None:
+            # Zero-copy: the prefix lies in one run of one tier's slots, and
+            # ZMQ reads it from there; the tier holds the blocks until the
+            # reply has left (see Reply.on_sent). A scattered prefix is
+            # gathered into a staging buffer instead: the reply is one frame.
+            return Reply({"tiers": _tiers(borrowed.tiers)}, borrowed.views, on_sent=borrowed.release)
         staging = BlockLayout.contiguous(k, entry.block_bytes, "cpu")
         # Slots past the held prefix are never written; they only satisfy the
         # pool's "one slot per hash" check so its lookup counters see every hash.

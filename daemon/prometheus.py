@@ -164,6 +164,8 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
     PoolMetric("stores_failed", "store_failures", "counter",
                "Store calls that failed fast with NO_SPACE (nothing changed, nothing waited for)."),
     PoolMetric("loads", "loaded_blocks", "counter", "Blocks the restore verb copied out to the client."),
+    PoolMetric("lent_bytes", "lent_bytes", "counter",
+               "Bytes inline restores sent straight from tier memory (no copy; not in copy_bytes)."),
     PoolMetric("copy_failures", "copy_failures", "counter",
                "Copies (any direction) that failed after they were started; their op failed."),
     PoolMetric("remote_fetch_short", "remote_fetch_short", "counter",

@@ -173,6 +173,7 @@ class Server:
         )
         self._serial = itertools.count(1)
         self._parked: dict[int, _Parked] = {}
+        self._sending: list[tuple[zmq.MessageTracker, Callable[[], None]]] = []  # lent frames libzmq still reads
         self._done: list[int] = []  # serials of parked requests whose op finished
         self._zctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -285,8 +286,10 @@ class Server:
         assert self._sock is not None and self._poller is not None
         if timeout_ms is None:
             idle_ms = int(self.options.poll_interval_s * 1000)
-            timeout_ms = min(BUSY_POLL_MS, idle_ms) if (self._parked or self.pools.busy()) else idle_ms
+            busy = self._parked or self._sending or self.pools.busy()
+            timeout_ms = min(BUSY_POLL_MS, idle_ms) if busy else idle_ms
         events = dict(self._poller.poll(timeout_ms))
+        self._release_sent()  # before the requests: they may want those blocks
         handled = 0
         if self._wake_r.fileno() in events:
             try:
@@ -304,6 +307,7 @@ class Server:
                 handled += 1
         self.pools.poll()
         self._deliver_done()
+        self._release_sent()
         # Policy bookkeeping off the reply path: it stops for a waiting request
         # or a client waiting on copies (whose threads need the GIL to finish).
         self.pools.learn(self._clients_waiting)
@@ -436,15 +440,35 @@ class Server:
 
     # ---- replies -------------------------------------------------------------
 
-    def _send(self, identity: bytes, header: dict[str, Any], frames: list[Any]) -> None:
+    def _send(self, identity: bytes, header: dict[str, Any], frames: list[Any],
+              on_sent: Callable[[], None] | None = None) -> None:
         assert self._sock is not None
         try:
             # copy=False: block bytes go out without another copy; pyzmq keeps
-            # the buffers alive until libzmq has sent them.
-            self._sock.send_multipart([identity, encode(header), *frames], copy=False)
+            # the buffers alive until libzmq has sent them. Lent frames are
+            # tracked, to hand their memory back once libzmq let go of it.
+            tracker = self._sock.send_multipart([identity, encode(header), *frames], copy=False,
+                                                track=on_sent is not None)
         except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost, not the daemon
             self.metrics.inc("replies_dropped_total")
             log.warning("reply %s to a client dropped: %s", header.get("id"), exc)
+            if on_sent is not None:
+                on_sent()
+            return
+        if on_sent is not None:
+            self._sending.append((tracker, on_sent))
+
+    def _release_sent(self) -> None:
+        """Hand back the memory of lent frames libzmq is done with."""
+        if not self._sending:
+            return
+        still: list[tuple[zmq.MessageTracker, Callable[[], None]]] = []
+        for tracker, on_sent in self._sending:
+            if tracker.done:
+                on_sent()
+            else:
+                still.append((tracker, on_sent))
+        self._sending = still
 
     def _send_ok(self, identity: bytes, req: Request, reply: Reply, started_s: float) -> None:
         elapsed_s = time.monotonic() - started_s
@@ -452,7 +476,7 @@ class Server:
         if log.isEnabledFor(logging.DEBUG):
             n = len(req.fields.get("hashes") or ())
             log.debug("%s id=%d blocks=%d ok in %.3f ms", req.op, req.id, n, elapsed_s * 1e3)
-        self._send(identity, ok_reply(req.id, **reply.fields), reply.frames)
+        self._send(identity, ok_reply(req.id, **reply.fields), reply.frames, reply.on_sent)
 
     def _send_error(self, identity: bytes, rid: int, code: ErrorCode, message: str, *, op: str = "") -> None:
         self.metrics.inc("errors_total", code=code.name)
@@ -513,7 +537,7 @@ class Server:
         # Until the copies in flight are done and the socket has nothing queued:
         # requests that reached us before we stopped still get their one reply.
         while time.monotonic() < deadline_s:
-            if not self._turn(BUSY_POLL_MS) and not self._parked:
+            if not self._turn(BUSY_POLL_MS) and not self._parked and not self._sending:
                 break
         for serial in list(self._parked):
             parked = self._parked.pop(serial)
@@ -521,6 +545,11 @@ class Server:
                 parked.session.in_flight -= 1
             self._send_error(parked.identity, parked.req.id, ErrorCode.SHUTTING_DOWN,
                              "daemon shut down before the copy finished", op=parked.req.op)
+        # Replies libzmq still holds are dropped when the socket closes; their
+        # lent memory stays alive (the frames reference it) until then.
+        for _tracker, on_sent in self._sending:
+            on_sent()
+        self._sending = []
         # Pools first: closing waits for (or abandons) the copies still in
         # flight, which may read the sessions' arenas and registered tensors.
         remaining_s = max(0.5, deadline_s - time.monotonic())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 
@@ -58,6 +59,48 @@ def test_inline_store_restore_through_cpu_tier(daemon) -> None:  # type: ignore[
         assert c.restore([b"\xee" * 16]).tiers == []
         stats = c.stats()["pools"]["inline"]
         assert stats["demotions"] >= 8 and stats["copy_failures"] == 0
+
+
+def test_inline_restore_lends_one_run_in_place_and_gives_it_back(daemon) -> None:  # type: ignore[no-untyped-def]
+    # A prefix in one run of one tier's slots is sent straight from the tier
+    # (lent_bytes); one spread over both tiers is gathered into a staging
+    # buffer (load copy bytes). Both byte-exact; once the replies have left,
+    # the daemon holds nothing: clear drops every block.
+    rng = random.Random(7)
+    with Client(daemon.endpoint, "inline-lent", layout()) as c:
+        a, b = chain(rng, 4), chain(rng, 2)
+        c.store(*a)
+
+        def counters() -> tuple[int, int]:
+            p = c.stats()["pools"]["inline-lent"]
+            return p["lent_bytes"], p["bytes_load"]
+
+        before = counters()
+        got = c.restore(a[0])
+        assert list(got.tiers) == ["gpu"] * 4 and bytes(got.data) == a[1]
+        after = counters()
+        assert after == (before[0] + 4 * BLOCK_BYTES, before[1])  # lent, not copied
+        c.store(*b)  # two of a's blocks demoted to the CPU tier
+        tiers = c.lookup(a[0])
+        assert sorted(tiers) == ["cpu", "cpu", "gpu", "gpu"]
+        for _ in range(3):
+            got = c.restore(a[0])
+            assert list(got.tiers) == tiers and bytes(got.data) == a[1]
+        # The copy counters of a finished copy may show a moment after its reply.
+        deadline = time.monotonic() + 5
+        while counters()[1] < after[1] + 3 * 4 * BLOCK_BYTES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counters() == (after[0], after[1] + 3 * 4 * BLOCK_BYTES)  # scattered: staged copies
+        # The daemon hands lent blocks back when libzmq lets go of the frames,
+        # which it learns a moment after the client has the reply.
+        cleared, deadline = 0, time.monotonic() + 5
+        while time.monotonic() < deadline:
+            cleared += c.clear()
+            if c.lookup(a[0]) == [] and c.lookup(b[0]) == []:
+                break
+            time.sleep(0.01)
+        assert c.lookup(a[0]) == [] and c.lookup(b[0]) == []
+        assert cleared >= 6  # both tiers may hold a block (the CPU tier is inclusive)
 
 
 def test_inline_accepts_per_block_buffers_and_tensors(daemon) -> None:  # type: ignore[no-untyped-def]

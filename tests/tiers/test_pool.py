@@ -722,3 +722,86 @@ def test_cpu_lru_order_does_not_depend_on_copy_completion_order(make) -> None:
 
     data.engine.fault_hook = hold_urgent
     assert run(data, gate) == run(book, None)
+
+
+# ---- borrow (zero-copy reads) -----------------------------------------------------------------
+
+
+def _borrowed_bytes(views) -> bytes:
+    return b"".join(bytes(v.reshape(-1)) for v in views)
+
+
+def test_borrow_lends_the_held_prefix_in_place_across_tiers(make) -> None:
+    hx = make(gpu_blocks=4, cpu_blocks=8)
+    a, b = chain("a", 4), chain("b", 2)
+    hx.store(a).wait(10)
+    hx.store(b).wait(10)  # two of a demoted to the CPU tier
+    tiers = hx.pool.lookup(a)
+    assert sorted(tiers) == [Tier.CPU, Tier.CPU, Tier.GPU, Tier.GPU]
+    lent = hx.pool.borrow(a + [h("zz", 0)])
+    assert lent is not None and lent.tiers == tiers
+    assert _borrowed_bytes(lent.views) == b"".join(bytes(content(k)) for k in a)
+    # Views, not copies: they read the tiers' own memory.
+    first = hx.pool.cpu.get_ready(a[0])
+    slab = hx.cpu_storage.slab() if first is not None else hx.gpu.slab()
+    slot = first.slot if first is not None else hx.pool.bm.get_cached(a[0]).block_id
+    assert lent.views[0].ctypes.data == slab[slot].data_ptr()
+    assert hx.pool.counters["loads"] == 4 and hx.pool.counters["miss_blocks"] >= 1
+    # While lent, nothing evicts or overwrites the blocks: the GPU ones are
+    # held, the CPU ones being read, whatever else comes and goes.
+    for name in "cdefg":
+        op = hx.store(chain(name, 2))
+        assert op.wait(10).error is None
+    assert hx.pool.lookup(a) == tiers
+    assert _borrowed_bytes(lent.views) == b"".join(bytes(content(k)) for k in a)
+    lent.release()
+    lent.release()  # idempotent
+    assert all(e.readers == 0 for e in hx.pool.cpu._entries.values())
+    assert all(b.ref_cnt == 0 for b in hx.bm.blocks)
+    hx.check()
+
+
+def test_borrow_merges_consecutive_slots_into_one_view(make) -> None:
+    hx = make(gpu_blocks=8, cpu_blocks=0)
+    a = chain("a", 5)
+    hx.store(a).wait(10)
+    before = (bm_state(hx.bm), cpu_state(hx.pool), dict(hx.pool.counters))
+    assert hx.pool.borrow(a, max_views=0) is None  # more runs than allowed: declined, nothing changed
+    assert (bm_state(hx.bm), cpu_state(hx.pool), dict(hx.pool.counters)) == before
+    lent = hx.pool.borrow(a, max_views=5)
+    assert lent is not None
+    ids = [hx.pool.bm.get_cached(k).block_id for k in a]
+    runs = 1 + sum(1 for x, y in zip(ids, ids[1:]) if y != x + 1)
+    assert len(lent.views) == runs and sum(v.shape[0] for v in lent.views) == 5
+    assert _borrowed_bytes(lent.views) == b"".join(bytes(content(k)) for k in a)
+    lent.release()
+    hx.check()
+
+
+def test_borrow_declines_while_a_write_is_in_flight_and_changes_nothing(make) -> None:
+    gate = threading.Event()
+
+    def hold(t: Transfer) -> None:
+        if t.kind is CopyKind.STORE:
+            gate.wait(10)
+
+    hx = make(gpu_blocks=4, cpu_blocks=4)
+    hx.engine.fault_hook = hold
+    a = chain("a", 2)
+    op = hx.store(a)
+    before = (bm_state(hx.bm), cpu_state(hx.pool), dict(hx.pool.counters))
+    assert hx.pool.borrow(a) is None  # the store's copy still writes those GPU blocks
+    assert (bm_state(hx.bm), cpu_state(hx.pool), dict(hx.pool.counters)) == before
+    gate.set()
+    assert op.wait(10).error is None
+    lent = hx.pool.borrow(a)
+    assert lent is not None and _borrowed_bytes(lent.views) == b"".join(bytes(content(k)) for k in a)
+    lent.release()
+    hx.check()
+
+
+def test_borrow_declines_in_bookkeeping_mode() -> None:
+    pool = TieredPool(PoolSpec("p", BS, BB), cpu_blocks=4, data=False)
+    pool.attach_gpu(num_blocks=4)
+    pool.store(chain("a", 2), None, [0, 1])
+    assert pool.borrow(chain("a", 2)) is None
