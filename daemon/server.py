@@ -309,8 +309,11 @@ class Server:
         self._deliver_done()
         self._release_sent()
         # Policy bookkeeping off the reply path: it stops for a waiting request
-        # or a client waiting on copies (whose threads need the GIL to finish).
-        self.pools.learn(self._clients_waiting)
+        # or a client waiting on copies (whose threads need the GIL to finish),
+        # unless it has fallen too far behind.
+        backlog = self.pools.learn_backlog_keys()
+        if backlog:
+            self.pools.learn(self._clients_waiting if backlog <= MAX_LEARN_BACKLOG_KEYS else None)
         now_s = time.monotonic()
         if now_s >= self._next_sweep_s:
             self._next_sweep_s = now_s + self._sweep_every_s
@@ -330,8 +333,6 @@ class Server:
         return handled
 
     def _clients_waiting(self) -> bool:
-        if self.pools.learn_backlog_keys() > MAX_LEARN_BACKLOG_KEYS:
-            return False
         assert self._sock is not None
         return bool(self._parked) or bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 

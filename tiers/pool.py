@@ -445,21 +445,26 @@ class TieredPool:
             if self._learning is None:
                 if not self._to_learn:
                     return True
-                hashes = self._to_learn.popleft()
-                self.learn_backlog_keys -= len(hashes)
                 if should_yield is None:
+                    hashes = self._to_learn.popleft()
                     policy.record_request(hashes)
+                    self.learn_backlog_keys -= len(hashes)
                     continue
-                self._learning = policy.record_request_steps(hashes, chunk_keys)
+                # Stays first in the queue (and in the backlog) until recorded.
+                self._learning = policy.record_request_steps(self._to_learn[0], chunk_keys)
             elif should_yield is None:
                 for _ in self._learning:
                     pass
-                self._learning = None
+                self._finish_learning()
             else:
                 if should_yield():
                     return False
                 if next(self._learning, _DONE) is _DONE:
-                    self._learning = None
+                    self._finish_learning()
+
+    def _finish_learning(self) -> None:
+        self._learning = None
+        self.learn_backlog_keys -= len(self._to_learn.popleft())
 
     def lookup(self, hashes: Sequence[bytes], *, count: bool = True) -> list[Tier]:
         tiers = self._held_tiers(hashes)

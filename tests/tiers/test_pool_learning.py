@@ -83,8 +83,9 @@ def test_learn_without_should_yield_finishes_a_half_recorded_request() -> None:
     pool.lookup(hashes(2, 40))
     assert pool.learn_backlog_keys == 80
     assert not pool.learn(lambda: True)  # asked to stop before any step
-    assert pool.learn_backlog_keys == 40  # the first request is taken, not yet recorded
+    assert pool.learn_backlog_keys == 80  # a request counts until it is recorded
     calls = iter([False, True])
     assert not pool.learn(lambda: next(calls), chunk_keys=8)  # one step of it
+    assert pool.learn_backlog_keys == 80
     assert pool.learn() and pool.learn_backlog_keys == 0
     assert pool.cpu.policy.now == 2
