@@ -419,9 +419,12 @@ class TieredPool:
         c["miss_blocks"] += len(hashes) - len(tiers)
         # A lookup followed by the allocate (or restore) of the same hashes is
         # one request to the policy: history-based policies would read the
-        # second call as a reuse after zero requests.
+        # second call as a reuse after zero requests. So is a lookup repeated
+        # with nothing in between: a scheduler polling a request that waits
+        # for room, not a new request.
         if self._looked_up is not None and list(hashes) == self._looked_up:
-            self._looked_up = None
+            if not is_lookup:
+                self._looked_up = None
             return
         self._looked_up = list(hashes) if is_lookup else None
         if self.defer_learning:

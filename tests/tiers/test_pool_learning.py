@@ -89,3 +89,21 @@ def test_learn_without_should_yield_finishes_a_half_recorded_request() -> None:
     assert pool.learn_backlog_keys == 80
     assert pool.learn() and pool.learn_backlog_keys == 0
     assert pool.cpu.policy.now == 2
+
+
+def test_a_lookup_repeated_with_nothing_between_is_one_request() -> None:
+    # A scheduler re-checking a waiting request is not a reuse; a lookup after
+    # the request was allocated (or another request came) is.
+    pool = TieredPool(PoolSpec("p", 16, 64), cpu_blocks=8, policy="chain", data=False)
+    pool.attach_gpu(num_blocks=8)
+    h, other = hashes(4, 3), hashes(5, 3)
+    for _ in range(5):
+        pool.lookup(h)
+    assert pool.cpu.policy.now == 1 and pool.counters["lookups"] == 5
+    pool.allocate("r", h, 48)  # the same request, admitted at last
+    assert pool.cpu.policy.now == 1
+    pool.free("r")
+    pool.lookup(h)  # a new request for the same prefix
+    pool.lookup(other)
+    pool.lookup(h)
+    assert pool.cpu.policy.now == 4
