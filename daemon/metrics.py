@@ -30,6 +30,13 @@ class Counters:
 
     @staticmethod
     def _key(name: str, labels: dict[str, Any]) -> tuple[str, tuple[tuple[str, str], ...]]:
+        # The loop counts several series per request: skip the sort for the
+        # usual none or one label.
+        if not labels:
+            return name, ()
+        if len(labels) == 1:
+            ((k, v),) = labels.items()
+            return name, ((k, str(v)),)
         return name, tuple(sorted((k, str(v)) for k, v in labels.items()))
 
     def inc(self, name: str, n: float = 1, **labels: Any) -> None:
