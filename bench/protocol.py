@@ -18,7 +18,12 @@ hits every variant alike.
 Sections
 1. Lookup of 256 hashes (all held in the GPU tier), round trip, p50/p99/mean
    over ``--lookups`` calls each after 10% warm-up:
-   - ``kvtier Client.lookup``: the real client against the live daemon (ipc://);
+   - ``kvtier Client.lookup``: the real client against the live daemon (ipc://),
+     the same 256 hashes every call (the pool counts the repeats as one
+     request for its policy, as for a scheduler polling a waiting request);
+   - ``kvtier lookup, a new request each call``: two chains of the same
+     blocks by turns, so the daemon learns 256 keys after every call (in its
+     idle moments; reported beside the target, not for it);
    - ``zmq echo (raw)``: a DEALER sends the same msgpack request bytes the
      client sends (256 x 16-byte hashes as one packed 4096-byte bin, as the
      client sends them to a daemon that advertises ``packed_hashes``; same
@@ -57,7 +62,7 @@ Sections
    started under a cProfile launcher (its loop thread and its copy worker
    threads separately), and a breakdown of the daemon's host copy path
    (``kvtier.tiers.layout.copy_blocks`` and its parts) timed in-process.
-   py-spy is used for nothing: it cannot attach on this kind of machine.
+   py-spy is not used: at useful rates it falls seconds behind on a 2-core VM.
 
 Targets (issue 3): lookup p50 <= 0.25x Redis MGET (unix socket) and <= 2x the
 raw ZMQ echo; shm-plane restore >= 0.7x memcpy (the faster of numpy and
@@ -480,8 +485,21 @@ def bench_lookup(args, env: dict) -> dict:
         return msgpack.unpackb(echo2.recv_multipart(copy=False)[0].buffer, raw=False)
 
     keys = hashes  # the 16-byte hashes themselves are the Redis keys
+    # The pool folds a lookup repeated with nothing in between into one
+    # request for its policy (a scheduler polling a waiting request), so the
+    # plain variant costs no policy learning after the first call. The
+    # alternating variant asks for two different chains by turns: every call
+    # is a new request, and the daemon learns 256 keys after each.
+    alternates = [hashes, hashes[1:] + hashes[:1]]
+    turn = [0]
+
+    def lookup_new_request() -> Any:
+        turn[0] ^= 1
+        return client.lookup(alternates[turn[0]])
+
     fns = {
         "kvtier Client.lookup": lambda: client.lookup(hashes),
+        "kvtier lookup, a new request each call": lookup_new_request,
         "zmq echo (raw)": raw_echo,
         "zmq echo + msgpack": echo_msgpack,
         "redis MGET (unix)": lambda: r_unix.mget(keys),
@@ -506,14 +524,16 @@ def bench_lookup(args, env: dict) -> dict:
     warm = max(20, args.lookups // 10)
     n0, s0 = _request_counters(client, "lookup")
     times = interleaved(fns, args.lookups, warm, label="lookup",
-                        check={"kvtier Client.lookup": want_all_gpu, "redis MGET (unix)": want_all_values,
+                        check={"kvtier Client.lookup": want_all_gpu, "kvtier lookup, a new request each call": want_all_gpu,
+                               "redis MGET (unix)": want_all_values,
                                "redis MGET (tcp)": want_all_values})
     n1, s1 = _request_counters(client, "lookup")
     echo.close(0)
     echo2.close(0)
     out: dict = {"hashes": LOOKUP_HASHES, "packed_hashes": packed, "request_header_bytes": len(req_bytes),
                  "iterations": args.lookups, "warmup": warm, "variants": {}}
-    transport = {"kvtier Client.lookup": "ipc://", "zmq echo (raw)": "ipc://", "zmq echo + msgpack": "ipc://",
+    transport = {"kvtier Client.lookup": "ipc://", "kvtier lookup, a new request each call": "ipc://",
+                 "zmq echo (raw)": "ipc://", "zmq echo + msgpack": "ipc://",
                  "redis MGET (unix)": "unix socket", "redis MGET (tcp)": "tcp 127.0.0.1"}
     for name, ts in times.items():
         us = [t * 1e6 for t in ts]
@@ -527,7 +547,12 @@ def bench_lookup(args, env: dict) -> dict:
     out["ratio_vs_redis_tcp"] = k50 / v["redis MGET (tcp)"]["p50_us"]
     out["ratio_vs_echo"] = k50 / v["zmq echo (raw)"]["p50_us"]
     out["ratio_vs_echo_msgpack"] = k50 / v["zmq echo + msgpack"]["p50_us"]
+    out["new_request_ratio_vs_echo"] = v["kvtier lookup, a new request each call"]["p50_us"] / v["zmq echo (raw)"]["p50_us"]
     out["met_vs_redis"] = out["ratio_vs_redis_unix"] <= TARGET_LOOKUP_VS_REDIS
+    # The floor under the Redis target: a lookup is at least a ZMQ round trip
+    # of its own message, so a daemon that did nothing at all would still
+    # score the raw echo's ratio.
+    out["echo_vs_redis_unix"] = v["zmq echo (raw)"]["p50_us"] / v["redis MGET (unix)"]["p50_us"]
     out["met_vs_echo"] = out["ratio_vs_echo"] <= TARGET_LOOKUP_VS_ECHO
     return out
 
@@ -984,9 +1009,11 @@ def report(res: dict) -> str:
     trows = []
     if lk:
         trows.append(["lookup p50 <= 0.25x redis MGET (unix)", f"{lk['ratio_vs_redis_unix']:.2f}x", yes(lk["met_vs_redis"])])
+        trows.append(["  floor: raw zmq echo vs redis MGET (info)", f"{lk['echo_vs_redis_unix']:.2f}x", "-"])
         trows.append(["  (vs redis MGET tcp, info)", f"{lk['ratio_vs_redis_tcp']:.2f}x", "-"])
         trows.append(["lookup p50 <= 2x raw zmq echo", f"{lk['ratio_vs_echo']:.2f}x", yes(lk["met_vs_echo"])])
         trows.append(["  (vs zmq echo + msgpack, info)", f"{lk['ratio_vs_echo_msgpack']:.2f}x", "-"])
+        trows.append(["  (a new request each call vs raw echo, info)", f"{lk['new_request_ratio_vs_echo']:.2f}x", "-"])
     for name, r in res.get("restore", {}).items():
         for tier, t in r["targets"].items():
             info = "" if tier == "gpu" else " (info)"
