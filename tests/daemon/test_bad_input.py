@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -22,17 +21,6 @@ LAYOUT = PoolLayout(model="m", block_size=4, block_bytes=BLOCK_BYTES, dtype="bfl
 def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]
     return kvtierd_module_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES,
                                   max_message_bytes=8 * BLOCK_BYTES)
-
-
-@pytest.fixture
-def raw(daemon) -> Iterator[zmq.Socket]:  # type: ignore[no-untyped-def]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(daemon.endpoint)
-    yield sock
-    sock.close()
-    ctx.term()
 
 
 def ask(sock: zmq.Socket, *frames: bytes, timeout_s: float = 5.0) -> tuple[dict[str, Any], list[bytes]]:

@@ -49,17 +49,6 @@ def array_client(endpoint: str, pool: str, layout: PoolLayout) -> Client:
     return c
 
 
-@pytest.fixture
-def raw(daemon) -> Iterator[zmq.Socket]:  # type: ignore[no-untyped-def]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(daemon.endpoint)
-    yield sock
-    sock.close()
-    ctx.term()
-
-
 def ask(sock: zmq.Socket, header: dict[str, Any], *payload: bytes) -> tuple[dict[str, Any], list[bytes]]:
     sock.send_multipart([encode(header), *payload])
     assert sock.poll(5000), "no reply"
