@@ -77,12 +77,10 @@ only with ``--json``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import datetime as _dt
 import gc
 import importlib.util
-import io
 import json
 import os
 import platform
