@@ -639,8 +639,8 @@ class TieredPool:
             raise PoolError(f"source blocks must be {self.spec.block_bytes} bytes")
         new = [(h, s) for h, s in zip(hashes, src_slots) if not self._holds(h)]
         op = Op(self, "store", {"stored": len(new), "present": len(hashes) - len(new)})
-        self.counters["stores_present"] += len(hashes) - len(new)
         if not new:
+            self.counters["stores_present"] += len(hashes)
             op._finish()
             return op
         if self.bm is None:
@@ -654,7 +654,10 @@ class TieredPool:
                 self._store_cpu(op, new[fits:], src)
             if fits:
                 self._store_gpu(op, new[:fits], src)
+        # Counted once the store cannot fail any more: a NoSpace changes nothing
+        # but stores_failed.
         self.counters["stores"] += len(new)
+        self.counters["stores_present"] += len(hashes) - len(new)
         self._settle(op)
         self._clean_ahead()
         return op

@@ -329,9 +329,13 @@ def test_cpu_only_store_that_cannot_make_room_changes_nothing(make) -> None:
     hx.store(a).wait(10)
     assert hx.pool.pin("o", a) == [Tier.CPU, Tier.CPU]
     before = cpu_state(hx.pool)
+    counters = dict(hx.pool.counters)
     with pytest.raises(NoSpace):
         hx.store([h("b", 0)])
-    assert cpu_state(hx.pool) == before and hx.pool.counters["stores_failed"] == 1
+    with pytest.raises(NoSpace):
+        hx.store([a[0], h("b", 0)])  # one present, one that cannot fit: nothing counted as present
+    assert cpu_state(hx.pool) == before and hx.pool.counters["stores_failed"] == 2
+    assert dict(hx.pool.counters, stores_failed=0) == dict(counters, stores_failed=0)
     assert hx.pool.unpin_all("o") == 2
     assert hx.store([h("b", 0)]).wait(10).error is None
     hx.check()
