@@ -54,7 +54,10 @@ Sections
    (the echo server sends a preallocated buffer of the same bytes as one
    zero-copy frame in reply to a small request, same ipc:// transport), and
    ``redis GET`` (one redis-py pipeline of GETs of the same blocks, unix
-   socket and TCP). All kvtier planes' bytes are verified once against what
+   socket and TCP), and ``zmq + memcpy in another process`` (the echo server
+   copies the same number of bytes into this process's shared-memory file on
+   a raw ZMQ request: the floor of the shm and kv planes, whose copy runs in
+   the daemon). All kvtier planes' bytes are verified once against what
    was stored. Reported: median ms per call, GB/s at the median, best GB/s,
    and ratios = median over repetitions of (baseline time / variant time).
 3. Profiles (``--profile auto``: only when a target is missed): cProfile of
@@ -255,9 +258,12 @@ class Daemon:
 
 
 def echo_server(endpoint: str) -> int:
-    """The raw ZMQ baseline: a ROUTER that echoes every message, or answers a
+    """The raw ZMQ baseline: a ROUTER that echoes every message, answers a
     bandwidth request ``b"BW" + size`` with one preallocated ``size``-byte
-    buffer sent as a zero-copy frame (what kvtierd does with a restore reply)."""
+    buffer sent as a zero-copy frame (what kvtierd does with a restore reply),
+    and a copy request ``b"CP" + arena name`` by filling that shared-memory
+    file from a preallocated buffer before answering (what a copy plane
+    costs at the least when another process does the copy)."""
     import numpy as np
     import zmq
 
@@ -269,11 +275,28 @@ def echo_server(endpoint: str) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
     buffers: dict[int, Any] = {}
+    arenas: dict[str, Any] = {}
     ok = b"\x81\xa2ok\xc3"  # msgpack {"ok": true}
     while not stop:
         if not sock.poll(100):
             continue
         frames = sock.recv_multipart(copy=False)
+        if len(frames) == 2 and frames[1].bytes[:2] == b"CP":
+            # b"CP" + arena file name: copy a preallocated buffer into the
+            # client's shared-memory arena, then answer (a copy plane's floor).
+            name = frames[1].bytes[2:].decode()
+            arena = arenas.get(name)
+            if arena is None:
+                from kvtier.client.shm_arena import ShmArena
+
+                size = os.path.getsize(f"/dev/shm/{name}")
+                arena = arenas[name] = np.frombuffer(ShmArena.attach(name, 1, size).buffer, dtype=np.uint8)
+            buf = buffers.get(arena.nbytes)
+            if buf is None:
+                buf = buffers[arena.nbytes] = np.full(arena.nbytes, 7, dtype=np.uint8)
+            np.copyto(arena, buf)
+            sock.send_multipart([frames[0], ok], copy=False)
+            continue
         body = frames[1].bytes if len(frames) == 2 and len(frames[1]) == 10 else None
         if body is not None and body[:2] == b"BW":
             size = int.from_bytes(body[2:], "little")
@@ -640,6 +663,25 @@ def bench_restore(args, env: dict, spec: tuple) -> dict:
 
     fns["zmq raw"] = zmq_raw
     check["zmq raw"] = want_zmq
+
+    # The floor of any plane whose copy runs in another process: one raw ZMQ
+    # request, a memcpy there into this process's shared memory, the reply.
+    from kvtier.client.shm_arena import ShmArena
+
+    floor_arena = ShmArena.create(1, nbytes, name_prefix="kvtier-bench-floor")
+    floor_view = np.frombuffer(floor_arena.buffer, dtype=np.uint8)
+    cp_req = b"CP" + floor_arena.name.encode()
+
+    def zmq_memcpy_elsewhere() -> Any:
+        sock.send(cp_req)
+        return sock.recv_multipart(copy=False)
+
+    def want_copied(_frames: Any) -> None:
+        if floor_view[0] != 7 or floor_view[-1] != 7:
+            raise AssertionError("the echo server did not copy into the arena")
+
+    fns["zmq + memcpy in another process"] = zmq_memcpy_elsewhere
+    check["zmq + memcpy in another process"] = want_copied
     keys = [b"blk:" + h for h in hashes]
 
     def redis_get(r: Any) -> Callable[[], Any]:
@@ -666,6 +708,9 @@ def bench_restore(args, env: dict, spec: tuple) -> dict:
     times = interleaved(fns, args.reps, warm, label=f"restore {name}", check=check)
     stats_after = {t: pc.client.stats()["pools"][f"bench-{name}"] for t, pc in pcs.items()}
     sock.close(0)
+    del floor_view
+    floor_arena.close()
+    floor_arena.unlink()
 
     out: dict = {"block_bytes": bb, "blocks_per_call": batch, "bytes_per_call": nbytes, "reps": args.reps,
                  "warmup": warm, "variants": {}}
@@ -686,6 +731,9 @@ def bench_restore(args, env: dict, spec: tuple) -> dict:
             if isinstance(stats_after[t].get(k), (int, float))}
         for t in stats_after
     }
+    # The shm target's floor: a copy done by another process, with one raw ZMQ
+    # round trip around it (no daemon logic at all).
+    out["shm_floor_vs_memcpy"] = out["variants"]["zmq + memcpy in another process"]["vs_memcpy"]
     out["targets"] = {}
     for tier in pcs:
         shm = out["variants"][f"kvtier {tier}-tier shm"]["vs_memcpy"]
@@ -1013,6 +1061,8 @@ def report(res: dict) -> str:
         trows.append(["  (vs zmq echo + msgpack, info)", f"{lk['ratio_vs_echo_msgpack']:.2f}x", "-"])
         trows.append(["  (a new request each call vs raw echo, info)", f"{lk['new_request_ratio_vs_echo']:.2f}x", "-"])
     for name, r in res.get("restore", {}).items():
+        trows.append([f"  {name} floor: zmq + memcpy in another process vs memcpy (info)",
+                      f"{r['shm_floor_vs_memcpy']:.2f}x", "-"])
         for tier, t in r["targets"].items():
             info = "" if tier == "gpu" else " (info)"
             trows.append([f"{name} shm restore >= 0.7x memcpy, {tier} tier{info}", f"{t['shm_vs_memcpy']:.2f}x",
