@@ -80,6 +80,13 @@ def test_inline_restore_lends_one_run_in_place_and_gives_it_back(daemon) -> None
         assert list(got.tiers) == ["gpu"] * 4 and bytes(got.data) == a[1]
         after = counters()
         assert after == (before[0] + 4 * BLOCK_BYTES, before[1])  # lent, not copied
+        # The lent blocks are held until libzmq has let go of the frame, which
+        # the daemon learns a moment after the client has the reply.
+        deadline = time.monotonic() + 5
+        while (c.stats()["pools"]["inline-lent"]["gpu_free_blocks"] < GPU_BLOCKS
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        assert c.stats()["pools"]["inline-lent"]["gpu_free_blocks"] == GPU_BLOCKS
         c.store(*b)  # two of a's blocks demoted to the CPU tier
         tiers = c.lookup(a[0])
         assert sorted(tiers) == ["cpu", "cpu", "gpu", "gpu"]
