@@ -8,7 +8,8 @@ daemon copies blocks straight between the engine's slots and its tiers. This
 module is both halves of that registration:
 
 - engine side: ``allocate_shared_kv`` (CPU-only machines: KV tensors that live
-  in ``/dev/shm``), and ``export_kv(tensors, block_dims) -> description`` for
+  in ``/dev/shm``), ``share_kv_in_place`` (CPU-only machines: move KV tensors
+  that an engine already allocated into ``/dev/shm``, every view following), and ``export_kv(tensors, block_dims) -> description`` for
   a whole layout or ``export_tensor(tensor) -> description`` for one tensor
   (the wire form of ``register_kv``: one ``{desc, block_dim}`` per tensor);
 - daemon side: ``import_kv(desc) -> (tensors, block_dims, closer)`` or
@@ -76,8 +77,11 @@ imported inside the functions that need it.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
+import os
+import secrets
 import math
 import re
 import threading
@@ -86,7 +90,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.client.shm_arena import ShmArena, ShmArenaError, validate_arena_name
+from kvtier.client.shm_arena import SHM_DIR, ShmArena, ShmArenaError, validate_arena_name
 
 if TYPE_CHECKING:
     import torch
@@ -97,6 +101,7 @@ __all__ = [
     "KvImport",
     "KvShareError",
     "allocate_shared_kv",
+    "share_kv_in_place",
     "export_kv",
     "export_tensor",
     "import_kv",
@@ -351,6 +356,7 @@ def validate_tensor_description(desc: object) -> dict[str, Any]:
 class _SharedFile:
     name: str
     size_bytes: int
+    data_offset_bytes: int = 0  # where the storage's first byte lies in the file
 
 
 # base address of a shared KV storage -> its file. Entries leave when the
@@ -428,6 +434,52 @@ def allocate_shared_kv(
     return tensor, {"kind": "shm", "name": arena.name, "size_bytes": numel * itemsize}
 
 
+def share_kv_in_place(tensors: Sequence[torch.Tensor], name_prefix: str = DEFAULT_NAME_PREFIX) -> list[str]:
+    """Move CPU tensors that an engine allocated into ``/dev/shm``, in place; returns the new file names.
+
+    For engines whose KV cache is private memory (vLLM's CPU backend): torch
+    copies each storage into a shared-memory file and swaps the storage's
+    data pointer, so every view of it (the engine's layers hold their own)
+    sees the shared copy from then on. Call it before the engine writes KV
+    it still needs, and while no other thread uses the tensors. Then
+    ``export_kv`` describes the tensors as if ``allocate_shared_kv`` had
+    made them.
+
+    torch names the file ``torch_<pid>_...`` and removes it when the engine
+    exits; a second name under ``name_prefix`` (a hard link to the same
+    memory) is what the daemon attaches, since it attaches ``kvtier-`` names
+    only. That name is removed at interpreter exit or by
+    ``unlink_shared_kv``; an engine killed with SIGKILL leaves it behind,
+    as with ``allocate_shared_kv``.
+    """
+    names: list[str] = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.device.type != "cpu":
+            raise KvShareError(f"share_kv_in_place takes CPU tensors, got one on {storage.device}")
+        with _SHARED_LOCK:
+            if storage.data_ptr() in _SHARED:
+                continue
+        try:
+            _manager, torch_name, data_bytes = storage._share_filename_cpu_()
+            name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+            os.link(SHM_DIR / torch_name.decode().lstrip("/"), SHM_DIR / name)
+            file_bytes = os.stat(SHM_DIR / name).st_size
+        except (OSError, RuntimeError) as exc:
+            raise KvShareError(f"cannot move a KV tensor into shared memory: {exc}") from None
+        # torch's refcounted files keep a header before the data: the data is
+        # the file's last data_bytes bytes.
+        entry = _SharedFile(name, file_bytes, file_bytes - int(data_bytes))
+        if entry.data_offset_bytes < 0 or entry.data_offset_bytes % 64:
+            ShmArena.unlink_name(name)
+            raise KvShareError(f"unexpected shared file layout: {file_bytes} bytes for {data_bytes} bytes of data")
+        with _SHARED_LOCK:
+            _SHARED[storage.data_ptr()] = entry
+        atexit.register(ShmArena.unlink_name, name)
+        names.append(name)
+    return names
+
+
 def unlink_shared_kv(tensor_or_handle: torch.Tensor | Mapping[str, Any]) -> None:
     """Remove the ``/dev/shm`` name of a shared KV tensor now (mappings stay valid). Idempotent."""
     if isinstance(tensor_or_handle, Mapping):
@@ -449,7 +501,7 @@ def _export_shm(t: torch.Tensor) -> tuple[dict[str, Any], int]:
             "a CPU KV tensor must live in shared memory: allocate it with kvtier.client.kv_share.allocate_shared_kv "
             "(or take a view of such a tensor)"
         )
-    offset_bytes = t.data_ptr() - storage.data_ptr()
+    offset_bytes = t.data_ptr() - storage.data_ptr() + entry.data_offset_bytes
     if offset_bytes % t.element_size():
         raise KvShareError(f"tensor starts {offset_bytes} bytes into its storage, not a multiple of its element size")
     return {"kind": "shm", "name": entry.name, "size_bytes": entry.size_bytes}, offset_bytes // t.element_size()

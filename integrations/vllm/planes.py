@@ -1,0 +1,122 @@
+"""How block bytes move between vLLM's KV tensors and kvtierd.
+
+Contract
+========
+
+A plane has ``connect(client)`` (run on every new session: register or
+attach), ``restore(client, keys, block_ids) -> int`` (blocks written into
+vLLM's slots, a prefix of ``keys``) and ``store(client, keys, block_ids)``.
+Both raise the client's errors; ``DaemonLink`` turns those into misses.
+
+- ``RegisteredPlane``: vLLM's KV tensors are registered with kvtierd once
+  (CUDA IPC on a GPU; on a CPU-only machine their storage is first moved
+  into ``/dev/shm`` in place), and kvtierd gathers and scatters blocks
+  straight between them and its tiers: no copy in vLLM's process at all.
+- ``StagedPlane``: for KV memory that cannot be shared (CUDA's expandable
+  segments, a backend whose storage cannot move): the worker copies blocks
+  through a shared-memory arena, ``staging_blocks`` at a time.
+
+``make_plane`` picks one per ``data_plane`` (``auto``: registered, falling
+back to staged with a log line that says why).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from kvtier.client.client import Client
+from kvtier.client.kv_share import KvShareError, export_kv, share_kv_in_place
+from kvtier.tiers.layout import BlockLayout, copy_blocks
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+REGISTRATION = "vllm-kv"
+
+
+class Plane(Protocol):
+    name: str
+
+    def connect(self, client: Client) -> None: ...
+
+    def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int: ...
+
+    def store(self, client: Client, keys: list[bytes], block_ids: list[int]) -> None: ...
+
+
+class RegisteredPlane:
+    name = "registered"
+
+    def __init__(self, tensors: Sequence[torch.Tensor], block_dims: Sequence[int]) -> None:
+        self._tensors = list(tensors)
+        self._dims = list(block_dims)
+        if self._tensors[0].device.type == "cpu":
+            share_kv_in_place(self._tensors)
+        export_kv(self._tensors, self._dims)  # refuses what cannot be shared, before any daemon sees it
+
+    def connect(self, client: Client) -> None:
+        client.register_kv(REGISTRATION, self._tensors, self._dims)
+
+    def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int:
+        return len(client.restore(keys, slots=block_ids, reg=REGISTRATION))
+
+    def store(self, client: Client, keys: list[bytes], block_ids: list[int]) -> None:
+        client.store(keys, slots=block_ids, reg=REGISTRATION)
+
+
+class StagedPlane:
+    name = "staged"
+
+    def __init__(self, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int) -> None:
+        self._engine = BlockLayout(list(tensors), list(block_dims))
+        self._slots = staging_blocks
+        self._arena: BlockLayout | None = None
+
+    def connect(self, client: Client) -> None:
+        self._arena = None
+        self._arena_of(client)
+
+    def _arena_of(self, client: Client) -> BlockLayout:
+        arena = client.arena
+        if arena is None:  # first session, or the daemon dropped it with a lost session
+            arena = client.open_arena(self._slots)
+            self._arena = None
+        if self._arena is None:
+            self._arena = BlockLayout.from_buffer(arena.buffer, arena.num_slots, arena.slot_bytes)
+        return self._arena
+
+    def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int:
+        arena = self._arena_of(client)
+        done = 0
+        for lo in range(0, len(keys), self._slots):
+            chunk = keys[lo: lo + self._slots]
+            got = len(client.restore(chunk, slots=list(range(len(chunk)))))
+            copy_blocks(arena, list(range(got)), self._engine, block_ids[lo: lo + got])
+            done += got
+            if got < len(chunk):
+                break
+        return done
+
+    def store(self, client: Client, keys: list[bytes], block_ids: list[int]) -> None:
+        arena = self._arena_of(client)
+        for lo in range(0, len(keys), self._slots):
+            chunk = keys[lo: lo + self._slots]
+            slots = list(range(len(chunk)))
+            copy_blocks(self._engine, block_ids[lo: lo + len(chunk)], arena, slots)
+            client.store(chunk, slots=slots)
+
+
+def make_plane(choice: str, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int) -> Plane:
+    if choice in ("auto", "registered"):
+        try:
+            return RegisteredPlane(tensors, block_dims)
+        except KvShareError as exc:
+            if choice == "registered":
+                raise
+            log.warning("kvtier: vLLM's KV tensors cannot be registered with kvtierd (%s); "
+                        "staging copies through a shared-memory arena instead", exc)
+    return StagedPlane(tensors, block_dims, staging_blocks)

@@ -1,0 +1,196 @@
+"""The connector's scheduler half: which tokens kvtierd holds, and what to move.
+
+Contract
+========
+
+Runs in vLLM's scheduler (engine-core) process, one instance per engine.
+Talks to kvtierd through ``DaemonLink`` on one background thread, so the
+scheduler never waits on a round trip:
+
+- ``on_new_request`` starts the request's lookup at once (hash the prompt's
+  full blocks, ``lookup(pin=True)``): the blocks found stay pinned in kvtierd,
+  bound to this engine's session lease.
+- ``get_num_new_matched_tokens`` answers from that lookup: ``None`` ("ask me
+  again") while it is in flight, then the tokens kvtierd holds beyond vLLM's
+  own hit, block-aligned and always leaving the last prompt token to compute.
+  Repeated calls for a waiting request cost a dict lookup.
+- ``update_state_after_alloc`` turns an answer into a load (keys + vLLM block
+  ids) for the next ``build_connector_meta``; pins of blocks not loaded go.
+- ``build_connector_meta`` hands the worker this step's loads, and the full
+  blocks this step computes for every scheduled request that kvtierd did not
+  hold (write-through: prompt and generated blocks alike).
+- Pins of a load are dropped when the worker reports it ran
+  (``update_connector_output``), or when the request finishes or is aborted
+  (``request_finished``). A daemon that is down answers every lookup with 0:
+  vLLM computes, nothing waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.client.hashing import BlockHasher
+from kvtier.integrations.vllm.background import Background
+from kvtier.integrations.vllm.keys import RequestKeys
+from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, KvtierWorkerMetadata
+from kvtier.integrations.vllm.pool import PoolChoice
+from kvtier.integrations.vllm.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """The connector's view of one request."""
+
+    keys: RequestKeys
+    request: Request
+    lookup: Future[int] | None = None  # blocks kvtierd holds (and pinned) from block 0
+    held_blocks: int = 0  # the answer handed to the scheduler, in blocks
+    pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
+    stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, pool: PoolChoice) -> None:
+        self._bs = pool.block_size
+        self._hasher = BlockHasher(pool.block_size, settings.hash_algo)
+        self._link = DaemonLink(settings.socket, pool.name, pool.layout, retry_s=settings.retry_s,
+                                client_kwargs=settings.client_kwargs())
+        self._jobs = Background("kvtier-scheduler")
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[BlockTransfer] = []  # decided by update_state_after_alloc, sent by the next meta
+        self._load_pins: dict[str, list[bytes]] = {}  # req_id -> pins to drop once its load ran
+        self.kv_cache_manager: KVCacheManager | None = None
+        self.calls_s = 0.0  # time spent in get_num_new_matched_tokens (bench/vllm.py reads it)
+        self.calls = 0
+
+    # ---- lookups -----------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._start_lookup(self._track(request))
+
+    def _track(self, request: Request) -> _Tracked:
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            t = self._tracked[request.request_id] = _Tracked(RequestKeys(self._hasher, request), request)
+        return t
+
+    def _start_lookup(self, t: _Tracked) -> None:
+        # Never the whole prompt: vLLM must compute at least its last token.
+        max_blocks = (t.request.num_tokens - 1) // self._bs
+        if max_blocks <= 0 or not self._link.is_up():
+            done: Future[int] = Future()
+            done.set_result(0)
+            t.lookup = done
+            return
+        t.lookup = self._jobs.submit(lambda: self._lookup(t, max_blocks))
+
+    def _lookup(self, t: _Tracked, max_blocks: int) -> int:
+        keys = t.keys.upto(max_blocks)
+        tiers = self._link.call(lambda c: c.lookup(keys, pin=True))
+        if not tiers:
+            return 0
+        t.pinned = keys[: len(tiers)]
+        return len(tiers)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        t0 = time.perf_counter()
+        try:
+            t = self._track(request)
+            if t.lookup is None:  # resumed after preemption, or never announced
+                self._start_lookup(t)
+            assert t.lookup is not None
+            if not t.lookup.done():
+                return None, False
+            try:
+                t.held_blocks = t.lookup.result()
+            except Exception:
+                t.held_blocks = 0
+            return max(0, t.held_blocks * self._bs - num_computed_tokens), False
+        finally:
+            self.calls_s += time.perf_counter() - t0
+            self.calls += 1
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            return
+        t.lookup = None  # consumed: a preempted request looks up again when it returns
+        pinned, t.pinned = t.pinned, []
+        t.stored_blocks = max(t.stored_blocks, t.held_blocks)
+        if num_external_tokens <= 0:
+            self._unpin(pinned)
+            return
+        end = t.held_blocks
+        start = end - num_external_tokens // self._bs
+        block_ids = blocks.get_block_ids()[0]
+        keys = t.keys.upto(end)
+        self._loads.append(BlockTransfer(keys[start:end], list(block_ids[start:end]), request.request_id))
+        self._load_pins[request.request_id] = pinned
+
+    # ---- each step ---------------------------------------------------------------------
+
+    def build_connector_meta(self, out: SchedulerOutput) -> KvtierMetadata:
+        meta = KvtierMetadata(loads=self._loads)
+        self._loads = []
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, before in computed.items():
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            done_tokens = min(before + out.num_scheduled_tokens.get(req_id, 0), t.request.num_tokens)
+            full = done_tokens // self._bs
+            if full <= t.stored_blocks:
+                continue
+            block_ids = self._block_ids(req_id)
+            full = min(full, len(block_ids))
+            keys = t.keys.upto(full)
+            if full > t.stored_blocks:
+                meta.stores.append(BlockTransfer(keys[t.stored_blocks:full], block_ids[t.stored_blocks:full], req_id))
+                t.stored_blocks = full
+        return meta
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KvtierWorkerMetadata):
+            for req_id in meta.loaded_req_ids:
+                self._unpin(self._load_pins.pop(req_id, []))
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        t = self._tracked.pop(request.request_id, None)
+        pins = self._load_pins.pop(request.request_id, [])
+        if t is not None:
+            pins += t.pinned
+            if t.lookup is not None and not t.lookup.done():
+                # Its pins are taken when the lookup lands: drop them right after.
+                t.lookup.add_done_callback(lambda _f, t=t: self._unpin(t.pinned))
+        self._unpin(pins)
+        # Stores still in flight are waited for by the worker before vLLM
+        # reuses any block (handle_preemptions), so the blocks may go now.
+        return False, None
+
+    def _unpin(self, keys: list[bytes]) -> None:
+        if keys:
+            self._jobs.submit(lambda: self._link.call(lambda c: c.unpin(keys)))
+
+    def close(self) -> None:
+        self._jobs.close(timeout_s=2.0)
+        self._link.close()

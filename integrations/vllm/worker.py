@@ -1,0 +1,121 @@
+"""The connector's worker half: restores and stores blocks of vLLM's KV tensors.
+
+Contract
+========
+
+Runs in each vLLM worker process (one per TP rank), with its own kvtierd
+session on the rank's pool.
+
+- ``register_kv_caches``: describes vLLM's KV tensors (whatever the attention
+  backend's shape; the block dimension is found, not assumed), picks a data
+  plane (``planes.py``) and connects. A daemon that is not up yet is not
+  fatal: the link connects on first use.
+- ``start_load_kv``: restores this step's loads before the forward reads
+  them. Blocks it could not restore (evicted since the lookup, daemon down)
+  are reported by ``get_block_ids_with_load_errors``, and vLLM recomputes
+  them (the scheduler half sets vLLM's ``kv_load_failure_policy`` to
+  ``recompute``).
+- ``wait_for_save``: hands this step's newly full blocks to a background
+  thread and returns: kvtierd copies them while vLLM schedules the next step.
+  ``handle_preemptions``, which vLLM calls at the start of the next step
+  before any KV block is zeroed, copied or written, waits for those stores:
+  a block is never reused while kvtierd reads it. A store that fails is a
+  future miss, nothing else.
+- ``build_worker_meta``: the requests whose loads ran, so the scheduler half
+  drops their pins.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kvtier.integrations.vllm.background import Background
+from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
+from kvtier.integrations.vllm.planes import Plane, make_plane
+from kvtier.integrations.vllm.pool import PoolChoice, block_dim_of
+from kvtier.integrations.vllm.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+STORE_DRAIN_TIMEOUT_S = 60.0
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, pool: PoolChoice, num_blocks: int) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._num_blocks = num_blocks
+        self._plane: Plane | None = None
+        self._link: DaemonLink | None = None
+        self._stores = Background("kvtier-stores")
+        self._load_errors: set[int] = set()
+        self._loaded: set[str] = set()
+        self.blocks_loaded = 0
+        self.blocks_stored = 0
+        self.load_s = 0.0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = [n for n in self._pool.layer_names if n in kv_caches] or list(kv_caches)
+        tensors = [kv_caches[n] for n in names]
+        dims = [block_dim_of(t, self._num_blocks) for t in tensors]
+        self._plane = plane = make_plane(self._settings.data_plane, tensors, dims, self._settings.staging_blocks)
+        self._link = DaemonLink(self._settings.socket, self._pool.name, self._pool.layout,
+                                retry_s=self._settings.retry_s, client_kwargs=self._settings.client_kwargs(),
+                                on_connect=plane.connect)
+        log.info("kvtier: %d KV tensors (block dim %s, %d blocks) on the %s plane, pool %s",
+                 len(tensors), sorted(set(dims)), self._num_blocks, plane.name, self._pool.name)
+        self._link.call(lambda _c: None)  # connect now if kvtierd is up
+
+    # ---- loads -------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvtierMetadata) -> None:
+        if not meta.loads or self._plane is None or self._link is None:
+            return
+        self.wait_for_stores()
+        plane, t0 = self._plane, time.perf_counter()
+        for load in meta.loads:
+            got = self._link.call(lambda c, load=load: plane.restore(c, load.keys, load.block_ids)) or 0
+            if got < len(load.keys):
+                self._load_errors.update(load.block_ids[got:])
+            self.blocks_loaded += got
+            self._loaded.add(load.req_id)
+        self.load_s += time.perf_counter() - t0
+        if self._load_errors:
+            log.info("kvtier: %d of %d blocks to load were not restored; vLLM recomputes them",
+                     len(self._load_errors), sum(len(x.keys) for x in meta.loads))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_worker_meta(self) -> KvtierWorkerMetadata | None:
+        if not self._loaded:
+            return None
+        meta, self._loaded = KvtierWorkerMetadata(self._loaded), set()
+        return meta
+
+    # ---- stores ------------------------------------------------------------------------
+
+    def wait_for_save(self, meta: KvtierMetadata) -> None:
+        if not meta.stores or self._plane is None or self._link is None:
+            return
+        plane, link = self._plane, self._link
+        for st in meta.stores:
+            self._stores.submit(lambda st=st: link.call(lambda c: plane.store(c, st.keys, st.block_ids)))
+        self.blocks_stored += sum(len(st.keys) for st in meta.stores)
+
+    def wait_for_stores(self) -> None:
+        if not self._stores.wait_idle(STORE_DRAIN_TIMEOUT_S):
+            raise RuntimeError(f"kvtier: stores to kvtierd did not finish in {STORE_DRAIN_TIMEOUT_S} s")
+
+    def shutdown(self) -> None:
+        self._stores.wait_idle(self._settings.timeout_s * 4)
+        self._stores.close(timeout_s=1.0)
+        if self._link is not None:
+            self._link.close()
