@@ -222,7 +222,9 @@ class TenantRegistry:
             return
         bm = pool.bm
         new = sum(1 for k in keys if not ((bm is not None and bm.get_cached(k) is not None) or pool.cpu.get(k)))
-        spill = max(0, new - (bm.num_free_blocks if bm is not None else 0))
+        # The pool's own split (TieredPool.store): the free blocks holding keys
+        # of this store are protected, so they take none of its new blocks.
+        spill = max(0, new - (bm.num_free_unprotected(frozenset(keys)) if bm is not None else 0))
         if spill and self.over_quota(tenant, spill * block_bytes):
             self.refused_stores[tenant] += 1
             quota = self._tenants[tenant].quota_bytes

@@ -40,7 +40,13 @@ Primitives (store mode, pins, clean-ahead):
     longest_cached_prefix(hashes) -> list[Block]   # no side effects
     get_cached(block_hash) -> Block | None
     touch(blocks)            ref +1, leaving the free queue at 0 -> 1
-    allocate_blocks(n) -> (blocks, evicted)   ref 1 each; NoFreeBlocks if n > free
+    allocate_blocks(n, protected=None) -> (blocks, evicted)
+                             ref 1 each, from the head of the free queue;
+                             free blocks carrying a hash in ``protected`` are
+                             passed over (they stay where they are, cached);
+                             NoFreeBlocks (nothing changed) if fewer than n
+                             others are free
+    num_free_unprotected(protected) -> int   what allocate_blocks(n, protected) can give
     commit(block, block_hash)
     release(blocks)          ref -1 in the order given; 0 -> queue tail
     iter_free()              free blocks from the head (next evicted first)
@@ -53,7 +59,7 @@ ValueError for input that contradicts the request's state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 
@@ -238,9 +244,26 @@ class BlockManager:
         finally:
             fq.num_free -= removed
 
-    def allocate_blocks(self, n: int) -> tuple[list[Block], list[Evicted]]:
+    def num_free_unprotected(self, protected: Collection[bytes]) -> int:
+        """Free blocks that ``allocate_blocks(n, protected)`` may take: those carrying no protected hash."""
+        taken = 0
+        if protected:
+            index, dups = self._index, self._duplicates
+            for block_hash in protected if isinstance(protected, (set, frozenset)) else set(protected):
+                block = index.get(block_hash)
+                if block is None:
+                    continue
+                taken += block.ref_cnt == 0
+                for dup in dups.get(block_hash, ()):
+                    taken += dup.ref_cnt == 0
+        return self.free_queue.num_free - taken
+
+    def allocate_blocks(self, n: int, protected: Collection[bytes] | None = None
+                        ) -> tuple[list[Block], list[Evicted]]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
+        if protected:
+            return self._allocate_blocks_protected(n, protected)
         fq = self.free_queue
         if n > fq.num_free:
             raise NoFreeBlocks(f"need {n} free blocks, {fq.num_free} available")
@@ -269,6 +292,37 @@ class BlockManager:
         block.prev_free = head
         fq.num_free -= n
         return blocks, evicted
+
+    def _allocate_blocks_protected(self, n: int, protected: Collection[bytes]) -> tuple[list[Block], list[Evicted]]:
+        """``allocate_blocks`` passing over the free blocks that carry a protected hash.
+
+        The caller names keys it is about to rely on (a store's present
+        blocks): evicting one of them to make room for the others would
+        break the very prefix the call reports as held. Those blocks keep
+        their place in the free queue (no touch: their recency is unchanged).
+        """
+        protected = protected if isinstance(protected, (set, frozenset)) else set(protected)
+        available = self.num_free_unprotected(protected)
+        if n > available:
+            raise NoFreeBlocks(f"need {n} free blocks, {available} available "
+                               f"({self.free_queue.num_free - available} free ones hold protected hashes)")
+        # Plan: the first n unprotected blocks from the head. Then apply.
+        chosen: list[Block] = []
+        for block in self.free_queue:
+            if len(chosen) == n:
+                break
+            if block.block_hash is None or block.block_hash not in protected:
+                chosen.append(block)
+        assert len(chosen) == n
+        fq = self.free_queue
+        evicted: list[Evicted] = []
+        for block in chosen:
+            fq.remove(block)
+            if block.block_hash is not None:
+                evicted.append(Evicted(block.block_id, block.block_hash))
+                self._drop_hash(block)
+            block.ref_cnt = 1
+        return chosen, evicted
 
     def commit(self, block: Block, block_hash: bytes) -> None:
         if block.block_hash is not None:

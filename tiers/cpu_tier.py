@@ -10,6 +10,9 @@ Contract (the pool is the only caller; one thread):
   read, or not ready. If there is not enough room it raises ``CpuTierFull``
   and changes nothing (fail fast, counted; no waiting). Otherwise it evicts
   the chosen victims and returns one not-ready entry per key.
+  ``reserve(keys, protected=...)`` never picks a victim whose key is in
+  ``protected``: the caller's other keys (a store's present blocks, a
+  fetch's whole prefix) that making room must not evict.
 - ``commit(entry)`` marks a write finished (the policy learns the key);
   ``abort(entry)`` frees a reserved slot whose write failed.
 - ``begin_read`` / ``end_read`` bracket a copy out of a slot; ``pin`` /
@@ -22,7 +25,7 @@ Contract (the pool is the only caller; one thread):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.tiers.eviction import EvictionPolicy
@@ -93,7 +96,7 @@ class CpuTier:
         self.not_admitted += 1
         return False
 
-    def reserve(self, keys: Sequence[bytes]) -> list[CpuEntry]:
+    def reserve(self, keys: Sequence[bytes], protected: Collection[bytes] = ()) -> list[CpuEntry]:
         if len(set(keys)) != len(keys):
             raise ValueError("reserve got the same key twice")
         for key in keys:
@@ -102,9 +105,13 @@ class CpuTier:
         shortfall = len(keys) - len(self._free_slots)
         victims: list[CpuEntry] = []
         if shortfall > 0:
+            kept = 0  # evictable, but protected by the caller
             for key in self.policy.victims():
                 entry = self._entries[key]
                 if entry.evictable:
+                    if key in protected:
+                        kept += 1
+                        continue
                     victims.append(entry)
                     if len(victims) == shortfall:
                         break
@@ -113,6 +120,7 @@ class CpuTier:
                 raise CpuTierFull(
                     f"CPU tier cannot make room for {len(keys)} blocks: {len(self._free_slots)} free, "
                     f"{len(victims)} evictable of {len(self._entries)}"
+                    + (f" ({kept} more held for this call)" if kept else "")
                 )
         for victim in victims:
             if self.on_evict is not None:

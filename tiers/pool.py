@@ -23,6 +23,17 @@ Contract:
 - ``store(hashes, src, src_slots)`` copies new blocks into the GPU tier
   (or the CPU tier when no GPU tier is attached) and leaves them cached and
   evictable; blocks already held are not copied again.
+- Protected keys: a store never evicts a key it names to make room for its
+  other keys, in either tier, nor does the clean-ahead that follows it (also
+  when that runs in ``poll()`` as the store's op completes): its present
+  blocks stay where they are, in place in the free queue. Room is made from
+  other blocks only; where there is not enough, the store raises ``NoSpace``
+  and changes nothing. So a store that succeeds leaves every key it named
+  held: a prefix stored whole stays reachable as a prefix. Blocks fetched
+  from the remote tier likewise evict none of the request they belong to.
+  (An engine allocation keeps vLLM's rule instead: its hits are referenced
+  before anything is evicted; a block of its chain past the hit run may be
+  evicted, and the request then computes it into a block of its own.)
 - ``restore(hashes, dst, dst_slots)`` copies the longest held prefix out.
 - ``borrow(hashes)`` lends the longest held prefix without copying it: views
   of the tiers' own host memory, held (not evicted, not overwritten) until
@@ -125,6 +136,10 @@ class Op:
         self._waiting: set[_Copy] = set()
         self._on_done: list[Callable[[Op], None]] = []
         self._finalizers: list[Callable[[bool], None]] = []
+        # Keys the call protects from eviction (see the contract), also in the
+        # clean-ahead poll() runs when the op completes (its finalizers may
+        # have released its blocks into the free queue).
+        self.protected: frozenset[bytes] = frozenset()
 
     def wait(self, timeout_s: float | None = None) -> Op:
         """Poll the pool until this op is done (owner thread only)."""
@@ -330,8 +345,12 @@ class TieredPool:
             return 0
         return self.remote.exists_prefix(hashes[start:])
 
-    def _pull_remote(self, hashes: Sequence[bytes]) -> list[CpuEntry]:
-        """Fetch blocks from the remote tier into the CPU tier; the verified prefix only."""
+    def _pull_remote(self, hashes: Sequence[bytes], protected: frozenset[bytes] = frozenset()) -> list[CpuEntry]:
+        """Fetch blocks from the remote tier into the CPU tier; the verified prefix only.
+
+        ``protected``: the calling request's keys, which the room made for the
+        fetched blocks must not evict.
+        """
         assert self.remote is not None
         payloads = self.remote.fetch(hashes)
         good = 0
@@ -342,7 +361,7 @@ class TieredPool:
         if good == 0:
             return []
         try:
-            entries = self.cpu.reserve(list(hashes[:good]))
+            entries = self.cpu.reserve(list(hashes[:good]), protected)
         except CpuTierFull:
             return []
         slab = self.cpu.storage.slab() if self.cpu.storage is not None else None
@@ -366,7 +385,9 @@ class TieredPool:
         if self.remote is None:
             return held
         bm = self.bm if gpu_after_cpu else None
-        # Room made for fetched blocks must not evict the CPU hits before them.
+        # Room made for fetched blocks must evict none of the request's blocks:
+        # the CPU hits before them are read-held, the rest protected.
+        protected = frozenset(hashes)
         reading = [obj for tier, obj in held if tier is Tier.CPU]
         for e in reading:
             self.cpu.begin_read(e)  # type: ignore[arg-type]
@@ -375,7 +396,7 @@ class TieredPool:
                 pos = len(held)
                 run = self._remote_run(hashes, pos)
                 cut = next((i for i in range(run) if self.cpu.get(hashes[pos + i]) is not None), run)
-                entries = self._pull_remote(hashes[pos : pos + cut]) if cut else []
+                entries = self._pull_remote(hashes[pos : pos + cut], protected) if cut else []
                 for e in entries:
                     self.cpu.begin_read(e)
                     reading.append(e)
@@ -643,23 +664,28 @@ class TieredPool:
             self.counters["stores_present"] += len(hashes)
             op._finish()
             return op
+        # Every key of the call is protected: making room for the new blocks
+        # must not evict the present ones (they are what the reply counts as
+        # held, and the chain the new blocks extend).
+        protected = op.protected = frozenset(hashes)
         if self.bm is None:
-            self._store_cpu(op, new, src)
+            self._store_cpu(op, new, src, protected)
         else:
-            # What the GPU tier cannot take (its free queue is shorter than the
-            # batch) goes straight to the CPU tier: the chain's tail, which is
-            # evicted first anyway. CPU first: it is the part that can fail.
-            fits = min(len(new), self.bm.num_free_blocks)
+            # What the GPU tier cannot take (its free queue, less the present
+            # blocks waiting in it, is shorter than the batch) goes straight to
+            # the CPU tier: the chain's tail, which is evicted first anyway.
+            # CPU first: it is the part that can fail.
+            fits = min(len(new), self.bm.num_free_unprotected(protected))
             if fits < len(new):
-                self._store_cpu(op, new[fits:], src)
+                self._store_cpu(op, new[fits:], src, protected)
             if fits:
-                self._store_gpu(op, new[:fits], src)
+                self._store_gpu(op, new[:fits], src, protected)
         # Counted once the store cannot fail any more: a NoSpace changes nothing
         # but stores_failed.
         self.counters["stores"] += len(new)
         self.counters["stores_present"] += len(hashes) - len(new)
         self._settle(op)
-        self._clean_ahead()
+        self._clean_ahead(protected)
         return op
 
     def _holds(self, h: bytes) -> bool:
@@ -667,15 +693,16 @@ class TieredPool:
             return True
         return self.cpu.get(h) is not None
 
-    def _store_gpu(self, op: Op, new: list[tuple[bytes, int]], src: BlockLayout | None) -> None:
+    def _store_gpu(self, op: Op, new: list[tuple[bytes, int]], src: BlockLayout | None,
+                   protected: frozenset[bytes]) -> None:
         bm = self.bm
         assert bm is not None
         try:
-            blocks, evicted = bm.allocate_blocks(len(new))
+            blocks, evicted = bm.allocate_blocks(len(new), protected)
         except NoFreeBlocks as exc:
             self.counters["stores_failed"] += 1
             raise NoSpace(f"GPU tier full: {exc}") from None
-        vacate = self._vacate(evicted, op)
+        vacate = self._vacate(evicted, op, protected)
         for block, (h, _) in zip(blocks, new):
             bm.commit(block, h)
         dst = [b.block_id for b in blocks]
@@ -695,9 +722,10 @@ class TieredPool:
 
         op._finalizers.append(release)
 
-    def _store_cpu(self, op: Op, new: list[tuple[bytes, int]], src: BlockLayout | None) -> None:
+    def _store_cpu(self, op: Op, new: list[tuple[bytes, int]], src: BlockLayout | None,
+                   protected: frozenset[bytes]) -> None:
         try:
-            entries = self.cpu.reserve([h for h, _ in new])
+            entries = self.cpu.reserve([h for h, _ in new], protected)
         except CpuTierFull as exc:
             self.counters["stores_failed"] += 1
             raise NoSpace(str(exc)) from None
@@ -829,8 +857,9 @@ class TieredPool:
             self._submit_ready()
             if self._completed:
                 # Completed ops may have released blocks into the free queue (as
-                # bookkeeping mode does at once, inside the call).
-                self._clean_ahead()
+                # bookkeeping mode does at once, inside the call): demoting them
+                # is still part of those calls, so their keys stay protected.
+                self._clean_ahead(frozenset().union(*(op.protected for op in self._completed)))
             return self._completed
         finally:
             self._completed = None
@@ -880,8 +909,12 @@ class TieredPool:
 
     # ---- demotion ----------------------------------------------------------------------------
 
-    def _vacate(self, evicted: Sequence[Evicted], op: Op) -> set[_Copy]:
-        """Make evicted blocks' slots safe to reuse; returns the copies reuse must follow."""
+    def _vacate(self, evicted: Sequence[Evicted], op: Op, protected: frozenset[bytes] = frozenset()) -> set[_Copy]:
+        """Make evicted blocks' slots safe to reuse; returns the copies reuse must follow.
+
+        ``protected``: the calling op's keys, which the demotions' room in the
+        CPU tier must not be made from.
+        """
         must_follow: set[_Copy] = set()
         urgent: list[Evicted] = []
         urgent_keys: set[bytes] = set()
@@ -897,7 +930,7 @@ class TieredPool:
                 urgent.append(ev)
                 urgent_keys.add(ev.block_hash)
         if urgent:
-            demote = self._demote(urgent, high_priority=True)
+            demote = self._demote(urgent, high_priority=True, protected=protected)
             if demote is not None:
                 must_follow.add(demote)
         # The caller writes the reused slots once the op is done: it waits for
@@ -905,14 +938,15 @@ class TieredPool:
         self._wait_for(op, must_follow)
         return must_follow
 
-    def _demote(self, evicted: Sequence[Evicted], *, high_priority: bool) -> _Copy | None:
+    def _demote(self, evicted: Sequence[Evicted], *, high_priority: bool,
+                protected: frozenset[bytes] = frozenset()) -> _Copy | None:
         admitted = [ev for ev in evicted if self.cpu.admit(ev.block_hash)]
         self.counters["demotions_not_admitted"] += len(evicted) - len(admitted)
         if not admitted or self.cpu.capacity_blocks == 0:
             self.counters["demotions_dropped_full"] += len(admitted)
             return None
         try:
-            entries = self.cpu.reserve([ev.block_hash for ev in admitted])
+            entries = self.cpu.reserve([ev.block_hash for ev in admitted], protected)
         except CpuTierFull:
             self.counters["demotions_dropped_full"] += len(admitted)
             return None
@@ -924,8 +958,12 @@ class TieredPool:
         self.counters["demotions"] += len(admitted)
         return copy
 
-    def _clean_ahead(self) -> None:
-        """Demote the cached blocks the next allocations will evict, before they do."""
+    def _clean_ahead(self, protected: frozenset[bytes] = frozenset()) -> None:
+        """Demote the cached blocks the next allocations will evict, before they do.
+
+        ``protected``: the keys of the call that runs it (a store), which the
+        room made in the CPU tier must not evict.
+        """
         if self.bm is None or self.clean_ahead_blocks <= 0 or self.cpu.capacity_blocks == 0:
             return
         dirty: list[Evicted] = []
@@ -939,7 +977,7 @@ class TieredPool:
                 continue  # a duplicate: its twin carries the hash
             dirty.append(Evicted(block.block_id, h))
         if dirty:
-            copy = self._demote(dirty, high_priority=False)
+            copy = self._demote(dirty, high_priority=False, protected=protected)
             if copy is not None:
                 self._submit_ready()
 
