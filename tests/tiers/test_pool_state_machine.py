@@ -383,6 +383,8 @@ class PoolMachine(RuleBasedStateMachine):
         for key in hashes:
             self.learn(key)
         assert op.result["stored"] + op.result["present"] == len(hashes)
+        lost = [key for key in hashes if self.bm.get_cached(key) is None and self.pool.cpu.get(key) is None]
+        assert not lost, f"the store evicted {len(lost)} keys of its own call"
 
     @rule(n=st.integers(1, 3))
     def flood(self, n: int) -> None:
