@@ -1,0 +1,104 @@
+"""A vLLM engine in its own process, driven by the vLLM tests over stdin/stdout.
+
+``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N]``
+starts ``vllm.LLM`` on the random-weight model in DIR (with KvtierConnector
+when ``--socket`` is given), prints ``@@ready``, then serves one JSON command
+per stdin line and answers each with one ``@@{json}`` line on stdout (vLLM's
+own logs share stdout; the prefix tells them apart):
+
+- ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}`` ->
+  ``{"outputs": [[ids...], ...], "cached": [num_cached_tokens, ...]}``
+  (greedy, all prompts submitted together);
+- ``{"op": "abort", "prompts": [[ids...], ...], "steps": k}``: submits the
+  prompts, runs ``k`` engine steps, aborts whatever has not finished ->
+  ``{"aborted": [...], "finished": [...]}``;
+- ``{"op": "exit"}``.
+
+Each engine is one process so that the tests can run two at once, restart one,
+and kill the daemon under one, exactly as engines are deployed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+BLOCK_SIZE = 128
+
+
+def write_model(model_dir: str) -> None:
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(MODEL_CONFIG, f)
+
+
+def reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write("@@" + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--socket", help="kvtierd endpoint; without it vLLM runs with no connector")
+    ap.add_argument("--gpu-blocks", type=int, default=16,
+                    help="vLLM's own KV cache, in blocks of 128 tokens (one is vLLM's null block)")
+    ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    write_model(args.model_dir)
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw: dict[str, Any] = {}
+    if args.socket:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KvtierConnector", "kv_role": "kv_both",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_connector_extra_config": {"socket": args.socket, **json.loads(args.extra)},
+        }
+    llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=(args.gpu_blocks - 1) * BLOCK_SIZE,
+              block_size=BLOCK_SIZE, num_gpu_blocks_override=args.gpu_blocks, enforce_eager=True, seed=0,
+              disable_log_stats=True, **kw)
+    reply({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "exit":
+            break
+        params = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0.0, detokenize=False, ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
+        if op == "generate":
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            reply({"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                   "cached": [int(o.num_cached_tokens or 0) for o in outs]})
+        elif op == "abort":
+            engine = llm.llm_engine
+            ids = [f"abort-{cmd.get('tag', '')}-{i}" for i in range(len(prompts))]
+            for rid, p in zip(ids, prompts):
+                engine.add_request(rid, p, params)
+            finished: list[str] = []
+            for _ in range(int(cmd.get("steps", 0))):
+                finished += [o.request_id for o in engine.step() if o.finished]
+            left = [r for r in ids if r not in finished]
+            engine.abort_request(left)
+            while engine.has_unfinished_requests():
+                engine.step()
+            reply({"aborted": left, "finished": finished})
+        else:
+            reply({"error": f"unknown op {op!r}"})
+    reply({"bye": True})
+
+
+if __name__ == "__main__":
+    main()
