@@ -24,8 +24,8 @@ Contract
 - ``start_exporter(host, port, snapshot)`` serves ``/metrics`` on
   ``host:port`` from a daemon thread and returns an ``Exporter`` whose
   ``close()`` stops it. It raises ``OSError`` when the port is taken and
-  ``RuntimeError`` when prometheus-client is not installed: kvtierd treats
-  both as "cannot serve" (exit 1).
+  ``RuntimeError`` when prometheus-client (a dependency of kvtier) cannot be
+  imported: kvtierd treats both as "cannot serve" (exit 1).
 
 Importing this module imports neither torch nor prometheus-client; the
 server imports ``StatsSnapshot`` whether or not the endpoint is on.
@@ -352,8 +352,8 @@ def start_exporter(host: str, port: int, snapshot: StatsSnapshot, *, wait_s: flo
     try:
         from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
     except ImportError as exc:
-        raise RuntimeError("metrics_port is set but prometheus-client is not installed "
-                           "(pip install 'kvtier[tools]', or leave metrics_port off)") from exc
+        raise RuntimeError(f"metrics_port is set but prometheus-client, a kvtier dependency, cannot be imported "
+                           f"({exc}; pip install 'prometheus-client>=0.17', or leave metrics_port off)") from exc
     # A registry of our own: the default one would add this process's Python
     # GC and platform series and anything else that registered globally.
     registry = CollectorRegistry(auto_describe=False)

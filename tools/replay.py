@@ -43,6 +43,7 @@ Accounting (also written into the JSON report, ``ACCOUNTING``):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -395,6 +396,9 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("kvtier replay: several CPU capacities need --sweep")
     block_bytes = args.block_bytes if args.block_bytes is not None else bs * DEFAULT_BYTES_PER_TOKEN
     quiet_bar = False if args.quiet else None
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Said now, not after a sweep that may take minutes.
+        raise SystemExit("kvtier replay: --plot needs matplotlib: pip install 'kvtier[tools]'")
 
     from kvtier.tiers.eviction import make_policy
     from kvtier.tools.traces import TraceError
