@@ -14,8 +14,10 @@ the checkout), then ``kvtierd --help``; a daemon on a private ipc socket with
 its metrics endpoint on, asked ``health``, ``kvtier stats`` and ``/metrics``,
 stopped with SIGTERM (exit 0); and ``kvtier replay`` of the sample trace.
 
-``install_kvtier(root, extras)`` is the helper: pass e.g. ``"vllm"`` to check
-an extra the same way (add it to ``EXTRAS``).
+``install_kvtier(root, extras)`` is the helper; ``EXTRAS`` lists what is
+checked. ``vllm``: vLLM's CPU build first (``scripts/install-vllm.sh``, as
+``scripts/env.sh`` does), then ``kvtier[vllm]``, and the connector imports
+by the names a vLLM user configures.
 
 Time: about 40 s on the 2-core dev VM, most of it unpacking torch; the venv
 goes to /dev/shm when it has room (the same install takes twice as long on
@@ -48,7 +50,7 @@ pytestmark = [pytest.mark.install, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parent.parent
 TORCH = os.environ.get("KVTIER_TORCH_VERSION", "2.13.0")
 SAMPLE_TRACE = ROOT / "examples" / "traces" / "sample.jsonl"
-EXTRAS = [""]  # "" = no extras; the others are checked by the same steps
+EXTRAS = ["", "vllm"]  # "" = no extras; the others are checked by the same steps
 START_TIMEOUT_S = 60.0
 SHM_NEEDED_BYTES = 4 << 30
 
@@ -100,7 +102,8 @@ def install_kvtier(root: Path, extras: str = "") -> Venv:
     """A fresh venv under ``root`` with ``torch==TORCH`` and then ``kvtier[extras]`` from a source copy."""
     src = copy_source(root / "src")
     venv = root / "venv"
-    with_pip = not _pip_has_python_option()
+    # vLLM's CPU build goes in through scripts/install-vllm.sh, which runs the venv's own pip.
+    with_pip = "vllm" in extras or not _pip_has_python_option()
     subprocess.run([sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(venv)],
                    check=True, timeout=120)
     python = str(venv / "bin" / "python")
@@ -117,6 +120,8 @@ def install_kvtier(root: Path, extras: str = "") -> Venv:
     opts = ["install", "--no-compile", "-q"]
     box = Venv(venv, env)
     box.run(*pip, *opts, f"torch=={TORCH}", timeout_s=600, cwd=root)
+    if "vllm" in extras:
+        box.run("env", f"PYTHON={python}", "bash", str(ROOT / "scripts" / "install-vllm.sh"), timeout_s=900, cwd=root)
     box.run(*pip, *opts, f"{src}[{extras}]" if extras else str(src), timeout_s=600, cwd=root)
     return box
 
@@ -161,6 +166,12 @@ def test_plain_install_runs_kvtierd_and_kvtier(scratch: Path, extras: str) -> No
     # The package comes from the venv, not from the checkout.
     where = venv.run(venv.bin("python"), "-c", "import kvtier.tiers as t; print(t.__file__)").stdout.strip()
     assert where.startswith(str(venv.path)), where
+
+    if "vllm" in extras:
+        # The module path and class name a vLLM user writes in --kv-transfer-config.
+        base = venv.run(venv.bin("python"), "-c", "from kvtier.integrations.vllm import KvtierConnector as K; "
+                        "print(K.__mro__[1].__name__)", timeout_s=300).stdout
+        assert base.strip().endswith("KVConnectorBase_V1"), base
 
     out = venv.run(venv.bin("kvtierd"), "--help").stdout
     assert "usage: kvtierd" in out

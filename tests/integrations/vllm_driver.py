@@ -7,11 +7,13 @@ per stdin line and answers each with one ``@@{json}`` line on stdout (vLLM's
 own logs share stdout; the prefix tells them apart):
 
 - ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}`` ->
-  ``{"outputs": [[ids...], ...], "cached": [num_cached_tokens, ...]}``
+  ``{"outputs": [[ids...], ...], "cached": [num_cached_tokens, ...],
+  "preemptions": vLLM's count so far}``
   (greedy, all prompts submitted together);
 - ``{"op": "abort", "prompts": [[ids...], ...], "steps": k}``: submits the
   prompts, runs ``k`` engine steps, aborts whatever has not finished ->
   ``{"aborted": [...], "finished": [...]}``;
+- ``{"op": "preemptions"}`` -> ``{"preemptions": n}``;
 - ``{"op": "exit"}``.
 
 Each engine is one process so that the tests can run two at once, restart one,
@@ -46,6 +48,11 @@ def reply(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def preemptions(llm: Any) -> int:
+    """vLLM's cumulative count of preempted requests."""
+    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name.startswith("vllm:num_preemptions")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", required=True)
@@ -69,19 +76,23 @@ def main() -> None:
         }
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=(args.gpu_blocks - 1) * BLOCK_SIZE,
               block_size=BLOCK_SIZE, num_gpu_blocks_override=args.gpu_blocks, enforce_eager=True, seed=0,
-              disable_log_stats=True, **kw)
+              disable_log_stats=False, **kw)
     reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "exit":
             break
+        if op == "preemptions":
+            reply({"preemptions": preemptions(llm)})
+            continue
         params = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0.0, detokenize=False, ignore_eos=True)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
         if op == "generate":
             outs = llm.generate(prompts, params, use_tqdm=False)
             reply({"outputs": [list(o.outputs[0].token_ids) for o in outs],
-                   "cached": [int(o.num_cached_tokens or 0) for o in outs]})
+                   "cached": [int(o.num_cached_tokens or 0) for o in outs],
+                   "preemptions": preemptions(llm)})
         elif op == "abort":
             engine = llm.llm_engine
             ids = [f"abort-{cmd.get('tag', '')}-{i}" for i in range(len(prompts))]
