@@ -36,6 +36,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.integrations.vllm")
 
 REGISTRATION = "vllm-kv"
+# A copy's deadline grows with its size at this rate, so a large restore on a
+# busy host is not declared failed (and recomputed) while kvtierd still writes
+# into vLLM's slots; a daemon that is gone is still noticed within timeout_s.
+MIN_COPY_BYTES_PER_S = 200 * 1024 * 1024
+
+
+class CopyDeadline:
+    """The timeout of one store or restore call: the link's ``timeout_s`` plus the copy at the slowest rate."""
+
+    def __init__(self, timeout_s: float, block_bytes: int) -> None:
+        self._timeout_s = timeout_s
+        self._block_bytes = block_bytes
+
+    def __call__(self, num_blocks: int) -> float:
+        return self._timeout_s + num_blocks * self._block_bytes / MIN_COPY_BYTES_PER_S
 
 
 class Plane(Protocol):
@@ -51,7 +66,8 @@ class Plane(Protocol):
 class RegisteredPlane:
     name = "registered"
 
-    def __init__(self, tensors: Sequence[torch.Tensor], block_dims: Sequence[int]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], deadline: CopyDeadline) -> None:
+        self._deadline = deadline
         self._tensors = list(tensors)
         self._dims = list(block_dims)
         if self._tensors[0].device.type == "cpu":
@@ -62,16 +78,18 @@ class RegisteredPlane:
         client.register_kv(REGISTRATION, self._tensors, self._dims)
 
     def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int:
-        return len(client.restore(keys, slots=block_ids, reg=REGISTRATION))
+        return len(client.restore(keys, slots=block_ids, reg=REGISTRATION, timeout_s=self._deadline(len(keys))))
 
     def store(self, client: Client, keys: list[bytes], block_ids: list[int]) -> None:
-        client.store(keys, slots=block_ids, reg=REGISTRATION)
+        client.store(keys, slots=block_ids, reg=REGISTRATION, timeout_s=self._deadline(len(keys)))
 
 
 class StagedPlane:
     name = "staged"
 
-    def __init__(self, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int,
+                 deadline: CopyDeadline) -> None:
+        self._deadline = deadline
         self._engine = BlockLayout(list(tensors), list(block_dims))
         self._slots = staging_blocks
         self._arena: BlockLayout | None = None
@@ -94,7 +112,7 @@ class StagedPlane:
         done = 0
         for lo in range(0, len(keys), self._slots):
             chunk = keys[lo: lo + self._slots]
-            got = len(client.restore(chunk, slots=list(range(len(chunk)))))
+            got = len(client.restore(chunk, slots=list(range(len(chunk))), timeout_s=self._deadline(len(chunk))))
             copy_blocks(arena, list(range(got)), self._engine, block_ids[lo: lo + got])
             done += got
             if got < len(chunk):
@@ -107,16 +125,17 @@ class StagedPlane:
             chunk = keys[lo: lo + self._slots]
             slots = list(range(len(chunk)))
             copy_blocks(self._engine, block_ids[lo: lo + len(chunk)], arena, slots)
-            client.store(chunk, slots=slots)
+            client.store(chunk, slots=slots, timeout_s=self._deadline(len(chunk)))
 
 
-def make_plane(choice: str, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int) -> Plane:
+def make_plane(choice: str, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int,
+               deadline: CopyDeadline) -> Plane:
     if choice in ("auto", "registered"):
         try:
-            return RegisteredPlane(tensors, block_dims)
+            return RegisteredPlane(tensors, block_dims, deadline)
         except KvShareError as exc:
             if choice == "registered":
                 raise
             log.warning("kvtier: vLLM's KV tensors cannot be registered with kvtierd (%s); "
                         "staging copies through a shared-memory arena instead", exc)
-    return StagedPlane(tensors, block_dims, staging_blocks)
+    return StagedPlane(tensors, block_dims, staging_blocks, deadline)

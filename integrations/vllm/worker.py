@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from kvtier.integrations.vllm.background import Background
 from kvtier.integrations.vllm.link import DaemonLink
 from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
-from kvtier.integrations.vllm.planes import Plane, make_plane
+from kvtier.integrations.vllm.planes import CopyDeadline, Plane, make_plane
 from kvtier.integrations.vllm.pool import PoolChoice, block_dim_of
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
@@ -64,7 +64,8 @@ class WorkerSide:
         names = [n for n in self._pool.layer_names if n in kv_caches] or list(kv_caches)
         tensors = [kv_caches[n] for n in names]
         dims = [block_dim_of(t, self._num_blocks) for t in tensors]
-        self._plane = plane = make_plane(self._settings.data_plane, tensors, dims, self._settings.staging_blocks)
+        deadline = CopyDeadline(self._settings.timeout_s, self._pool.layout.block_bytes)
+        self._plane = plane = make_plane(self._settings.data_plane, tensors, dims, self._settings.staging_blocks, deadline)
         self._link = DaemonLink(self._settings.socket, self._pool.name, self._pool.layout,
                                 retry_s=self._settings.retry_s, client_kwargs=self._settings.client_kwargs(),
                                 on_connect=plane.connect)
