@@ -154,7 +154,7 @@ class Harness:
         if not self.data or self.pool.bm is None:
             return
         for b in self.bm.blocks:
-            if b.block_hash is not None and b.block_id not in self.pool._gpu_busy:
+            if b.block_hash is not None and b.block_id not in self.pool._copies.gpu_busy:
                 assert torch.equal(self.gpu.slab()[b.block_id], content(b.block_hash)), f"GPU block {b.block_id}"
 
     def check_cpu_bytes(self) -> None:

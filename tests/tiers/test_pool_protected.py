@@ -121,7 +121,7 @@ def check_bytes(pool: TieredPool) -> None:
     gpu = pool._test_gpu  # type: ignore[attr-defined]
     if gpu is not None:
         for b in pool.bm.blocks:
-            if b.block_hash is not None and b.block_id not in pool._gpu_busy:
+            if b.block_hash is not None and b.block_id not in pool._copies.gpu_busy:
                 assert torch.equal(gpu.slab()[b.block_id], content(b.block_hash))
 
 

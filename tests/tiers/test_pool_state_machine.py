@@ -205,7 +205,7 @@ class PoolMachine(RuleBasedStateMachine):
             {k: (e.slot, e.pins, e.readers, e.ready) for k, e in self.pool.cpu._entries.items()},
             list(self.pool.cpu.policy.victims()),
             sorted(bm.request_ids()),
-            {o: [(t, obj.block_id if t is Tier.GPU else obj.key, k) for t, obj, k in p] for o, p in self.pool._pins.items()},
+            {o: [(t, obj.block_id if t is Tier.GPU else obj.key, k) for t, obj, k in p] for o, p in self.pool._pins.by_owner.items()},
             self.gpu.slab().clone(),
             self.cpu_storage.slab().clone(),
         )
@@ -513,9 +513,10 @@ class PoolMachine(RuleBasedStateMachine):
 
     def check_idle(self) -> None:
         pool = self.pool
-        assert not pool.busy and not pool._inflight and not pool._deferred
-        assert not pool._gpu_busy, f"GPU blocks still marked busy: {sorted(pool._gpu_busy)}"
-        assert not pool._cpu_busy
+        copies = pool._copies
+        assert not pool.busy and not copies.inflight and not copies.deferred
+        assert not copies.gpu_busy, f"GPU blocks still marked busy: {sorted(copies.gpu_busy)}"
+        assert not copies.cpu_writes, f"CPU slots still marked written: {sorted(copies.cpu_writes)}"
         for e in pool.cpu._entries.values():
             assert e.ready and e.readers == 0, "a CPU entry is still being written or read"
         self.reap_restores()
@@ -587,8 +588,17 @@ class PoolMachine(RuleBasedStateMachine):
             assert entry is not None and entry.pins == n, "a pinned CPU entry was evicted or lost a pin"
 
     @invariant()
+    def cpu_writes_match_unready_entries(self) -> None:
+        """A CPU entry is not ready exactly while an unfinished copy into its slot is tracked."""
+        writes = self.pool._copies.cpu_writes
+        unready = {e.slot for e in self.pool.cpu._entries.values() if not e.ready}
+        assert unready == set(writes), f"unready CPU slots {sorted(unready)}, tracked writes {sorted(writes)}"
+        for slot, copy in writes.items():
+            assert not copy.finished and copy.dst is self.cpu_storage and slot in copy.dst_slots
+
+    @invariant()
     def bytes_match_the_model(self) -> None:
-        busy = self.pool._gpu_busy
+        busy = self.pool._copies.gpu_busy
         for b in self.bm.blocks:
             if b.block_hash is not None and b.block_id not in busy:
                 assert b.block_hash in self.model
@@ -604,7 +614,7 @@ class PoolMachine(RuleBasedStateMachine):
     def nothing_in_flight_overlaps(self) -> None:
         """No two copies in flight touch one slot where either writes it."""
         seen: dict[tuple[int, int], list[tuple[int, bool]]] = {}
-        for n, copy in enumerate(self.pool._inflight.values()):
+        for n, copy in enumerate(self.pool._copies.inflight.values()):
             for layout, slots, write in ((copy.src, copy.src_slots, False), (copy.dst, copy.dst_slots, True)):
                 for s in slots:
                     for other, other_write in seen.get((id(layout), s), []):

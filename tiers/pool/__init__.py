@@ -1,0 +1,36 @@
+"""The tiered pool: one KV layout's GPU tier, CPU tier (and remote tier), and the copies between them.
+
+``TieredPool`` (``facade.py``, whose docstring is the contract) is the only
+thing the daemon and the tools use of ``kvtier.tiers``. Its parts, one
+concern each:
+
+- ``base``: ``Tier``, ``PoolSpec``, ``Borrowed``, the errors, the ``Held`` record.
+- ``copies``: ``Op`` and the copy scheduler, the one place that keeps a slot
+  from being reused while a copy touches it.
+- ``resolve``: prefix resolution across GPU, CPU and remote tiers.
+- ``pins``: owners' pins.  ``learning``: when the CPU policy learns.
+- ``demotion``: demoting evicted blocks, and clean-ahead.
+- ``engine``: allocate/append/free.  ``store``: store/restore.  ``lending``: borrow.
+- ``counters``: the counters, declared once.
+"""
+
+from kvtier.tiers.pool.base import Borrowed, Held, NoSpace, NotFound, PoolError, PoolSpec, Tier
+from kvtier.tiers.pool.copies import Op
+from kvtier.tiers.pool.counters import Counters
+from kvtier.tiers.pool.facade import PolicyWrapper, TieredPool
+from kvtier.tiers.pool.learning import LEARN_CHUNK_KEYS
+
+__all__ = [
+    "LEARN_CHUNK_KEYS",
+    "Borrowed",
+    "Counters",
+    "Held",
+    "NoSpace",
+    "NotFound",
+    "Op",
+    "PolicyWrapper",
+    "PoolError",
+    "PoolSpec",
+    "Tier",
+    "TieredPool",
+]

@@ -1,0 +1,266 @@
+"""The pool's copy scheduler: ops, batched copies, and the order they run in.
+
+This is the one place that enforces the pool's safety rule: **no slot is
+handed out, overwritten or read while a copy touches it.**
+
+- An ``Op`` is a pool call whose copies may still be in flight. It is done
+  when every copy it waits for is done; it fails (``Op.error``) only with the
+  copies ``attach``-ed to it, not with those it merely ``wait_for``-s (a
+  demotion that vacates a slot the op reuses orders the op, but its loss is
+  not the op's failure).
+- A ``Copy`` names its source and destination slots and the copies it must
+  follow (``after``). It is submitted to the transfer engine only when those
+  are finished; a failed write into its source slots fails it too.
+- ``gpu_busy`` lists, per GPU block, the copies in flight that touch it
+  (``mark_gpu_busy``); ``busy_copies`` is what a new copy of those blocks
+  must follow. ``cpu_writes`` lists, per CPU slot, the copy writing it
+  (``track_cpu_write``): a CPU entry is not ready exactly while its slot is
+  listed there (the state-machine test checks it), and the entry is committed
+  or aborted when that copy finishes. The CPU tier's own reader and pin
+  counts keep its slots from being reused under a read.
+- Copies finish only in ``submit_ready`` (bookkeeping mode, empty copies,
+  submit errors) or ``poll`` (the transfer engine's results), both on the
+  pool's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.tiers.cpu_tier import CpuEntry, CpuTier
+from kvtier.tiers.layout import BlockLayout
+from kvtier.tiers.transfer import CopyKind, Transfer, TransferEngine, TransferError
+
+if TYPE_CHECKING:
+    from kvtier.tiers.pool.counters import Counters
+    from kvtier.tiers.pool.facade import TieredPool
+
+log = logging.getLogger("kvtier.tiers.pool")
+
+
+class Op:
+    """A pool call whose copies may still be in flight."""
+
+    def __init__(self, pool: TieredPool, name: str, result: Any = None) -> None:
+        self._pool = pool
+        self.name = name
+        self.result = result
+        self.error: BaseException | None = None
+        self.done = False
+        self._waiting: set[Copy] = set()
+        self._on_done: list[Callable[[Op], None]] = []
+        self._finalizers: list[Callable[[bool], None]] = []
+        # Keys the call protects from eviction (see the contract), also in the
+        # clean-ahead poll() runs when the op completes (its finalizers may
+        # have released its blocks into the free queue).
+        self.protected: frozenset[bytes] = frozenset()
+
+    def wait(self, timeout_s: float | None = None) -> Op:
+        """Poll the pool until this op is done (owner thread only)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.name} still has {len(self._waiting)} copies in flight")
+            self._pool.poll(wait_s=0.01)
+        return self
+
+    def add_done_callback(self, fn: Callable[[Op], None]) -> None:
+        if self.done:
+            fn(self)
+        else:
+            self._on_done.append(fn)
+
+    def _finish(self) -> None:
+        ok = self.error is None
+        for fin in self._finalizers:
+            fin(ok)
+        self.done = True
+        self._pool._copies.note_completed(self)
+        for fn in self._on_done:
+            fn(self)
+
+
+@dataclass(eq=False)
+class Copy:
+    """One batched copy, submitted when the copies it must follow are done."""
+
+    kind: CopyKind
+    src: BlockLayout | None
+    src_slots: list[int]
+    dst: BlockLayout | None
+    dst_slots: list[int]
+    after: set[Copy] = field(default_factory=set)
+    ops: list[Op] = field(default_factory=list)
+    on_done: list[Callable[[bool], None]] = field(default_factory=list)
+    high_priority: bool = False
+    transfer: Transfer | None = None
+    finished: bool = False
+    error: BaseException | None = None
+
+
+class CopyScheduler:
+    """See the module docstring. ``gpu`` is the GPU tier's layout (set by the pool as it attaches one)."""
+
+    def __init__(self, *, data: bool, transfer: TransferEngine | None, counters: Counters) -> None:
+        self.data = data
+        self.transfer = transfer
+        self.counters = counters
+        self.gpu: BlockLayout | None = None
+        # Copies in flight per GPU block: a block listed here is not handed
+        # out, overwritten or read before they finish.
+        self.gpu_busy: dict[int, set[Copy]] = {}
+        # The copy writing each CPU slot whose entry is reserved, not yet ready.
+        self.cpu_writes: dict[int, Copy] = {}
+        self.deferred: list[Copy] = []
+        self.inflight: dict[Transfer, Copy] = {}
+        self.completed: list[Op] | None = None  # set while the pool's poll() runs
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inflight or self.deferred)
+
+    def __len__(self) -> int:
+        """Copies not finished yet (in flight or waiting for others)."""
+        return len(self.inflight) + len(self.deferred)
+
+    def note_completed(self, op: Op) -> None:
+        if self.completed is not None:
+            self.completed.append(op)
+
+    def detach_gpu(self) -> None:
+        self.gpu = None
+        self.gpu_busy.clear()
+
+    # ---- building copies --------------------------------------------------------------
+
+    def copy(self, kind: CopyKind, src: BlockLayout | None, src_slots: Sequence[int], dst: BlockLayout | None,
+             dst_slots: Sequence[int], *, after: set[Copy] | None = None, high_priority: bool | None = None) -> Copy:
+        copy = Copy(kind, src, list(src_slots), dst, list(dst_slots), {c for c in (after or ()) if not c.finished},
+                    high_priority=kind.high_priority if high_priority is None else high_priority)
+        self.deferred.append(copy)
+        return copy
+
+    def attach(self, op: Op, copy: Copy) -> None:
+        """The op waits for the copy and fails if it fails."""
+        op._waiting.add(copy)
+        copy.ops.append(op)
+
+    def wait_for(self, op: Op, copies: set[Copy]) -> None:
+        """The op waits for the copies but does not share their failure."""
+        for c in copies:
+            if c.finished or c in op._waiting:
+                continue
+            op._waiting.add(c)
+            c.on_done.append(lambda ok, o=op, cc=c: self._release_op(o, cc))
+
+    def _release_op(self, op: Op, copy: Copy) -> None:
+        if copy in op._waiting:
+            op._waiting.discard(copy)
+            if not op._waiting and not op.done:
+                op._finish()
+
+    def busy_copies(self, block_ids: Sequence[int], *, writes_only: bool = False) -> set[Copy]:
+        """The copies in flight that touch these GPU blocks (``writes_only``: that write them)."""
+        found: set[Copy] = set()
+        for b in block_ids:
+            for c in self.gpu_busy.get(b, ()):
+                if not writes_only or c.dst is self.gpu and b in c.dst_slots:
+                    found.add(c)
+        return found
+
+    def mark_gpu_busy(self, copy: Copy, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            self.gpu_busy.setdefault(b, set()).add(copy)
+
+        def unmark(ok: bool) -> None:
+            for b in block_ids:
+                busy = self.gpu_busy.get(b)
+                if busy is not None:
+                    busy.discard(copy)
+                    if not busy:
+                        del self.gpu_busy[b]
+
+        copy.on_done.append(unmark)
+
+    def track_cpu_write(self, copy: Copy, cpu: CpuTier, entries: list[CpuEntry]) -> None:
+        """The copy writes these reserved entries: committed when it succeeds, aborted when it fails."""
+        writes = self.cpu_writes
+        for e in entries:
+            writes[e.slot] = copy
+
+        def settle(ok: bool) -> None:
+            for e in entries:
+                if writes.get(e.slot) is copy:
+                    del writes[e.slot]
+                (cpu.commit if ok else cpu.abort)(e)
+
+        copy.on_done.append(settle)
+
+    # ---- running them -----------------------------------------------------------------
+
+    def settle(self, op: Op) -> None:
+        """Submit what can go now; finish the op at once if nothing is pending."""
+        self.submit_ready()
+        if not op._waiting and not op.done:
+            op._finish()
+
+    def submit_ready(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for copy in list(self.deferred):
+                if any(not c.finished for c in copy.after):
+                    continue
+                self.deferred.remove(copy)
+                progress = True
+                # Only a failed write into this copy's source slots spoils it; the
+                # other dependencies just order the reuse of slots.
+                failed = [c for c in copy.after if c.error is not None and c.dst is copy.src
+                          and not set(c.dst_slots).isdisjoint(copy.src_slots)]
+                if failed:
+                    self.finish_copy(copy, TransferError(f"a copy it depends on failed: {failed[0].error}"))
+                elif not self.data or not copy.src_slots:
+                    self.finish_copy(copy, None)
+                else:
+                    assert self.transfer is not None and copy.src is not None and copy.dst is not None
+                    try:
+                        transfer = self.transfer.submit(copy.kind, copy.src, copy.src_slots, copy.dst,
+                                                        copy.dst_slots, high_priority=copy.high_priority)
+                    except (TransferError, ValueError) as exc:
+                        self.finish_copy(copy, exc)
+                        continue
+                    copy.transfer = transfer
+                    self.inflight[transfer] = copy
+
+    def poll(self, wait_s: float = 0.0) -> None:
+        """Finish the copies the transfer engine has completed (waiting up to ``wait_s`` for the oldest), then
+        submit those that can go now."""
+        if wait_s > 0 and self.inflight and self.transfer is not None:
+            first = next(iter(self.inflight))
+            first.wait(wait_s)
+        if self.transfer is not None:
+            for transfer in self.transfer.poll():
+                copy = self.inflight.pop(transfer, None)
+                if copy is not None:
+                    self.finish_copy(copy, transfer.error)
+        self.submit_ready()
+
+    def finish_copy(self, copy: Copy, error: BaseException | None) -> None:
+        copy.finished = True
+        copy.error = error
+        ok = error is None
+        if not ok:
+            self.counters.copy_failures += 1
+            log.warning("%s of %d blocks failed: %s", copy.kind.value, len(copy.src_slots), error)
+        for fn in copy.on_done:
+            fn(ok)
+        for op in copy.ops:
+            op._waiting.discard(copy)
+            if not ok and op.error is None:
+                op.error = error
+            if not op._waiting and not op.done:
+                op._finish()

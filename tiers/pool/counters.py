@@ -1,0 +1,55 @@
+"""The pool's counters, declared once.
+
+``Counters`` is a slotted dataclass: the pool's code bumps attributes
+(``counters.demotions += n``), so a misspelt counter is an AttributeError,
+not a new key. ``TieredPool.stats()`` reports them first, in declaration
+order, under their field names; the daemon's ``stats`` reply, Prometheus
+(``daemon/prometheus.py``) and the tools read those names. Item access
+(``counters["lookups"]``, ``dict(counters)``) reads them as a mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class Counters:
+    lookups: int = 0  # lookup/allocate/restore/borrow calls counted (one per request)
+    looked_up_blocks: int = 0
+    hit_blocks_gpu: int = 0
+    hit_blocks_cpu: int = 0
+    hit_blocks_remote: int = 0
+    miss_blocks: int = 0
+    remote_fetch_short: int = 0  # fetches that came back shorter than asked (missing or bad values)
+    remote_write_backs: int = 0
+    demotions: int = 0  # blocks copied GPU -> CPU
+    demotions_skipped_clean: int = 0  # evicted blocks the CPU tier already held
+    demotions_not_admitted: int = 0
+    demotions_dropped_full: int = 0
+    restores: int = 0  # blocks copied CPU -> GPU for an allocation
+    stores: int = 0
+    stores_present: int = 0
+    stores_failed: int = 0
+    loads: int = 0  # blocks restored or lent to a client
+    lent_bytes: int = 0
+    copy_failures: int = 0
+
+    def keys(self) -> tuple[str, ...]:
+        return NAMES
+
+    def __getitem__(self, name: str) -> int:
+        if name not in _NAME_SET:
+            raise KeyError(name)
+        return getattr(self, name)  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(NAMES)
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in NAMES}
+
+
+NAMES: tuple[str, ...] = tuple(f.name for f in fields(Counters))
+_NAME_SET = frozenset(NAMES)

@@ -1,0 +1,109 @@
+"""Demotion: blocks leaving the GPU tier go to the CPU tier, urgently or ahead of time.
+
+- ``vacate(evicted, op)``: the GPU tier evicted these blocks for ``op``; each
+  one the CPU tier does not hold yet (nor a duplicate left in the GPU tier)
+  is demoted at high priority, and the op waits for those copies (and for
+  any copy still touching the slots) before the slots are reused. A lost
+  demotion is not the op's failure.
+- ``clean_ahead()``: after each call, demote at low priority the cached
+  blocks nearest the head of the GPU free queue (up to the pool's
+  ``clean_ahead_blocks``), so an allocation in steady state finds them in the
+  CPU tier already and waits for no device-to-host copy.
+- ``protected``: the calling op's keys (a store's); the room made in the CPU
+  tier for these demotions is never made by evicting them.
+- A demotion the CPU tier's policy does not admit, or that finds no room, is
+  dropped and counted (``demotions_not_admitted``, ``demotions_dropped_full``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.tiers.block_manager import Evicted
+from kvtier.tiers.cpu_tier import CpuTierFull
+from kvtier.tiers.pool.copies import Copy, Op
+from kvtier.tiers.transfer import CopyKind
+
+if TYPE_CHECKING:
+    from kvtier.tiers.pool.facade import TieredPool
+
+
+class Demoter:
+    def __init__(self, pool: TieredPool) -> None:
+        self.pool = pool
+
+    def vacate(self, evicted: Sequence[Evicted], op: Op, protected: frozenset[bytes] = frozenset()) -> set[Copy]:
+        """Make evicted blocks' slots safe to reuse; returns the copies reuse must follow."""
+        pool = self.pool
+        copies = pool._copies
+        cpu = pool.cpu
+        must_follow: set[Copy] = set()
+        urgent: list[Evicted] = []
+        urgent_keys: set[bytes] = set()
+        for ev in evicted:
+            must_follow |= copies.busy_copies([ev.block_id])
+            if cpu.get(ev.block_hash) is not None:
+                pool.counters.demotions_skipped_clean += 1
+            elif pool.bm is not None and pool.bm.get_cached(ev.block_hash) is not None:
+                continue  # a duplicate copy still lives in the GPU tier
+            elif ev.block_hash in urgent_keys:
+                continue  # two copies of one hash evicted at once: one demotion
+            else:
+                urgent.append(ev)
+                urgent_keys.add(ev.block_hash)
+        if urgent:
+            demote = self.demote(urgent, high_priority=True, protected=protected)
+            if demote is not None:
+                must_follow.add(demote)
+        # The caller writes the reused slots once the op is done: it waits for
+        # these copies, but their failure (a lost demotion) is not its failure.
+        copies.wait_for(op, must_follow)
+        return must_follow
+
+    def demote(self, evicted: Sequence[Evicted], *, high_priority: bool,
+               protected: frozenset[bytes] = frozenset()) -> Copy | None:
+        pool = self.pool
+        cpu = pool.cpu
+        counters = pool.counters
+        admitted = [ev for ev in evicted if cpu.admit(ev.block_hash)]
+        counters.demotions_not_admitted += len(evicted) - len(admitted)
+        if not admitted or cpu.capacity_blocks == 0:
+            counters.demotions_dropped_full += len(admitted)
+            return None
+        try:
+            entries = cpu.reserve([ev.block_hash for ev in admitted], protected)
+        except CpuTierFull:
+            counters.demotions_dropped_full += len(admitted)
+            return None
+        copies = pool._copies
+        ids = [ev.block_id for ev in admitted]
+        copy = copies.copy(CopyKind.DEMOTE, pool.gpu, ids, cpu.storage, [e.slot for e in entries],
+                           after=copies.busy_copies(ids, writes_only=True), high_priority=high_priority)
+        copies.track_cpu_write(copy, cpu, entries)
+        copies.mark_gpu_busy(copy, ids)
+        counters.demotions += len(admitted)
+        return copy
+
+    def clean_ahead(self, protected: frozenset[bytes] = frozenset()) -> None:
+        """Demote the cached blocks the next allocations will evict, before they do."""
+        pool = self.pool
+        bm = pool.bm
+        cpu = pool.cpu
+        if bm is None or pool.clean_ahead_blocks <= 0 or cpu.capacity_blocks == 0:
+            return
+        busy = pool._copies.gpu_busy
+        dirty: list[Evicted] = []
+        for i, block in enumerate(bm.iter_free()):
+            if i >= pool.clean_ahead_blocks:
+                break
+            h = block.block_hash
+            if h is None or cpu.get(h) is not None or block.block_id in busy:
+                continue
+            if bm.get_cached(h) is not block:
+                continue  # a duplicate: its twin carries the hash
+            dirty.append(Evicted(block.block_id, h))
+        if dirty:
+            copy = self.demote(dirty, high_priority=False, protected=protected)
+            if copy is not None:
+                pool._copies.submit_ready()

@@ -1,0 +1,81 @@
+"""Pins: an owner's hold on a held prefix (GPU: a reference; CPU: a pin count).
+
+Each pin records the tier, the holder and the hash pinned (not the block's
+hash: a failed write may withdraw that). ``unpin`` drops, per hash asked for
+(last first), the owner's newest pin on it; ``unpin_all`` drops all of them.
+When the GPU tier goes away its pins go with it; CPU pins stay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.tiers.block_manager import Block
+from kvtier.tiers.cpu_tier import CpuEntry
+from kvtier.tiers.pool.base import Held, Tier
+
+if TYPE_CHECKING:
+    from kvtier.tiers.pool.facade import TieredPool
+
+
+class Pins:
+    def __init__(self, pool: TieredPool) -> None:
+        self.pool = pool
+        self.by_owner: dict[str, list[tuple[Tier, Block | CpuEntry, bytes]]] = {}  # (tier, holder, hash pinned)
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.by_owner.values())
+
+    def pin(self, owner: str, hashes: Sequence[bytes], held: Held) -> None:
+        pool = self.pool
+        pins = self.by_owner.setdefault(owner, [])
+        for key, (tier, obj) in zip(hashes, held):
+            if tier is Tier.GPU:
+                assert pool.bm is not None and isinstance(obj, Block)
+                pool.bm.touch([obj])
+            else:
+                assert isinstance(obj, CpuEntry)
+                pool.cpu.pin(obj)
+            # The hash pinned, not the block's: a failed write may withdraw that.
+            pins.append((tier, obj, key))
+
+    def unpin(self, owner: str, hashes: Sequence[bytes]) -> int:
+        pins = self.by_owner.get(owner, [])
+        # Each hash asked for (last first) drops the owner's newest pin on it. An
+        # index of pin positions per hash keeps this linear: scanning the pins
+        # for every hash stalled the caller for minutes at 65536 x 65536.
+        positions: dict[bytes, list[int]] = {}
+        for i, (_tier, _obj, key) in enumerate(pins):
+            positions.setdefault(key, []).append(i)
+        dropped: set[int] = set()
+        for h in reversed(hashes):
+            newest = positions.get(h)
+            if newest:
+                i = newest.pop()
+                self._release(pins[i][0], pins[i][1])
+                dropped.add(i)
+        if dropped:
+            pins[:] = [pin for i, pin in enumerate(pins) if i not in dropped]
+        return len(dropped)
+
+    def unpin_all(self, owner: str) -> int:
+        pins = self.by_owner.pop(owner, [])
+        for tier, obj, _key in reversed(pins):
+            self._release(tier, obj)
+        return len(pins)
+
+    def detach_gpu(self) -> None:
+        """The GPU tier is going away: its pins go (the blocks with it), CPU pins stay."""
+        for owner, pins in self.by_owner.items():
+            self.by_owner[owner] = [pin for pin in pins if pin[0] is Tier.CPU]
+
+    def _release(self, tier: Tier, obj: Block | CpuEntry) -> None:
+        pool = self.pool
+        if tier is Tier.GPU:
+            if pool.bm is not None:
+                assert isinstance(obj, Block)
+                pool.bm.release([obj])
+        else:
+            assert isinstance(obj, CpuEntry)
+            pool.cpu.unpin(obj)

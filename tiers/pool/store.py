@@ -1,0 +1,161 @@
+"""Store mode: clients ``store`` blocks by hash and ``restore`` them into their own slots.
+
+- ``store`` copies the blocks not held yet into the GPU tier, or the CPU tier
+  where the GPU tier (its free queue less the call's own present blocks) has
+  no room or there is none; they are left cached and evictable. Every key of
+  the call is protected (see the pool's contract); a store that would have to
+  evict one raises ``NoSpace`` and changes nothing but ``stores_failed``.
+- ``cpu_spill(hashes)`` says how many of a store's new blocks would go to
+  the CPU tier, by the same split (the daemon's tenant quotas check it).
+- ``restore`` copies the longest held prefix (remote runs fetched first)
+  into the caller's slots. Lending in place is ``lending.borrow``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.tiers.block_manager import NoFreeBlocks
+from kvtier.tiers.cpu_tier import CpuTierFull
+from kvtier.tiers.layout import BlockLayout
+from kvtier.tiers.pool.base import NoSpace, PoolError, Tier
+from kvtier.tiers.pool.copies import Op
+from kvtier.tiers.transfer import CopyKind
+
+if TYPE_CHECKING:
+    from kvtier.tiers.pool.facade import TieredPool
+
+
+def cpu_spill(pool: TieredPool, hashes: Sequence[bytes]) -> int:
+    holds = pool._resolve.holds
+    new = sum(1 for k in hashes if not holds(k))
+    bm = pool.bm
+    return max(0, new - (bm.num_free_unprotected(frozenset(hashes)) if bm is not None else 0))
+
+
+def store(pool: TieredPool, hashes: Sequence[bytes], src: BlockLayout | None, src_slots: Sequence[int]) -> Op:
+    if len(hashes) != len(src_slots):
+        raise PoolError(f"{len(hashes)} hashes but {len(src_slots)} source slots")
+    if len(set(hashes)) != len(hashes):
+        raise PoolError("store got the same hash twice")
+    if pool.data and (src is None or src.block_bytes != pool.spec.block_bytes):
+        raise PoolError(f"source blocks must be {pool.spec.block_bytes} bytes")
+    holds = pool._resolve.holds
+    new = [(h, s) for h, s in zip(hashes, src_slots) if not holds(h)]
+    op = Op(pool, "store", {"stored": len(new), "present": len(hashes) - len(new)})
+    counters = pool.counters
+    if not new:
+        counters.stores_present += len(hashes)
+        op._finish()
+        return op
+    # Every key of the call is protected: making room for the new blocks
+    # must not evict the present ones (they are what the reply counts as
+    # held, and the chain the new blocks extend).
+    protected = op.protected = frozenset(hashes)
+    if pool.bm is None:
+        _store_cpu(pool, op, new, src, protected)
+    else:
+        # What the GPU tier cannot take (its free queue, less the present
+        # blocks waiting in it, is shorter than the batch) goes straight to
+        # the CPU tier: the chain's tail, which is evicted first anyway.
+        # CPU first: it is the part that can fail.
+        fits = min(len(new), pool.bm.num_free_unprotected(protected))
+        if fits < len(new):
+            _store_cpu(pool, op, new[fits:], src, protected)
+        if fits:
+            _store_gpu(pool, op, new[:fits], src, protected)
+    # Counted once the store cannot fail any more: a NoSpace changes nothing
+    # but stores_failed.
+    counters.stores += len(new)
+    counters.stores_present += len(hashes) - len(new)
+    pool._copies.settle(op)
+    pool._demoter.clean_ahead(protected)
+    return op
+
+
+def _store_gpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: BlockLayout | None,
+               protected: frozenset[bytes]) -> None:
+    bm = pool.bm
+    assert bm is not None
+    copies = pool._copies
+    try:
+        blocks, evicted = bm.allocate_blocks(len(new), protected)
+    except NoFreeBlocks as exc:
+        pool.counters.stores_failed += 1
+        raise NoSpace(f"GPU tier full: {exc}") from None
+    vacate = pool._demoter.vacate(evicted, op, protected)
+    for block, (h, _) in zip(blocks, new):
+        bm.commit(block, h)
+    dst = [b.block_id for b in blocks]
+    copy = copies.copy(CopyKind.STORE, src, [s for _, s in new], pool.gpu, dst,
+                       after=vacate | copies.busy_copies(dst))
+    copies.mark_gpu_busy(copy, dst)
+    copies.attach(op, copy)
+
+    def release(ok: bool) -> None:
+        bm = pool.bm
+        if bm is None:
+            return
+        if not ok:
+            for block in blocks:
+                bm.discard_hash(block)
+        # Reverse order: the chain's tail sits nearest the head of the free queue.
+        bm.release(reversed(blocks))
+
+    op._finalizers.append(release)
+
+
+def _store_cpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: BlockLayout | None,
+               protected: frozenset[bytes]) -> None:
+    cpu = pool.cpu
+    try:
+        entries = cpu.reserve([h for h, _ in new], protected)
+    except CpuTierFull as exc:
+        pool.counters.stores_failed += 1
+        raise NoSpace(str(exc)) from None
+    copies = pool._copies
+    copy = copies.copy(CopyKind.STORE, src, [s for _, s in new], cpu.storage, [e.slot for e in entries])
+    copies.track_cpu_write(copy, cpu, entries)
+    copies.attach(op, copy)
+
+
+def restore(pool: TieredPool, hashes: Sequence[bytes], dst: BlockLayout | None, dst_slots: Sequence[int], *,
+            count: bool) -> Op:
+    if len(dst_slots) < len(hashes):
+        raise PoolError(f"{len(hashes)} hashes but only {len(dst_slots)} destination slots")
+    if pool.data and (dst is None or dst.block_bytes != pool.spec.block_bytes):
+        raise PoolError(f"destination blocks must be {pool.spec.block_bytes} bytes")
+    held = pool._resolve.held_with_remote(hashes)
+    tiers = [tier for tier, _ in held]
+    if count:
+        pool._count(hashes, tiers)
+    op = Op(pool, "restore", {"tiers": [t.value for t in tiers]})
+    copies = pool._copies
+    gpu = [(obj, dst_slots[i]) for i, (tier, obj) in enumerate(held) if tier is Tier.GPU]
+    cpu_held = [(obj, dst_slots[i]) for i, (tier, obj) in enumerate(held) if tier is not Tier.GPU]
+    if gpu:
+        bm = pool.bm
+        assert bm is not None
+        blocks = [b for b, _ in gpu]
+        bm.touch(blocks)  # type: ignore[arg-type]
+        ids = [b.block_id for b in blocks]  # type: ignore[union-attr]
+        copy = copies.copy(CopyKind.LOAD, pool.gpu, ids, dst, [d for _, d in gpu],
+                           after=copies.busy_copies(ids, writes_only=True))
+        copies.mark_gpu_busy(copy, ids)
+        copy.on_done.append(lambda ok, bl=blocks, bm=bm: bm.release(reversed(bl)) if pool.bm is bm else None)
+        copies.attach(op, copy)
+    if cpu_held:
+        cpu = pool.cpu
+        entries = [e for e, _ in cpu_held]
+        for e in entries:
+            cpu.begin_read(e)  # type: ignore[arg-type]
+            cpu.hit(e.key)  # type: ignore[union-attr]
+        copy = copies.copy(CopyKind.LOAD, cpu.storage, [e.slot for e in entries], dst,  # type: ignore[union-attr]
+                           [d for _, d in cpu_held])
+        copy.on_done.append(lambda ok, es=entries: [cpu.end_read(e) for e in es])  # type: ignore[arg-type]
+        copies.attach(op, copy)
+    pool.counters.loads += len(held)
+    copies.settle(op)
+    pool._demoter.clean_ahead()
+    return op
