@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.tiers.eviction import EvictionPolicy
+from kvtier.tiers.policies.base import EvictionPolicy
 from kvtier.tiers.layout import BlockLayout
 
 

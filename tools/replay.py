@@ -53,7 +53,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtier.tiers.eviction import DEFAULT_POLICY
+from kvtier.tiers.policies import DEFAULT_POLICY
 from kvtier.tools.traces import Request, load_trace
 
 __all__ = [
@@ -179,7 +179,6 @@ def replay(requests: Iterable[Request], config: ReplayConfig, *, progress: Any =
     """
     from kvtier.tiers.pool import PoolSpec, TieredPool
 
-    _register_policies()
     t0 = time.perf_counter()
     pool = TieredPool(PoolSpec("replay", config.block_size, config.block_bytes), cpu_blocks=config.cpu_blocks,
                       policy=config.policy, transfer=None, data=False, clean_ahead_blocks=0)
@@ -216,11 +215,6 @@ def replay(requests: Iterable[Request], config: ReplayConfig, *, progress: Any =
     res.seconds = time.perf_counter() - t0
     assert res.hit_blocks + res.miss_blocks == res.looked_up_blocks
     return res
-
-
-def _register_policies() -> None:
-    """Policies that live in modules ``make_policy`` does not import itself (yet)."""
-    import kvtier.tiers.policies_chain  # noqa: F401 - registers "chain"
 
 
 # ---- sweep -------------------------------------------------------------------------------
@@ -400,10 +394,9 @@ def main(args: argparse.Namespace) -> int:
         # Said now, not after a sweep that may take minutes.
         raise SystemExit("kvtier replay: --plot needs matplotlib: pip install 'kvtier[tools]'")
 
-    from kvtier.tiers.eviction import make_policy
+    from kvtier.tiers.policies import make_policy
     from kvtier.tools.traces import TraceError
 
-    _register_policies()
     policies = (args.policies or list(DEFAULT_SWEEP_POLICIES)) if args.sweep else [args.policy]
     for name in policies:
         try:

@@ -62,7 +62,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from kvtier.tools.replay import ACCOUNTING, ReplayConfig, _progress_bar, _register_policies
+from kvtier.tools.replay import ACCOUNTING, ReplayConfig, _progress_bar
 from kvtier.tools.traces import Request
 
 __all__ = [
@@ -342,7 +342,6 @@ def run_nodes(requests: Sequence[Request], node: ReplayConfig, assignment: Seque
 
     if len(assignment) != len(requests):
         raise ValueError(f"{len(assignment)} node numbers for {len(requests)} requests")
-    _register_policies()
     pools = []
     for i in range(nodes):
         pool = TieredPool(PoolSpec("replay", node.block_size, node.block_bytes), cpu_blocks=node.cpu_blocks,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.tiers.cpu_tier import CpuEntry, CpuTier, CpuTierFull
-from kvtier.tiers.eviction import LRUPolicy
+from kvtier.tiers.policies.lru import LRUPolicy
 from kvtier.tiers.layout import BlockLayout
 
 

@@ -16,8 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.eviction import POLICIES, WRAPPERS, EvictionPolicy, LRUPolicy, make_policy
-from kvtier.tiers.policies import AdmissionWrapper, ARCPolicy, S3FIFOPolicy
+from kvtier.tiers.policies import POLICIES, WRAPPERS, EvictionPolicy, make_policy
+from kvtier.tiers.policies.admit2 import AdmissionWrapper
+from kvtier.tiers.policies.arc import ARCPolicy
+from kvtier.tiers.policies.lru import LRUPolicy
+from kvtier.tiers.policies.s3fifo import S3FIFOPolicy
 
 
 def k(i: int) -> bytes:

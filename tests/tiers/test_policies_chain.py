@@ -1,4 +1,4 @@
-"""Tests for the "chain" policy (kvtier.tiers.policies_chain): contract, learning, admission, measured rates."""
+"""Tests for the "chain" policy (kvtier.tiers.policies.chain): contract, learning, admission, measured rates."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.eviction import make_policy
-from kvtier.tiers.policies_chain import ChainPolicy
+from kvtier.tiers.policies import make_policy
+from kvtier.tiers.policies.chain import ChainPolicy
 
 TRACES = Path("/work/shared/traces")
 
@@ -19,8 +19,6 @@ def k(i: int) -> bytes:
 
 
 def test_registered_by_name() -> None:
-    import kvtier.tiers.policies_chain  # noqa: F401 - registers "chain"
-
     assert isinstance(make_policy("chain", 10), ChainPolicy)
     assert make_policy("chain+admit2", 10).inner.name == "chain"
 

@@ -18,9 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.eviction import EvictionPolicy, LRUPolicy
-from kvtier.tiers.policies import AdmissionWrapper
-from kvtier.tiers.policies_chain import ChainPolicy
+from kvtier.tiers.policies import EvictionPolicy
+from kvtier.tiers.policies.admit2 import AdmissionWrapper
+from kvtier.tiers.policies.chain import ChainPolicy
+from kvtier.tiers.policies.lru import LRUPolicy
 
 
 def k(i: int) -> bytes:

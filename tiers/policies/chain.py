@@ -104,7 +104,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from kvtier.tiers.eviction import EvictionPolicy, register_policy
+from kvtier.tiers.policies.base import EvictionPolicy
 
 __all__ = ["ChainPolicy"]
 
@@ -472,6 +472,3 @@ class ChainPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return self._resident
-
-
-register_policy("chain", ChainPolicy)
