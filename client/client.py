@@ -368,24 +368,54 @@ class Client:
         except zmq.Again:
             raise KvtierTimeout(f"{op}: cannot queue the request (daemon unreachable at {self.endpoint})") from None
         while True:
-            remaining_ms = int((deadline_s - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
-                raise KvtierTimeout(f"{op}: no reply from {self.endpoint} in time")
-            reply = sock.recv_multipart(copy=False)
-            try:
-                rh = decode(reply[0].buffer)
-            except Exception as exc:
-                raise ProtocolError(ErrorCode.MALFORMED, f"undecodable reply to {op}: {exc}") from None
-            if not isinstance(rh, dict) or rh.get("v") != PROTOCOL_VERSION or "ok" not in rh:
-                raise ProtocolError(ErrorCode.MALFORMED, f"reply to {op} is not a v{PROTOCOL_VERSION} reply: {rh!r:.200}")
+            rh, rest = self._next_reply(sock, op, deadline_s)
             if rh.get("id") not in (rid, 0):
                 continue  # a late reply to an earlier request on this socket
             if rh["ok"] is True:
-                return rh, reply[1:]
-            err = rh.get("error")
-            if not isinstance(err, dict):
-                raise ProtocolError(ErrorCode.MALFORMED, f"error reply to {op} without an error map")
-            raise DaemonError(int(err.get("code", int(ErrorCode.INTERNAL))), str(err.get("message", "")))
+                return rh, rest
+            raise _error_of(rh, op)
+
+    def _next_reply(self, sock: zmq.Socket, op: str, deadline_s: float) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """The next well-formed reply on ``sock``, whatever request it answers."""
+        remaining_ms = int((deadline_s - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+            raise KvtierTimeout(f"{op}: no reply from {self.endpoint} in time")
+        reply = sock.recv_multipart(copy=False)
+        try:
+            rh = decode(reply[0].buffer)
+        except Exception as exc:
+            raise ProtocolError(ErrorCode.MALFORMED, f"undecodable reply to {op}: {exc}") from None
+        if not isinstance(rh, dict) or rh.get("v") != PROTOCOL_VERSION or "ok" not in rh:
+            raise ProtocolError(ErrorCode.MALFORMED, f"reply to {op} is not a v{PROTOCOL_VERSION} reply: {rh!r:.200}")
+        return rh, reply[1:]
+
+    def _roundtrip_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], deadline_s: float) -> list[dict[str, Any]]:
+        """Send every request, then collect every reply: one round trip for all of them."""
+        sock = self._socket()
+        rids: list[int] = []
+        for fields in fields_list:
+            rid = next(self._ids)
+            header = request_header(op, rid, self.sid, packed_hashes=self._packed_hashes, **fields)
+            try:
+                sock.send_multipart([encode(header)], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise KvtierTimeout(f"{op}: cannot queue the request (daemon unreachable at {self.endpoint})") from None
+            rids.append(rid)
+        replies: dict[int, dict[str, Any]] = {}
+        error: KvtierError | None = None
+        while len(replies) < len(rids):
+            rh, _ = self._next_reply(sock, op, deadline_s)
+            rid = rh.get("id")
+            if rid == 0 and rh["ok"] is not True:
+                raise _error_of(rh, op)  # an error the daemon could not tie to a request
+            if rid not in rids or rid in replies:
+                continue  # a late reply to an earlier request on this socket
+            replies[rid] = rh
+            if rh["ok"] is not True and error is None:
+                error = _error_of(rh, op)
+        if error is not None:
+            raise error
+        return [replies[rid] for rid in rids]
 
     def _call(
         self,
@@ -424,6 +454,39 @@ class Client:
                         raise
                     # Rejected before it ran: safe to resend, whatever the verb.
                     self._session_gone = True
+
+    def _call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], *,
+                   timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """``_call`` for many requests of one idempotent verb, pipelined; all or nothing.
+
+        Any error reply raises (after every reply is read); a timeout resets
+        the socket and raises, without a retry: the caller's deadline covers
+        the whole batch.
+        """
+        if not OPS[op].idempotent:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{op} is not idempotent: it cannot be pipelined")
+        if self._closed:
+            raise KvtierError("client is closed")
+        deadline_s = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        with self._lock:
+            if self._pending_loss is not None:
+                loss, self._pending_loss = self._pending_loss, None
+                raise loss
+            for attempt in range(2):
+                if self._session_gone:
+                    self._reestablish(deadline_s)
+                try:
+                    return self._roundtrip_many(op, fields_list, deadline_s)
+                except KvtierTimeout:
+                    self._reset_socket()
+                    raise
+                except DaemonError as exc:
+                    if exc.code != ErrorCode.UNKNOWN_SESSION or attempt:
+                        raise
+                    # The daemon forgot the session: it ran none of them (every
+                    # request carried that session). Open a new one, send again.
+                    self._session_gone = True
+        raise AssertionError("unreachable")
 
     def _hello(self, deadline_s: float) -> None:
         fields: dict[str, Any] = {"pool": self.pool, "layout": self.layout, "client": self._client_name}
@@ -589,6 +652,25 @@ class Client:
         if pin:
             self._pins.update(hashes[: rh.get("pinned", 0)])
         return tiers
+
+    def lookup_many(self, requests: Sequence[Sequence[bytes]], *, pin: bool = False,
+                    timeout_s: float | None = None) -> list[Sequence[str]]:
+        """``lookup`` of each hash list, pipelined: all requests go out before any reply is read.
+
+        One round trip for the batch instead of one each (a scheduler that
+        admits many requests at once); each answer is exactly what ``lookup``
+        would have returned, in order.
+        """
+        wires = [self._wire_hashes(h, keys=pin) for h in requests]
+        if not wires:
+            return []
+        replies = self._call_many("lookup", [{"hashes": w, "pin": pin} for _, w in wires], timeout_s=timeout_s)
+        out: list[Sequence[str]] = []
+        for (hashes, _), rh in zip(wires, replies):
+            if pin:
+                self._pins.update(hashes[: rh.get("pinned", 0)])
+            out.append(_tier_list(rh["tiers"]))
+        return out
 
     def pin(self, hashes: Sequence[bytes], *, timeout_s: float | None = None) -> Sequence[str]:
         hashes = _check_hashes(hashes)
@@ -782,6 +864,13 @@ class Client:
     def unregister_kv(self, name: str, *, timeout_s: float | None = None) -> None:
         self._call("unregister_kv", {"name": name}, timeout_s=timeout_s)
         self._registrations.pop(name, None)
+
+
+def _error_of(rh: Mapping[str, Any], op: str) -> KvtierError:
+    err = rh.get("error")
+    if not isinstance(err, dict):
+        return ProtocolError(ErrorCode.MALFORMED, f"error reply to {op} without an error map")
+    return DaemonError(int(err.get("code", int(ErrorCode.INTERNAL))), str(err.get("message", "")))
 
 
 def _strip(rh: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,9 +7,12 @@ Runs in vLLM's scheduler (engine-core) process, one instance per engine.
 Talks to kvtierd through ``DaemonLink`` on one background thread, so the
 scheduler never waits on a round trip:
 
-- ``on_new_request`` starts the request's lookup at once (hash the prompt's
-  full blocks, ``lookup(pin=True)``): the blocks found stay pinned in kvtierd,
-  bound to this engine's session lease.
+- ``on_new_request`` queues the request's lookup at once (hash the prompt's
+  full blocks, ``lookup(pin=True)``); the background thread sends every
+  lookup queued since its last round trip in one pipelined batch
+  (``Client.lookup_many``), so a burst of arrivals costs one round trip, not
+  one each. The blocks found stay pinned in kvtierd, bound to this engine's
+  session lease.
 - ``get_num_new_matched_tokens`` answers from that lookup: ``None`` ("ask me
   again") while it is in flight, then the tokens kvtierd holds beyond vLLM's
   own hit, block-aligned and always leaving the last prompt token to compute.
@@ -28,6 +31,7 @@ scheduler never waits on a round trip:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -69,6 +73,8 @@ class SchedulerSide:
         self._link = DaemonLink(settings.socket, pool.name, pool.layout, retry_s=settings.retry_s,
                                 client_kwargs=settings.client_kwargs())
         self._jobs = Background("kvtier-scheduler")
+        self._batch: list[tuple[_Tracked, int, Future[int]]] = []  # lookups not yet sent
+        self._batch_lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []  # decided by update_state_after_alloc, sent by the next meta
         self._load_pins: dict[str, list[bytes]] = {}  # req_id -> pins to drop once its load ran
@@ -95,15 +101,24 @@ class SchedulerSide:
             done.set_result(0)
             t.lookup = done
             return
-        t.lookup = self._jobs.submit(lambda: self._lookup(t, max_blocks))
+        fut: Future[int] = Future()
+        t.lookup = fut
+        with self._batch_lock:
+            self._batch.append((t, max_blocks, fut))
+            first = len(self._batch) == 1
+        if first:
+            self._jobs.submit(self._flush_lookups)
 
-    def _lookup(self, t: _Tracked, max_blocks: int) -> int:
-        keys = t.keys.upto(max_blocks)
-        tiers = self._link.call(lambda c: c.lookup(keys, pin=True))
-        if not tiers:
-            return 0
-        t.pinned = keys[: len(tiers)]
-        return len(tiers)
+    def _flush_lookups(self) -> None:
+        """Every lookup queued since the last flush, in one pipelined round trip."""
+        with self._batch_lock:
+            batch, self._batch = self._batch, []
+        keys = [t.keys.upto(max_blocks) for t, max_blocks, _ in batch]
+        answers = self._link.call(lambda c: c.lookup_many(keys, pin=True))
+        for i, (t, _, fut) in enumerate(batch):
+            held = len(answers[i]) if answers else 0
+            t.pinned = keys[i][:held]
+            fut.set_result(held)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         t0 = time.perf_counter()

@@ -201,3 +201,37 @@ def test_a_half_reestablished_session_is_redone_by_the_next_call(kvtierd_factory
         # INVALID_STATE (no GPU tier registered).
         alloc = c.allocate_tokens("r2", list(range(6)))
         assert len(alloc.block_ids) == 2
+
+
+def test_lookup_many_answers_as_lookup_does_in_one_round_trip(daemon) -> None:  # type: ignore[no-untyped-def]
+    prefixes = [[bytes([9, p, i]) + b"\0" * 13 for i in range(4)] for p in range(20)]
+    with Client(daemon.endpoint, "many", LAYOUT) as c:
+        for p, hashes in enumerate(prefixes[:10]):
+            c.store(hashes[: p % 4 + 1], random.Random(p).randbytes((p % 4 + 1) * BLOCK_BYTES))
+        one_by_one = [list(c.lookup(h)) for h in prefixes]
+        assert [list(t) for t in c.lookup_many(prefixes)] == one_by_one
+        assert c.lookup_many([]) == []
+        # Pinned as lookup(pin=True) pins: counted per session, released by unpin.
+        held = c.lookup_many(prefixes, pin=True)
+        pinned = sum(len(t) for t in held)
+        assert pinned == sum(len(t) for t in one_by_one) > 0
+        assert c.stats()["pools"]["many"]["pinned_blocks"] == pinned
+        for hashes, tiers in zip(prefixes, held):
+            c.unpin(hashes[: len(tiers)])
+        assert c.stats()["pools"]["many"]["pinned_blocks"] == 0
+        # One bad request: the batch raises its error, and the client goes on.
+        with pytest.raises(KvtierError) as info:
+            c.lookup_many([prefixes[0], [b"short"]])
+        assert info.value.code == ErrorCode.INVALID_FIELD
+        assert list(c.lookup(prefixes[0])) == one_by_one[0]
+
+
+def test_lookup_many_reopens_a_forgotten_session(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES)
+    hashes = [bytes([4, i]) * 8 for i in range(2)]
+    with Client(daemon.endpoint, "many-restart", LAYOUT, timeout_s=10.0) as c:
+        c.store(hashes, random.Random(1).randbytes(2 * BLOCK_BYTES))
+        old_sid = c.sid
+        daemon.restart()
+        assert c.lookup_many([hashes, hashes[:1]]) == [[], []]  # a new session, an empty cache
+        assert c.sid != old_sid
