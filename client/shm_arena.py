@@ -36,10 +36,12 @@ clients' arenas.
 
 Trust: the daemon maps memory a client controls. A client can scribble over
 its own slots at any time (the daemon copies, then validates nothing about
-content), and a same-user process that truncates the file under the daemon's
-mapping can make the daemon fault. ``/dev/shm`` files cannot be sealed, so
-this is not a privilege boundary: clients of one daemon must be processes the
-daemon's user trusts (same user, or a group given access explicitly).
+content), and it can truncate the file under the daemon's mapping:
+``/dev/shm`` files cannot be sealed. The daemon therefore never loads or
+stores through an attached arena directly: it moves bytes with
+``kvtier.daemon.client_memory`` (process_vm_readv/writev), which fail on a
+vanished page instead of raising SIGBUS. Whoever else maps an arena
+(``buffer``, ``as_numpy``) faults as usual when it is truncated.
 
 Linux only. Imports no torch (numpy only inside ``as_numpy``).
 """
@@ -169,7 +171,10 @@ class ShmArena:
                 raise ShmArenaError(
                     f"arena {name} is {st.st_size} bytes, expected {num_slots} slots x {slot_bytes} bytes = {size_bytes}"
                 )
-            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except (ValueError, OSError) as exc:  # e.g. shrunk between the fstat and the mmap
+                raise ShmArenaError(f"cannot map arena {name}: {exc}") from None
         finally:
             os.close(fd)
         return cls(name=name, num_slots=num_slots, slot_bytes=slot_bytes, mapping=mapping, owner=False)

@@ -48,6 +48,7 @@ from kvtier.client.protocol import (
     pack_tiers,
 )
 from kvtier.client.shm_arena import ShmArena, ShmArenaError
+from kvtier.daemon import client_memory
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.daemon.sessions import Closeable, Registration, Session, SessionTable
@@ -399,6 +400,14 @@ def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"plane {f['plane']!r} takes no payload frame")
         src, slots = _plane_layout(ctx, req, session, n)
     ctx.tenants.check_store(session.tenant, entry.pool, hashes, entry.block_bytes)
+    if f["plane"] != "inline" and client_memory.is_client_host_memory(src):
+        # The client's file may shrink under us: its bytes are copied out
+        # here with calls that fail instead of faulting, and the pool reads
+        # only the daemon's own staging buffer.
+        staging = BlockLayout.contiguous(n, entry.block_bytes, "cpu")
+        client_src, client_slots = src, slots
+        _client_copy(ctx, session, lambda: client_memory.read_blocks(client_src, client_slots, staging))
+        src, slots, keep = staging, list(range(n)), staging
     op = entry.pool.store(hashes, src, slots)
     return _done_or_pending(op, lambda o: Reply(dict(o.result)), keep=keep)
 
@@ -444,8 +453,51 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
 
         return _done_or_pending(op, finish, keep=staging)
     dst, slots = _plane_layout(ctx, req, session, n)
-    op = pool.restore(hashes, dst, slots)
-    return _done_or_pending(op, lambda o: Reply({"tiers": list(o.result["tiers"])}))
+    if not client_memory.is_client_host_memory(dst):
+        op = pool.restore(hashes, dst, slots)
+        return _done_or_pending(op, lambda o: Reply({"tiers": list(o.result["tiers"])}))
+    # Client host memory: the pool writes a staging buffer, and the loop
+    # copies it out with calls that fail instead of faulting (see store).
+    k = len(pool.lookup(hashes, count=False))
+    if k == 0:
+        pool.lookup(hashes)
+        return Reply({"tiers": []})
+    staging = BlockLayout.contiguous(k, entry.block_bytes, "cpu")
+    op = pool.restore(hashes, staging, list(range(k)) + [0] * (n - k))
+
+    def finish_client(o: Op) -> Reply:
+        got = len(o.result["tiers"])
+        _client_copy(ctx, session, lambda: client_memory.write_blocks(staging, got, dst, slots))
+        return Reply({"tiers": list(o.result["tiers"])})
+
+    return _done_or_pending(op, finish_client, keep=staging)
+
+
+def _client_copy(ctx: HandlerContext, session: Session, copy: Callable[[], None]) -> None:
+    """Run a copy to or from the session's shared memory; a fault fails the request and the session's client memory."""
+    try:
+        copy()
+    except client_memory.ClientMemoryFault as exc:
+        drop_client_memory(ctx, session, str(exc))
+        raise ProtocolError(ErrorCode.TRANSFER_FAILED, f"{exc}; this session's arena and registrations were dropped: "
+                            "attach and register them again") from None
+
+
+def drop_client_memory(ctx: HandlerContext, session: Session, why: str) -> None:
+    """Forget a session's arena and registrations (not unlinking anything): its memory is unusable."""
+    ctx.metrics.inc("client_memory_faults_total")
+    log.warning("session %s: %s; dropping its arena and %d registrations", session.sid[:8], why,
+                len(session.registrations))
+    for reg in list(session.registrations.values()):
+        try:
+            release_registration(ctx, session, reg)
+        except Exception:
+            log.exception("releasing registration %r", reg.name)
+    session.registrations.clear()
+    if session.arena is not None:
+        arena, _layout = session.arena
+        session.arena = None
+        arena.close()
 
 
 # ---- daemon-wide -------------------------------------------------------------

@@ -436,6 +436,9 @@ class Server:
             return
         try:
             reply = parked.pending.finish(op)
+        except ProtocolError as exc:  # e.g. the copy out to the client's memory failed
+            self._send_error(parked.identity, req.id, exc.code, exc.message, op=req.op)
+            return
         except Exception as exc:
             log.exception("finishing %s (id %d)", req.op, req.id)
             self._send_error(parked.identity, req.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", op=req.op)

@@ -1,0 +1,159 @@
+"""Copies between the daemon's own buffers and memory a client owns, that never fault the daemon.
+
+Why: an arena (``attach_arena``) and a ``/dev/shm`` KV registration
+(``register_kv``) are files the client created and can truncate, shrink or
+leave sparse at any time. ``/dev/shm`` files cannot be sealed (only memfds
+can), so a size check at attach time proves nothing later: a plain load or
+store through the daemon's mapping of a page past the file's new end, or of
+a hole tmpfs cannot back, is SIGBUS, and SIGBUS kills the whole daemon with
+every other client's pools.
+
+How: the daemon never lets its copy engines (``tiers``) touch a client's
+host memory. A store first copies the named slots into a daemon-owned
+staging buffer; a restore lands in a staging buffer and is then copied out
+to the client's slots. Those two copies are ``process_vm_readv`` /
+``process_vm_writev`` on the daemon's own pid: the kernel walks the pages
+(get_user_pages), and a page that is gone or cannot be backed makes the
+call return a short count or ``EFAULT`` instead of raising a signal. There
+is no check-then-copy window: the copy itself is the check.
+
+Contract:
+
+- ``read_blocks(layout, slots, staging)`` fills row ``i`` of ``staging`` (a
+  contiguous ``[n, block_bytes]`` host layout) with the canonical bytes of
+  block ``slots[i]`` of ``layout``; ``write_blocks(staging, layout, slots)``
+  is the reverse. Both raise ``ClientMemoryFault`` when any byte could not
+  be moved (then the destination is partly written, and the caller fails the
+  request and drops the session's client memory).
+- Only host layouts are client memory in this sense; CUDA IPC memory cannot
+  SIGBUS the daemon and is copied by the transfer engines as before
+  (``is_client_host_memory``).
+- Where the kernel refuses the calls (a seccomp profile without
+  ``process_vm_readv``), ``available()`` is False and the copies fall back to
+  plain memory copies, which fault as before; the daemon logs this once.
+
+Canonical block bytes follow ``kvtier.tiers.layout``: tensor by tensor, the
+bytes of ``t.select(block_dim, s)`` in C order, decomposed here into
+contiguous runs (one per block for a slab such as an arena).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+IOV_MAX = 1024  # Linux UIO_MAXIOV: iovecs per call
+
+
+class ClientMemoryFault(Exception):
+    """Client memory could not be read or written (truncated file, unbackable page)."""
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SIG = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+_readv = getattr(_libc, "process_vm_readv", None)
+_writev = getattr(_libc, "process_vm_writev", None)
+for _fn in (_readv, _writev):
+    if _fn is not None:
+        _fn.restype = ctypes.c_ssize_t
+        _fn.argtypes = _SIG
+
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether fault-safe copies work in this process (probed once)."""
+    global _available
+    if _available is None:
+        _available = False
+        if _readv is not None and _writev is not None:
+            src = ctypes.create_string_buffer(b"kvtier", 8)
+            dst = ctypes.create_string_buffer(8)
+            local, remote = _IoVec(ctypes.addressof(dst), 8), _IoVec(ctypes.addressof(src), 8)
+            n = _readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            _available = n == 8 and dst.raw[:6] == b"kvtier"
+            if not _available:
+                log.warning("process_vm_readv is not permitted here (%s): copies from clients' shared memory are "
+                            "plain memory copies, and a client that truncates its file can crash the daemon",
+                            os.strerror(ctypes.get_errno()) if n < 0 else f"returned {n}")
+    return _available
+
+
+def is_client_host_memory(layout: Any) -> bool:
+    return layout.device.type == "cpu"
+
+
+def _tensor_runs(t: Any, out: list[tuple[int, int]]) -> None:
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        out.append((t.data_ptr(), t.numel() * t.element_size()))
+        return
+    for i in range(t.shape[0]):
+        _tensor_runs(t[i], out)
+
+
+def block_runs(layout: Any, slot: int) -> list[tuple[int, int]]:
+    """(address, length) runs of block ``slot``'s canonical bytes, in order, adjacent runs merged."""
+    if layout.is_slab:
+        slab = layout.slab()
+        bb = slab.shape[1]
+        return [(slab.data_ptr() + slot * slab.stride(0), bb)]
+    raw: list[tuple[int, int]] = []
+    for t, d in zip(layout.tensors, layout.block_dims):
+        _tensor_runs(t.select(d, slot), raw)
+    runs: list[tuple[int, int]] = []
+    for addr, n in raw:
+        if runs and runs[-1][0] + runs[-1][1] == addr:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((addr, n))
+    return runs
+
+
+def _move(fn: Any, what: str, local_ptr: int, runs: Sequence[tuple[int, int]]) -> None:
+    pid = os.getpid()
+    for i in range(0, len(runs), IOV_MAX):
+        chunk = runs[i : i + IOV_MAX]
+        total = sum(n for _, n in chunk)
+        remote = (_IoVec * len(chunk))(*chunk)
+        local = _IoVec(local_ptr, total)
+        got = fn(pid, ctypes.byref(local), 1, remote, len(chunk), 0)
+        if got != total:
+            err = ctypes.get_errno() if got < 0 else 0
+            why = os.strerror(err) if err else f"{got} of {total} bytes moved"
+            if err == errno.EPERM:
+                why += " (not permitted)"
+            raise ClientMemoryFault(f"{what} the client's shared memory failed: {why} "
+                                    "(was its file truncated, or can /dev/shm not back it?)")
+        local_ptr += total
+
+
+def read_blocks(layout: Any, slots: Sequence[int], staging: Any) -> None:
+    """Copy blocks ``slots`` of client memory ``layout`` into rows 0.. of ``staging`` (a host slab)."""
+    dst = staging.slab()
+    if not available():
+        dst[: len(slots)].copy_(layout.gather(list(slots)))
+        return
+    runs = [r for s in slots for r in block_runs(layout, s)]
+    _move(_readv, "reading", dst.data_ptr(), runs)
+
+
+def write_blocks(staging: Any, count: int, layout: Any, slots: Sequence[int]) -> None:
+    """Copy rows 0..count of ``staging`` (a host slab) into blocks ``slots`` of client memory ``layout``."""
+    src = staging.slab()
+    if not available():
+        layout.scatter(list(slots[:count]), src[:count])
+        return
+    runs = [r for s in slots[:count] for r in block_runs(layout, s)]
+    _move(_writev, "writing", src.data_ptr(), runs)

@@ -1,0 +1,136 @@
+"""Memory a client owns (its arena, its /dev/shm KV files) can never crash the daemon.
+
+The client truncates the file under the daemon's mapping: the request that
+touches it fails with TRANSFER_FAILED, the session's arena and registrations
+are dropped, and the daemon goes on serving that client inline and every
+other client (issue 15, item 1).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from kvtier.client.client import Client, DaemonError, PoolLayout
+from kvtier.client.protocol import ErrorCode
+
+BLOCK_BYTES = 4096
+
+
+def layout(**kw: object) -> PoolLayout:
+    base = dict(model="m", block_size=4, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=2,
+                kv_heads=2, head_dim=64, mode="store")
+    base.update(kw)
+    return PoolLayout(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]
+    return kvtierd_module_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES)
+
+
+def hashes(rng: random.Random, n: int) -> list[bytes]:
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+def still_serving(daemon, pool: str) -> None:  # type: ignore[no-untyped-def]
+    assert daemon.alive, daemon.log()[-3000:]
+    rng = random.Random(pool)
+    with Client(daemon.endpoint, pool, layout()) as other:
+        hs, data = hashes(rng, 2), rng.randbytes(2 * BLOCK_BYTES)
+        assert other.store(hs, data) == (2, 0)
+        assert bytes(other.restore(hs).data) == data
+
+
+def test_truncated_arena_fails_the_store_and_the_restore_not_the_daemon(daemon) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(1)
+    with Client(daemon.endpoint, "trunc-arena", layout()) as c:
+        arena = c.open_arena(4)
+        hs = hashes(rng, 2)
+        data = rng.randbytes(2 * BLOCK_BYTES)
+        arena.buffer[: 2 * BLOCK_BYTES] = data
+        assert c.store(hs, slots=[0, 1]) == (2, 0)
+        os.truncate(arena.path, 0)
+        with pytest.raises(DaemonError) as err:
+            c.store(hashes(rng, 2), slots=[2, 3])
+        assert err.value.code == ErrorCode.TRANSFER_FAILED
+        assert "dropped" in str(err.value)
+        # The session lives on without its arena; inline still works.
+        with pytest.raises(DaemonError) as err:
+            c.restore(hs, slots=[0, 1])
+        assert err.value.code == ErrorCode.INVALID_STATE
+        assert bytes(c.restore(hs).data) == data
+        assert c.stats()["daemon"]["client_memory_faults_total"] >= 1
+    with Client(daemon.endpoint, "trunc-arena", layout()) as c:
+        arena = c.open_arena(4)
+        os.truncate(arena.path, BLOCK_BYTES)  # slot 0 left, slots 1.. gone
+        with pytest.raises(DaemonError) as err:
+            c.restore(hs, slots=[0, 1])
+        assert err.value.code == ErrorCode.TRANSFER_FAILED
+    still_serving(daemon, "trunc-arena-other")
+
+
+def test_truncated_kv_registration_fails_the_copy_not_the_daemon(daemon) -> None:  # type: ignore[no-untyped-def]
+    from kvtier.client.kv_share import allocate_shared_kv
+
+    rng = random.Random(2)
+    kv, handle = allocate_shared_kv([8, 2, BLOCK_BYTES // 4], "bfloat16", 0)
+    path = f"/dev/shm/{handle['name']}"
+    with Client(daemon.endpoint, "trunc-kv", layout()) as c:
+        assert c.register_kv("kv", [kv], 0) == 8
+        hs = hashes(rng, 2)
+        assert c.store(hs, slots=[0, 1], reg="kv") == (2, 0)
+        os.truncate(path, 0)
+        with pytest.raises(DaemonError) as err:
+            c.store(hashes(rng, 2), slots=[2, 3], reg="kv")
+        assert err.value.code == ErrorCode.TRANSFER_FAILED
+        with pytest.raises(DaemonError) as err:
+            c.restore(hs, slots=[4, 5], reg="kv")
+        assert err.value.code == ErrorCode.NOT_FOUND  # the registration was dropped
+        assert len(c.restore(hs).data) == 2 * BLOCK_BYTES
+    del kv
+    still_serving(daemon, "trunc-kv-other")
+
+
+def test_an_arena_truncated_and_regrown_under_copies_never_crashes_the_daemon(daemon) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(3)
+    stop = threading.Event()
+    with Client(daemon.endpoint, "trunc-race", layout()) as c:
+        arena = c.open_arena(8)
+        path, size = arena.path, arena.size_bytes
+
+        def flap() -> None:
+            while not stop.is_set():
+                os.truncate(path, random.choice([0, BLOCK_BYTES, 3 * BLOCK_BYTES]))
+                time.sleep(0.0005)
+                os.truncate(path, size)
+                time.sleep(0.0005)
+
+        t = threading.Thread(target=flap, daemon=True)
+        t.start()
+        outcomes: dict[str, int] = {}
+        try:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                hs = hashes(rng, 8)
+                try:
+                    c.store(hs, slots=list(range(8)))
+                    c.restore(hs, slots=list(reversed(range(8))))
+                    outcomes["ok"] = outcomes.get("ok", 0) + 1
+                except DaemonError as exc:
+                    assert exc.code in (ErrorCode.TRANSFER_FAILED, ErrorCode.INVALID_STATE), exc
+                    outcomes[exc.code.name] = outcomes.get(exc.code.name, 0) + 1
+                    try:  # the arena was dropped: announce it again (may fail while it is short)
+                        c._call("attach_arena", c._arena_fields())
+                    except DaemonError as again:
+                        assert again.code in (ErrorCode.NOT_FOUND, ErrorCode.INVALID_STATE), again
+        finally:
+            stop.set()
+            t.join()
+        assert daemon.alive, daemon.log()[-3000:]
+        assert outcomes.get("TRANSFER_FAILED", 0) > 0, outcomes
+    still_serving(daemon, "trunc-race-other")
