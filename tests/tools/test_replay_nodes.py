@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvtier.tools import cli
 from kvtier.tools.replay import ReplayConfig, replay
-from kvtier.tools.replay_nodes import (
+from kvtier.tools.replay.nodes import (
     NodesConfig,
     SimulatedRemoteTier,
     assign_nodes,

@@ -1,7 +1,7 @@
 """`kvtier replay --nodes N`: several simulated nodes, each with its own tiers, sharing one remote tier.
 
 Each node is a ``TieredPool`` in bookkeeping mode (``data=False``), built as
-``kvtier.tools.replay`` builds its one pool (same GPU and CPU capacities and
+``kvtier.tools.replay.core`` builds its one pool (same GPU and CPU capacities and
 policy per node, clean-ahead off), and each request is replayed on exactly one
 node with the single-node replay's accounting (``replay.ACCOUNTING``). The
 remote tier is a ``SimulatedRemoteTier``: keys only, one exact LRU over all
@@ -53,27 +53,25 @@ stand-in's is exact; the stand-in's capacity is in blocks, not bytes.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from kvtier.tools.replay import ACCOUNTING, ReplayConfig, _progress_bar
+from kvtier.tools.replay.core import ACCOUNTING, ReplayConfig
+from kvtier.tools.replay.progress import progress_bar
 from kvtier.tools.traces import Request
 
 __all__ = [
     "ASSIGN_RULES",
+    "DEFAULT_ASSIGN",
     "MOONCAKE_REFERENCE",
     "NODES_ACCOUNTING",
     "NodesConfig",
     "SimulatedRemoteTier",
     "assign_nodes",
     "compare",
-    "format_nodes",
     "hot_keys",
     "run_nodes",
 ]
@@ -384,7 +382,7 @@ def compare(requests: Sequence[Request], config: NodesConfig, *, progress: bool 
     t0 = time.perf_counter()
     n, node = config.nodes, config.node
     runs = (3 if config.write_through else 2) * len(config.assign) + 1
-    bar = _progress_bar(len(requests) * runs, "replay", progress)
+    bar = progress_bar(len(requests) * runs, "replay", progress)
     try:
         hot = hot_keys(requests, n)
         by_rule: dict[str, Any] = {}
@@ -424,136 +422,3 @@ def compare(requests: Sequence[Request], config: NodesConfig, *, progress: bool 
         "seconds": round(time.perf_counter() - t0, 3),
         "accounting": ACCOUNTING + NODES_ACCOUNTING,
     }
-
-
-# ---- command line (called by replay.main) --------------------------------------------------
-
-
-def parse_assign(text: str) -> tuple[str, ...]:
-    """``"hash"``, ``"round-robin"`` or a comma-separated list of rules (each replayed)."""
-    rules = tuple(part.strip() for part in text.split(",") if part.strip())
-    bad = [r for r in rules if r not in ASSIGN_RULES]
-    if bad or not rules:
-        raise argparse.ArgumentTypeError(f"unknown assignment {','.join(bad) or text!r} "
-                                         f"(choose from {', '.join(ASSIGN_RULES)})")
-    return rules
-
-
-UNBOUNDED = -1  # what parse_remote_size returns for "unbounded" (None means "not given" to argparse)
-
-
-def parse_remote_size(text: str) -> int:
-    """A size as ``replay.parse_size`` reads it, or ``unbounded`` (``UNBOUNDED``)."""
-    from kvtier.tools.replay import parse_size
-
-    if text.strip().lower() in ("unbounded", "inf"):
-        return UNBOUNDED
-    return parse_size(text)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``--nodes`` options of ``kvtier replay``."""
-    g = p.add_argument_group("several nodes sharing a remote tier (--nodes)")
-    g.add_argument("--nodes", type=int, metavar="N",
-                   help="replay on N nodes, each with the GPU and CPU capacities given, and report each node "
-                        "alone (local), the nodes sharing one remote tier (global) and one cache of N times the "
-                        "capacity")
-    size = g.add_mutually_exclusive_group()
-    size.add_argument("--remote-tokens", type=parse_remote_size, metavar="T",
-                      help="remote tier capacity in tokens, or 'unbounded' (default: N x the CPU tier)")
-    size.add_argument("--remote-blocks", type=parse_remote_size, metavar="B",
-                      help="remote tier capacity in blocks, or 'unbounded'")
-    g.add_argument("--remote-write-through", action="store_true",
-                   help="also replay a what-if the pool does not implement: every computed block is written to "
-                        "the remote tier at once (the pool writes a block back only when a CPU tier evicts it)")
-    g.add_argument("--assign", type=parse_assign, default=(DEFAULT_ASSIGN,), metavar="RULE[,RULE]",
-                   help="request-to-node rule: hash (default: xxh3 of the first block that at most 1/N of the "
-                        "requests share; sticky per conversation), round-robin, first-block; a list replays each")
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Reject option combinations ``--nodes`` does not support (before the trace is read)."""
-    if args.nodes is None:
-        if args.remote_tokens is not None or args.remote_blocks is not None:
-            raise SystemExit("kvtier replay: --remote-tokens/--remote-blocks need --nodes N")
-        return
-    if args.nodes < 1:
-        raise SystemExit("kvtier replay: --nodes must be >= 1")
-    if args.sweep or args.plot:
-        raise SystemExit("kvtier replay: --nodes does not combine with --sweep or --plot")
-
-
-def main(args: argparse.Namespace, requests: Sequence[Request], node: ReplayConfig) -> int:
-    """``kvtier replay --nodes N``: run ``compare`` and print or write the report."""
-    check_args(args)
-    nodes = args.nodes
-    remote_blocks: int | None
-    if args.remote_blocks is not None:
-        remote_blocks = args.remote_blocks
-    elif args.remote_tokens is not None:
-        remote_blocks = args.remote_tokens if args.remote_tokens == UNBOUNDED else args.remote_tokens // node.block_size
-    else:
-        remote_blocks = nodes * node.cpu_blocks  # default: as much as all the nodes' CPU tiers together
-    if remote_blocks == UNBOUNDED:
-        remote_blocks = None
-    try:
-        config = NodesConfig(nodes, node, remote_blocks, args.assign, args.remote_write_through)
-    except ValueError as exc:
-        raise SystemExit(f"kvtier replay: {exc}") from None
-    report = compare(requests, config, progress=False if args.quiet else None)
-    report["trace"] = str(args.trace)
-    if args.json != "-":
-        print(format_nodes(report))
-    if args.json:
-        data = json.dumps(report, indent=2) + "\n"
-        if args.json == "-":
-            sys.stdout.write(data)
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(data)
-    return 0
-
-
-def format_nodes(r: dict[str, Any]) -> str:
-    """The report as a table: block hit rate by tier for each run, token hit rate, Mooncake's figures."""
-    c, n = r["node"], r["nodes"]
-    bs = c["block_size"]
-    rb = r["remote_blocks"]
-    remote = "unbounded" if rb is None else f"{rb:,} blocks ({rb * bs:,} tokens)"
-    any_run = next(iter(r["assign"].values()))["local"] if r["assign"] else r["one_global_cache"]
-    lines = [
-        f"trace {r.get('trace', '')}: {any_run['requests']:,} requests, {any_run['looked_up_blocks']:,} full "
-        f"blocks looked up",
-        f"{n} nodes, each GPU {c['gpu_blocks']:,} blocks ({c['gpu_blocks'] * bs:,} tokens) + CPU "
-        f"{c['cpu_blocks']:,} blocks ({c['cpu_blocks'] * bs:,} tokens), policy {c['policy']}; shared remote "
-        f"tier {remote}, LRU; {r['hot_blocks']} hot block(s) skipped by hash assignment",
-        "",
-        f"{'block hit rate':40}{'gpu':>8}{'cpu':>8}{'remote':>8}{'total':>8}{'token':>8}",
-    ]
-
-    def row(label: str, d: dict[str, Any]) -> str:
-        b = d["block_hit_rate"]
-        return (f"{label:40}{b['gpu']:>8.4f}{b['cpu']:>8.4f}{b['remote']:>8.4f}{b['total']:>8.4f}"
-                f"{d['token_hit_rate']['total']:>8.4f}")
-
-    for rule, d in r["assign"].items():
-        rates = [p["block_hit_rate"] for p in d["local"]["per_node"]]
-        lines.append(row(f"local, {rule}", d["local"]) + f"   nodes {min(rates):.3f}..{max(rates):.3f}")
-        lines.append(row(f"global (+remote), {rule}", d["global"]) + f"   requests/node "
-                     f"{d['requests_per_node']['min']:,}..{d['requests_per_node']['max']:,}")
-        if "global_write_through" in d:
-            lines.append(row(f"global, write-through*, {rule}", d["global_write_through"]))
-    lines.append(row(f"one global cache ({n}x GPU+CPU)", r["one_global_cache"]))
-    inf = r["infinite"]
-    lines.append(f"{'infinite cache (bound)':40}{'':>24}{inf['block_hit_rate']:>8.4f}{inf['token_hit_rate']:>8.4f}")
-    m = r["mooncake_reference"]
-    if r.get("write_through"):
-        lines.append("* what-if: computed blocks written to the remote tier at once (the pool writes back on "
-                     "CPU eviction only)")
-    lines += [
-        "",
-        f"reference: {m['source']}: ~{m['local_hit_rate']:.3f} each node alone, ~{m['global_hit_rate']:.3f} "
-        "one global cache",
-        f"replayed in {r['seconds']:.1f} s",
-    ]
-    return "\n".join(lines)

@@ -1,0 +1,263 @@
+"""``kvtier replay``: the command line (arguments, checks, output) over ``core`` and ``nodes``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.tools.replay.core import (
+    ACCOUNTING,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_BYTES_PER_TOKEN,
+    DEFAULT_CPU_TOKENS,
+    DEFAULT_GPU_TOKENS,
+    DEFAULT_POLICY,
+    DEFAULT_SWEEP_CPU_TOKENS,
+    DEFAULT_SWEEP_POLICIES,
+    ReplayConfig,
+    replay,
+    sweep,
+)
+from kvtier.tools.replay.nodes import ASSIGN_RULES, DEFAULT_ASSIGN, NodesConfig, compare
+from kvtier.tools.replay.progress import progress_bar
+from kvtier.tools.replay.report import format_nodes, format_result, format_sweep
+from kvtier.tools.traces import Request, load_trace
+
+__all__ = ["main", "parse_size", "register"]
+
+# ---- the single-node command --------------------------------------------------------------
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``"3M"`` -> 3_000_000, ``"100k"`` -> 100_000, ``"1.5M"``, ``"64Ki"``; plain integers too."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kKmMgG]i?)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 195, 100k, 3M, 1.5M)")
+    value = float(m.group(1)) * _SUFFIX[(m.group(2) or "").lower()]
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(value)
+
+
+def _size_list(text: str) -> list[int]:
+    return [parse_size(part) for part in text.split(",") if part.strip()]
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``replay`` subcommand to ``kvtier``'s subparsers."""
+    p = subparsers.add_parser(
+        "replay",
+        help="replay a request trace through the tiers and report hit rates",
+        description="Replay a Mooncake-style (hash_ids) or token-id JSONL trace, plain or gzip, through the "
+        "real GPU block manager and CPU tier in bookkeeping-only mode, and report hit rates by tier, "
+        "demotions, restores, CPU evictions, bytes moved, and the infinite-cache and Belady bounds. "
+        "Sizes accept k/M/G suffixes (decimal) and, with --sweep, comma-separated lists.",
+        epilog="Accounting: " + " ".join(ACCOUNTING),
+    )
+    p.add_argument("trace", help="JSONL trace (plain or gzip): hash_ids (Mooncake) or token_ids per request")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu-blocks", type=parse_size, metavar="N", help="GPU tier size in blocks")
+    gpu.add_argument("--gpu-tokens", type=parse_size, metavar="N",
+                     help=f"GPU tier size in tokens (default {DEFAULT_GPU_TOKENS:,}; blocks = N // block-size)")
+    cpu = p.add_mutually_exclusive_group()
+    cpu.add_argument("--cpu-blocks", type=_size_list, metavar="M", help="CPU tier size in blocks (list with --sweep)")
+    cpu.add_argument("--cpu-tokens", type=_size_list, metavar="M",
+                     help=f"CPU tier size in tokens (default {DEFAULT_CPU_TOKENS:,}; list with --sweep)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"CPU-tier policy name (default {DEFAULT_POLICY})")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
+                   help=f"tokens per block (default {DEFAULT_BLOCK_SIZE}; for hash_ids traces: the trace's)")
+    p.add_argument("--block-bytes", type=parse_size, metavar="B",
+                   help=f"bytes per block for the bytes-moved figures (default block-size × "
+                        f"{DEFAULT_BYTES_PER_TOKEN} B/token, Llama-3.1-8B bf16)")
+    p.add_argument("--hash-algo", default="xxh3_128", help="hash for token_ids traces (xxh3_128 or sha256)")
+    p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    p.add_argument("--no-belady", action="store_true", help="skip the Belady bound")
+    p.add_argument("--sweep", action="store_true",
+                   help="sweep CPU capacities (--cpu-tokens/--cpu-blocks lists; default 0..20M tokens) and "
+                        "policies (--policies): the miss-ratio curve")
+    p.add_argument("--policies", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                   help=f"policies for --sweep (default {','.join(DEFAULT_SWEEP_POLICIES)})")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes for --sweep")
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON ('-' for stdout)")
+    p.add_argument("--plot", metavar="OUT.png", help="write a PNG (with --sweep: the miss-ratio curve)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    add_nodes_arguments(p)  # --nodes, --remote-tokens/--remote-blocks, --assign
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    check_args(args)
+    bs = args.block_size
+    if bs < 1:
+        raise SystemExit("kvtier replay: --block-size must be >= 1")
+    gpu_blocks = args.gpu_blocks if args.gpu_blocks is not None else (
+        (args.gpu_tokens if args.gpu_tokens is not None else DEFAULT_GPU_TOKENS) // bs)
+    if args.cpu_blocks is not None:
+        cpu_list = args.cpu_blocks
+    elif args.cpu_tokens is not None:
+        cpu_list = [t // bs for t in args.cpu_tokens]
+    else:
+        cpu_list = [t // bs for t in DEFAULT_SWEEP_CPU_TOKENS] if args.sweep else [DEFAULT_CPU_TOKENS // bs]
+    if not cpu_list:
+        raise SystemExit("kvtier replay: no CPU capacity given")
+    if len(cpu_list) > 1 and not args.sweep:
+        raise SystemExit("kvtier replay: several CPU capacities need --sweep")
+    block_bytes = args.block_bytes if args.block_bytes is not None else bs * DEFAULT_BYTES_PER_TOKEN
+    quiet_bar = False if args.quiet else None
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Said now, not after a sweep that may take minutes.
+        raise SystemExit("kvtier replay: --plot needs matplotlib: pip install 'kvtier[tools]'")
+
+    from kvtier.tiers.policies import make_policy
+    from kvtier.tools.traces import TraceError
+
+    policies = (args.policies or list(DEFAULT_SWEEP_POLICIES)) if args.sweep else [args.policy]
+    for name in policies:
+        try:
+            make_policy(name, 1)
+        except ValueError as exc:
+            raise SystemExit(f"kvtier replay: {exc}") from None
+    try:
+        config = ReplayConfig(gpu_blocks, cpu_list[0], policies[0], bs, block_bytes)
+    except ValueError as exc:
+        raise SystemExit(f"kvtier replay: {exc}") from None
+    try:
+        requests = load_trace(args.trace, bs, hash_algo=args.hash_algo, limit=args.limit)
+    except (OSError, TraceError, ValueError) as exc:
+        raise SystemExit(f"kvtier replay: {exc}") from None
+    if args.nodes is not None:
+        return main_nodes(args, requests, config)
+
+    t0 = time.perf_counter()
+    if args.sweep:
+        report = sweep(requests, gpu_blocks=gpu_blocks, cpu_blocks=cpu_list, policies=policies, block_size=bs,
+                       block_bytes=block_bytes, jobs=max(1, args.jobs), progress=quiet_bar)
+        report.update(trace=str(args.trace), seconds=round(time.perf_counter() - t0, 3), accounting=ACCOUNTING)
+        text = format_sweep(report)
+    else:
+        from kvtier.tools.belady import belady, infinite_cache
+
+        bar = progress_bar(len(requests), "replay", quiet_bar)
+        try:
+            res = replay(requests, config, progress=bar)
+        finally:
+            bar.close()
+        res.bounds["infinite"] = infinite_cache(requests, bs).to_dict()
+        if not args.no_belady:
+            res.bounds["belady"] = belady(requests, gpu_blocks + config.cpu_blocks, bs).to_dict()
+        report = res.to_dict()
+        report.update(trace=str(args.trace), accounting=ACCOUNTING)
+        text = format_result(report)
+    if args.json != "-":
+        print(text)
+    if args.json:
+        data = json.dumps(report, indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(data)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(data)
+    if args.plot:
+        from kvtier.tools import mrc_plot
+
+        if args.sweep:
+            mrc_plot.plot_sweep(report, args.plot)
+        else:
+            mrc_plot.plot_result(report, args.plot)
+    return 0
+
+
+# ---- --nodes (called by main) --------------------------------------------------------------
+
+
+def parse_assign(text: str) -> tuple[str, ...]:
+    """``"hash"``, ``"round-robin"`` or a comma-separated list of rules (each replayed)."""
+    rules = tuple(part.strip() for part in text.split(",") if part.strip())
+    bad = [r for r in rules if r not in ASSIGN_RULES]
+    if bad or not rules:
+        raise argparse.ArgumentTypeError(f"unknown assignment {','.join(bad) or text!r} "
+                                         f"(choose from {', '.join(ASSIGN_RULES)})")
+    return rules
+
+
+UNBOUNDED = -1  # what parse_remote_size returns for "unbounded" (None means "not given" to argparse)
+
+
+def parse_remote_size(text: str) -> int:
+    """A size as ``parse_size`` reads it, or ``unbounded`` (``UNBOUNDED``)."""
+    if text.strip().lower() in ("unbounded", "inf"):
+        return UNBOUNDED
+    return parse_size(text)
+
+
+def add_nodes_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--nodes`` options of ``kvtier replay``."""
+    g = p.add_argument_group("several nodes sharing a remote tier (--nodes)")
+    g.add_argument("--nodes", type=int, metavar="N",
+                   help="replay on N nodes, each with the GPU and CPU capacities given, and report each node "
+                        "alone (local), the nodes sharing one remote tier (global) and one cache of N times the "
+                        "capacity")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--remote-tokens", type=parse_remote_size, metavar="T",
+                      help="remote tier capacity in tokens, or 'unbounded' (default: N x the CPU tier)")
+    size.add_argument("--remote-blocks", type=parse_remote_size, metavar="B",
+                      help="remote tier capacity in blocks, or 'unbounded'")
+    g.add_argument("--remote-write-through", action="store_true",
+                   help="also replay a what-if the pool does not implement: every computed block is written to "
+                        "the remote tier at once (the pool writes a block back only when a CPU tier evicts it)")
+    g.add_argument("--assign", type=parse_assign, default=(DEFAULT_ASSIGN,), metavar="RULE[,RULE]",
+                   help="request-to-node rule: hash (default: xxh3 of the first block that at most 1/N of the "
+                        "requests share; sticky per conversation), round-robin, first-block; a list replays each")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject option combinations ``--nodes`` does not support (before the trace is read)."""
+    if args.nodes is None:
+        if args.remote_tokens is not None or args.remote_blocks is not None:
+            raise SystemExit("kvtier replay: --remote-tokens/--remote-blocks need --nodes N")
+        return
+    if args.nodes < 1:
+        raise SystemExit("kvtier replay: --nodes must be >= 1")
+    if args.sweep or args.plot:
+        raise SystemExit("kvtier replay: --nodes does not combine with --sweep or --plot")
+
+
+def main_nodes(args: argparse.Namespace, requests: Sequence[Request], node: ReplayConfig) -> int:
+    """``kvtier replay --nodes N``: run ``compare`` and print or write the report."""
+    check_args(args)
+    nodes = args.nodes
+    remote_blocks: int | None
+    if args.remote_blocks is not None:
+        remote_blocks = args.remote_blocks
+    elif args.remote_tokens is not None:
+        remote_blocks = args.remote_tokens if args.remote_tokens == UNBOUNDED else args.remote_tokens // node.block_size
+    else:
+        remote_blocks = nodes * node.cpu_blocks  # default: as much as all the nodes' CPU tiers together
+    if remote_blocks == UNBOUNDED:
+        remote_blocks = None
+    try:
+        config = NodesConfig(nodes, node, remote_blocks, args.assign, args.remote_write_through)
+    except ValueError as exc:
+        raise SystemExit(f"kvtier replay: {exc}") from None
+    report = compare(requests, config, progress=False if args.quiet else None)
+    report["trace"] = str(args.trace)
+    if args.json != "-":
+        print(format_nodes(report))
+    if args.json:
+        data = json.dumps(report, indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(data)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(data)
+    return 0
