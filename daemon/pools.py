@@ -14,6 +14,9 @@ Contract:
   pools start with a CPU tier only; the engine's registered KV tensors become
   their GPU tier (``attach_engine_gpu``) for as long as the registration
   lives (``detach_engine_gpu``).
+- A layout whose ``block_bytes`` leaves a configured tier without a single
+  block (the CPU tier; in store mode also a pool with no block in either
+  tier) is refused with INVALID_FIELD before anything is allocated.
 - CPU tiers are checked against available host memory before allocation
   (``tiers.host_memory``); a pool that does not fit is refused with NO_SPACE
   and nothing is created. ``progress(name, done_bytes, total_bytes)``, when
@@ -141,6 +144,17 @@ class PoolRegistry:
                     f"pool {name!r}: layout.block_bytes {block_bytes} cuts this daemon's {nbytes}-byte {tier} tier "
                     f"into {blocks} blocks; at most {MAX_BLOCKS_PER_TIER} per tier (use larger blocks)",
                 )
+        store_gpu_blocks = gpu_blocks if layout["mode"] == "store" else 0
+        if (sizing.cpu_bytes > 0 and cpu_blocks == 0) or (layout["mode"] == "store" and store_gpu_blocks + cpu_blocks == 0):
+            # block_bytes larger than the tiers: a pool that can hold nothing
+            # would take a name, threads and bookkeeping for no cache at all.
+            tiers = f"CPU tier {sizing.cpu_bytes} bytes" + (
+                f", GPU tier {sizing.gpu_bytes} bytes" if layout["mode"] == "store" else "")
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"pool {name!r}: layout.block_bytes {block_bytes} gives this pool no block ({tiers} on this "
+                f"daemon); a block must fit in each tier",
+            )
         try:
             on_chunk = None
             if self._progress is not None:

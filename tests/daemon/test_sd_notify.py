@@ -206,5 +206,9 @@ def test_a_pool_created_by_hello_that_does_not_fit_is_refused_with_the_numbers(k
     assert info.value.code == ErrorCode.NO_SPACE
     assert "pool 'big'" in info.value.message and str(4096 * 1024**4) in info.value.message
     assert "available" in info.value.message
-    with Client(daemon.endpoint, "small", layout) as c:  # the daemon is fine
-        assert c.pool_info["cpu_blocks"] == 0
+    # A layout whose block fits no tier is refused too (issue 15, item 12); the daemon is fine.
+    with pytest.raises(DaemonError) as info:
+        Client(daemon.endpoint, "small", layout, timeout_s=10.0)
+    assert info.value.code == ErrorCode.INVALID_FIELD and "no block" in info.value.message
+    with Client(daemon.endpoint, "small", PoolLayout(**{**layout.to_wire(), "block_bytes": 4096})) as c:
+        assert c.pool_info["cpu_blocks"] == 16
