@@ -102,6 +102,7 @@ class ErrorCode(IntEnum):
     NOT_FOUND = 203  # hash, request, registration or slot does not exist
     INVALID_STATE = 204  # well-formed but contradicts current state
     UNAUTHORIZED = 205  # hello names no tenant this daemon serves (bad or missing token/key)
+    FOREIGN_SESSION = 206  # the sid belongs to a session another user (ipc peer uid) opened
 
     NO_SPACE = 300  # the tier cannot make room (nothing changed)
 

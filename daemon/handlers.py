@@ -101,6 +101,8 @@ class HandlerContext:
     # CURVE User-Id of the connection the request being handled came on
     # (None without CURVE); set by the server before each dispatch.
     peer: str | None = None
+    # uid of the local (ipc) process the request came from (SO_PEERCRED); None over tcp.
+    peer_uid: int | None = None
 
 
 def _entry(ctx: HandlerContext, session: Session) -> PoolEntry:
@@ -148,7 +150,7 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     if fresh:
         ctx.tenants.install(entry.pool, entry.block_bytes)
     lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
-    new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer)
+    new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer, uid=ctx.peer_uid)
     entry.sessions.add(new.sid)
     log.info("session %s opened on pool %r by %r (lease %.1fs%s)", new.sid[:8], entry.name, f["client"], lease_s,
              f", tenant {tenant!r}" if tenant != ANONYMOUS else "")
@@ -530,7 +532,8 @@ def stats(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
                 named = ctx.sessions.get(req.sid)
             except ProtocolError:
                 named = None
-            tenant = named.tenant if named is not None and named.peer == ctx.peer else ""
+            mine = named is not None and named.peer == ctx.peer and named.uid in (None, ctx.peer_uid)
+            tenant = named.tenant if mine else ""
         if tenant is not None:
             fields["tenants"] = ctx.tenants.stats(only=tenant)
     return Reply(fields)

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Mapping
@@ -60,6 +62,29 @@ def load_server_key(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     if not secret:
         raise ValueError(f"{path} holds a public key only; give the *.key_secret file")
     return public, secret
+
+
+def peer_uid(frame: Any) -> int | None:
+    """The uid of the process at the other end of a local (ipc) connection a frame came on; None otherwise.
+
+    libzmq tells which descriptor a message was read from (ZMQ_SRCFD); for a
+    unix socket the kernel vouches for its peer (SO_PEERCRED). Not cached per
+    routing identity: a client may choose its own identity and reuse one.
+    """
+    try:
+        fd = frame.get(zmq.SRCFD)
+        sock = socket.socket(fileno=fd)
+    except (zmq.ZMQError, AttributeError, OSError, ValueError, TypeError):
+        return None
+    try:
+        if sock.family != socket.AF_UNIX:
+            return None
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return uid
+    except OSError:
+        return None
+    finally:
+        sock.detach()  # the descriptor is libzmq's
 
 
 def peer_user_id(frame: Any) -> str | None:

@@ -20,7 +20,10 @@ Contract:
   CURVE server and a ZAP handler (``daemon.security``) admits only known
   client keys. Each request's connection User-Id is ``ctx.peer`` while it is
   handled; a session may be used only by the identity that opened it (any
-  other gets UNKNOWN_SESSION). Tenants (``ServeOptions.tenants``) are
+  other gets UNKNOWN_SESSION). On ipc the session is also bound to the uid
+  of the process that opened it (SO_PEERCRED of the connection each
+  request came on, ``security.peer_uid``): a sid sent by another user gets
+  FOREIGN_SESSION. Tenants (``ServeOptions.tenants``) are
   resolved at hello and applied by the handlers.
 - Memory: a pool that a hello would create is checked first
   (``daemon.memory.check_new_pool``: NO_SPACE with the numbers when the
@@ -69,7 +72,7 @@ from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pools import PoolRegistry, PoolSizing
 from kvtier.daemon.prometheus import StatsSnapshot
 from kvtier.daemon.sd_notify import Notifier
-from kvtier.daemon.security import CurveGuard, CurveOptions, check_socket_dir, peer_user_id
+from kvtier.daemon.security import CurveGuard, CurveOptions, check_socket_dir, peer_uid, peer_user_id
 from kvtier.daemon.sessions import Session, SessionTable
 from kvtier.daemon.tenants import TenantRegistry
 from kvtier.tiers.host_memory import HostMemoryError
@@ -180,6 +183,7 @@ class Server:
         self._poller: zmq.Poller | None = None
         self._ipc_path: str | None = None
         self._curve_guard: CurveGuard | None = None
+        self._ipc = options.endpoint.startswith("ipc://")  # peers have a uid (SO_PEERCRED)
         self._status_text = ""
         self._next_status_s = 0.0
         self._sweep_every_s = min(0.1, options.lease_s / 10)
@@ -367,6 +371,8 @@ class Server:
         self.metrics.inc("requests_total", op=req.op)
         # Who is asking (CURVE User-Id); handlers read it for this request only.
         self.ctx.peer = peer_user_id(frames[1]) if self._curve_guard is not None else None
+        # ...and, on ipc, as which user (only where a session is opened or named).
+        self.ctx.peer_uid = peer_uid(frames[1]) if self._ipc and (req.sid is not None or req.op == "hello") else None
         try:
             session = self._session_for(req)
             result = HANDLERS[req.op](self.ctx, req, session)
@@ -404,6 +410,12 @@ class Server:
                 ErrorCode.UNKNOWN_SESSION,
                 f"no session {req.sid[:64]!r} (expired, closed, or the daemon restarted): send hello again",
             )
+        if session.uid is not None and session.uid != self.ctx.peer_uid:
+            # On ipc the kernel says which user sent this: a sid another
+            # user learned is no use to them (a client's own reconnects and
+            # heartbeat sockets are the same user).
+            raise ProtocolError(ErrorCode.FOREIGN_SESSION,
+                                f"session {req.sid[:8]}... was opened by another user; send hello to open your own")
         if spec.renews_lease:
             self.sessions.touch(session)
         return session

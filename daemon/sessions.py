@@ -13,6 +13,9 @@ Contract:
   UNKNOWN_SESSION) and its holdings are released as soon as none of its
   copies is in flight, so a copy never writes into memory that was released.
 - ``close`` (the ``bye`` verb) and daemon shutdown release the same way.
+- Identity: a session records who opened it (the CURVE User-Id ``peer``,
+  the ipc peer's ``uid``); the server honours its sid only from the same
+  identity (see ``daemon.server``).
 - Single-threaded: only the event loop calls this module.
 """
 
@@ -67,6 +70,7 @@ class Session:
     ended: str = ""  # why the session ended ("expired", "bye", "shutdown"); "" while live
     tenant: str = ""  # whose block namespace it works in ("" = the anonymous tenant: no tenants configured)
     peer: str | None = None  # CURVE User-Id that opened it; only that identity may use the sid
+    uid: int | None = None  # ipc: the uid of the process that opened it; only that user may use the sid
 
     def pool_request_id(self, req: str) -> str:
         # The sid prefix keeps two clients' request ids apart in one pool.
@@ -104,9 +108,10 @@ class SessionTable:
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
-    def open(self, pool_name: str, client: str, lease_s: float, *, tenant: str = "", peer: str | None = None) -> Session:
+    def open(self, pool_name: str, client: str, lease_s: float, *, tenant: str = "", peer: str | None = None,
+             uid: int | None = None) -> Session:
         sid = secrets.token_hex(16)
-        session = Session(sid, pool_name, client, lease_s, self._clock() + lease_s, tenant=tenant, peer=peer)
+        session = Session(sid, pool_name, client, lease_s, self._clock() + lease_s, tenant=tenant, peer=peer, uid=uid)
         self._sessions[sid] = session
         return session
 

@@ -124,7 +124,7 @@ def test_error_codes_are_stable() -> None:
     assert {c.name: int(c) for c in ErrorCode} == {
         "MALFORMED": 100, "UNSUPPORTED_VERSION": 101, "UNKNOWN_OP": 102, "INVALID_FIELD": 103, "TOO_LARGE": 104,
         "UNKNOWN_SESSION": 200, "LAYOUT_MISMATCH": 201, "WRONG_MODE": 202, "NOT_FOUND": 203, "INVALID_STATE": 204,
-        "UNAUTHORIZED": 205,
+        "UNAUTHORIZED": 205, "FOREIGN_SESSION": 206,
         "NO_SPACE": 300, "TRANSFER_FAILED": 400, "SHUTTING_DOWN": 401, "INTERNAL": 402,
     }
 

@@ -48,3 +48,87 @@ def test_a_layout_that_gives_the_pool_no_block_is_refused(daemon, mode: str) -> 
     assert probe_health(daemon.endpoint)["pools"] == pools_before  # nothing was created
     still_serving(daemon, f"after-huge-{mode}")
 
+
+# ---- sessions are bound to their identity (item 7) ------------------------------------------
+
+
+def _as_other_user(endpoint: str, headers: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Send each header from a forked child running as uid 65534 (gid 0, to reach the 0660 socket); their replies."""
+    import json
+    import os
+
+    import zmq
+
+    from kvtier.client.protocol import decode, encode
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(0)
+            os.setuid(65534)
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            out = []
+            for h in headers:
+                sock.send(encode(h))
+                out.append(decode(sock.recv()) if sock.poll(10_000) else {"timeout": True})
+            sock.close()
+            ctx.term()
+            os.write(w, json.dumps(out, default=repr).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks) or b"[]")
+
+
+@pytest.fixture
+def shared_daemon(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A daemon on a 0660 socket in a directory other users may enter."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from kvtierd_harness import DEFAULT_FLAGS, _start
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    root = Path(tempfile.mkdtemp(prefix="kvtier-uid-"))
+    root.chmod(0o755)
+    d = _start(root, "d", {**DEFAULT_FLAGS, "socket_mode": "0660"})
+    yield d
+    if d.alive:
+        d.proc.kill()
+        d.proc.wait(10)
+
+
+def test_a_sid_is_no_use_to_another_user(shared_daemon) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(9)
+    hs, data = [rng.randbytes(16) for _ in range(2)], rng.randbytes(2 * BLOCK_BYTES)
+    with Client(shared_daemon.endpoint, "victim", layout()) as victim:
+        victim.store(hs, data)
+        victim.pin(hs)
+        sid = victim.sid
+        ops = [dict(op="unpin", hashes=hs), dict(op="restore", hashes=hs), dict(op="lookup", hashes=hs),
+               dict(op="heartbeat"), dict(op="clear"), dict(op="bye")]
+        replies = _as_other_user(shared_daemon.endpoint,
+                                 [{"v": 1, "id": i + 1, "sid": sid, **op} for i, op in enumerate(ops)]
+                                 + [{"v": 1, "id": 99, "op": "health"}])
+        assert len(replies) == len(ops) + 1, replies
+        for op, reply in zip(ops, replies):
+            assert reply.get("ok") is False, (op, reply)
+            assert reply["error"]["code"] == int(ErrorCode.FOREIGN_SESSION), (op, reply)
+        assert replies[-1]["ok"] is True  # the other user is served, just not as the victim
+        # Nothing happened to the victim's session: still there, still pinned, blocks intact.
+        assert bytes(victim.restore(hs).data) == data
+        assert victim.unpin(hs) == 2
+        assert victim.stats()["pools"]["victim"]["sessions"] == 1
