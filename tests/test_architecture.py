@@ -1,0 +1,47 @@
+"""The import contracts, as code: pyproject's ``[tool.importlinter]`` checked by ``lint-imports``.
+
+What the contracts say (the README's "Dependencies point one way"):
+
+- ``kvtier.tiers`` imports no ``daemon``, ``client``, ``tools`` or
+  ``integrations``, and neither ``zmq`` nor ``msgpack``: it is a library
+  that knows nothing of the wire or of processes.
+- ``kvtier.client`` imports no ``daemon``, ``tiers``, ``tools`` or
+  ``integrations``, and no torch at module level (checked here at run time
+  too: ``kv_share`` imports torch inside the functions that need it).
+- ``kvtier.tools`` imports no ``daemon``; ``kvtier.integrations`` imports no
+  ``daemon``.
+- No import cycles between the modules and subpackages of any package
+  (``if TYPE_CHECKING:`` imports, which never run, are not counted).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts() -> None:
+    lint = Path(sys.executable).with_name("lint-imports")
+    if not lint.exists():
+        pytest.fail(f"{lint} not found: import-linter is in the test extra (pip install -e '.[test]')")
+    out = subprocess.run([str(lint), "--no-cache", str(REPO / "pyproject.toml")], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout, out.stdout[-6000:]
+
+
+def test_client_modules_load_no_torch() -> None:
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import kvtier.client as c\n"
+        "for m in pkgutil.iter_modules(c.__path__):\n"
+        "    importlib.import_module('kvtier.client.' + m.name)\n"
+        "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
