@@ -167,10 +167,6 @@ class CopyPlan:
     def num_runs(self) -> int:
         return int(self.sizes.size)
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(src_ptrs, dst_ptrs, sizes) as int64 arrays (views, do not modify)."""
-        return self.src_ptrs, self.dst_ptrs, self.sizes
-
     def descriptors(self) -> np.ndarray:
         """A C-contiguous uint64 ``[3, runs]`` array: src pointers, dst pointers, sizes."""
         return np.ascontiguousarray(np.stack([self.src_ptrs, self.dst_ptrs, self.sizes]).astype(np.uint64))

@@ -191,7 +191,7 @@ def allocate_pinned_in_chunks(
     layout = BlockLayout([flat[:nbytes].view(num_blocks, block_bytes)], [0])
     owner = _PinnedChunks(buf, registered)
     weakref.finalize(owner, _unregister_all, unregister, list(registered))
-    layout._pinned_chunks = owner  # unregistered when the layout goes
+    layout.owners.append(owner)  # unregistered when the layout goes
     seconds = time.monotonic() - started
     layout.host_info = {"pinned": "chunked", "numa_node": numa_node, "chunks": len(registered), "seconds": seconds}
     log.info("pinned %s in %d chunks in %.1f s (NUMA node %s)", _gib(nbytes), len(registered), seconds, numa_node)

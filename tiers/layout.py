@@ -28,6 +28,7 @@ allocated itself (``contiguous``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -79,6 +80,12 @@ class BlockLayout:
         self._views = [_block_major_bytes(t, d) for t, d in zip(self.tensors, self.block_dims)]
         self._part_bytes = [v[0].numel() if self.num_blocks else 0 for v in self._views]
         self.block_bytes = sum(self._part_bytes)
+        # How the memory was obtained, when its allocator says (kvtier.tiers.host_memory sets
+        # ``pinned``, ``numa_node``, ``chunks``, ``seconds``); None when nobody recorded it.
+        self.host_info: dict[str, Any] | None = None
+        # Objects that own the memory behind the tensors and must live as long as the layout
+        # (e.g. host_memory's page-locked mapping, unregistered when its owner goes).
+        self.owners: list[object] = []
 
     @classmethod
     def contiguous(

@@ -32,6 +32,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cuda_emulation
+
 from kvtier.tiers import cuda_copy, host_memory
 from kvtier.tiers.copy_plan import execute_plan_cpu, plan_block_copy
 from kvtier.tiers.layout import BlockLayout, copy_blocks
@@ -104,22 +106,22 @@ def new_arena(kind: str, nb: int, layers: int, frag: int, dtype: torch.dtype, of
        threads=st.sampled_from([32, 64, 96]))
 def test_kernel_arithmetic_writes_every_byte_once_with_aligned_vectors(src: int, dst: int, n: int,
                                                                        threads: int) -> None:
-    width, head, vectors, tail = cuda_copy.kernel_run_split(src, dst, n)
+    width, head, vectors, tail = cuda_emulation.kernel_run_split(src, dst, n)
     assert head + vectors * width + tail == n and 0 <= tail < width
     assert head < width
     if vectors:
         assert (src + head) % width == 0 and (dst + head) % width == 0
-    assert (cuda_copy.kernel_thread_writes(src, dst, n, threads) == 1).all()
+    assert (cuda_emulation.kernel_thread_writes(src, dst, n, threads) == 1).all()
 
 
 def test_kernel_picks_the_widest_congruent_vector() -> None:
-    assert cuda_copy.kernel_run_split(0x1000, 0x2000, 4096)[:3] == (16, 0, 256)
-    assert cuda_copy.kernel_run_split(0x1001, 0x2001, 4096)[:2] == (16, 15)
-    assert cuda_copy.kernel_run_split(0x1000, 0x2008, 64)[0] == 8
-    assert cuda_copy.kernel_run_split(0x1002, 0x2006, 64)[0] == 4
-    assert cuda_copy.kernel_run_split(0x1001, 0x2003, 64)[0] == 2
-    assert cuda_copy.kernel_run_split(0x1000, 0x2001, 64)[0] == 1
-    assert cuda_copy.kernel_run_split(0x1001, 0x2001, 5) == (16, 5, 0, 0)  # all head
+    assert cuda_emulation.kernel_run_split(0x1000, 0x2000, 4096)[:3] == (16, 0, 256)
+    assert cuda_emulation.kernel_run_split(0x1001, 0x2001, 4096)[:2] == (16, 15)
+    assert cuda_emulation.kernel_run_split(0x1000, 0x2008, 64)[0] == 8
+    assert cuda_emulation.kernel_run_split(0x1002, 0x2006, 64)[0] == 4
+    assert cuda_emulation.kernel_run_split(0x1001, 0x2003, 64)[0] == 2
+    assert cuda_emulation.kernel_run_split(0x1000, 0x2001, 64)[0] == 1
+    assert cuda_emulation.kernel_run_split(0x1001, 0x2001, 5) == (16, 5, 0, 0)  # all head
     assert "kvtier_copy_runs" in cuda_copy.KERNEL_SOURCE
 
 
@@ -140,7 +142,7 @@ def test_emulated_kernel_is_byte_exact(s_kind: str, d_kind: str, frag: int, s_of
         want_arena = got_arena.clone()
         got = make_layout(d_kind, got_arena, nb, layers, frag, torch.uint8, d_off)
         plan = plan_block_copy(src, src_slots, got, dst_slots, min_fragment_bytes=1)
-        cuda_copy.execute_plan_emulated(plan, piece_bytes=piece)
+        cuda_emulation.execute_plan_emulated(plan, piece_bytes=piece)
         copy_blocks(src, src_slots, make_layout(d_kind, want_arena, nb, layers, frag, torch.uint8, d_off), dst_slots)
         assert torch.equal(got_arena, want_arena)
 
