@@ -94,7 +94,6 @@ import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn, TextIO
@@ -102,7 +101,9 @@ from typing import Any, NoReturn, TextIO
 import psutil
 
 from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
+from kvtier.tiers import units
 from kvtier.tiers.eviction import DEFAULT_POLICY  # no torch: config stays fast to load
+from kvtier.tiers.units import GiB, KiB, MiB, format_byte_size, format_gib
 
 __all__ = [
     "ConfigError",
@@ -120,11 +121,6 @@ __all__ = [
     "load_config_or_exit",
     "parse_byte_size",
 ]
-
-KiB = 1024
-MiB = 1024**2
-GiB = 1024**3
-TiB = 1024**4
 
 CPU_AUTO_FRACTION = 0.25
 CPU_AUTO_CAP_BYTES = 64 * GiB
@@ -558,65 +554,26 @@ def _check_curve(cfg: DaemonConfig) -> None:
 # Parsing values
 
 
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": KiB,
-    "kib": KiB,
-    "kb": 1000,
-    "m": MiB,
-    "mib": MiB,
-    "mb": 1000**2,
-    "g": GiB,
-    "gib": GiB,
-    "gb": 1000**3,
-    "t": TiB,
-    "tib": TiB,
-    "tb": 1000**4,
-}
-_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 _PERCENT_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*")
 
 
 def parse_byte_size(value: object, *, allow_percent: bool = False) -> int | MemoryFraction:
     """``8GiB`` -> 8589934592; ints pass through; ``"30%"`` -> MemoryFraction when allowed.
 
+    The grammar is ``kvtier.tiers.units.parse_byte_size``'s (the one every
+    kvtier command line uses); this adds the percentage ``cpu_bytes`` takes.
     Raises ``ValueError`` with a message fit for a ``ConfigError``.
     """
-    if _is_int(value):
-        assert isinstance(value, int)
-        if value < 0:
-            raise ValueError(f"must not be negative, got {value}")
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"must be a byte size such as 8GiB or 512MiB, got {value!r}")
-    if value.strip().startswith("-"):
-        raise ValueError(f"must not be negative, got {value!r}")
-    percent = _PERCENT_RE.fullmatch(value)
-    if percent:
-        if not allow_percent:
-            raise ValueError(f"a percentage is only accepted for cpu_bytes, got {value!r}")
-        pct = float(percent.group(1))
-        if not 0.0 < pct <= 100.0:
-            raise ValueError(f"percentage must be in (0, 100], got {value!r}")
-        return MemoryFraction(pct / 100.0)
-    match = _SIZE_RE.fullmatch(value)
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _SIZE_UNITS:
-        raise ValueError(f"must be a byte size such as 8GiB, 512MiB, 1.5GB or 4096, got {value!r}")
-    try:
-        number = Decimal(match.group(1))
-    except InvalidOperation:
-        raise ValueError(f"bad number in byte size {value!r}") from None
-    return int(number * _SIZE_UNITS[unit])
-
-
-def format_byte_size(value: int) -> str:
-    """The exact binary-unit spelling when there is one (``"256MiB"``), else plain bytes."""
-    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if value and value % scale == 0:
-            return f"{value // scale}{unit}"
-    return str(value)
+    if isinstance(value, str) and not value.strip().startswith("-"):
+        percent = _PERCENT_RE.fullmatch(value)
+        if percent:
+            if not allow_percent:
+                raise ValueError(f"a percentage is only accepted for cpu_bytes, got {value!r}")
+            pct = float(percent.group(1))
+            if not 0.0 < pct <= 100.0:
+                raise ValueError(f"percentage must be in (0, 100], got {value!r}")
+            return MemoryFraction(pct / 100.0)
+    return units.parse_byte_size(value)
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -1204,7 +1161,7 @@ def format_config(cfg: DaemonConfig, available_bytes: int | None = None) -> str:
     auto_cpu_bytes = min(int(available_bytes * CPU_AUTO_FRACTION), CPU_AUTO_CAP_BYTES)
     auto_cpu = (
         f"{CPU_AUTO_FRACTION:.0%} of available memory, at most {format_byte_size(CPU_AUTO_CAP_BYTES)} "
-        f"(now {auto_cpu_bytes / GiB:.1f} GiB)"
+        f"(now {format_gib(auto_cpu_bytes, decimals=1)})"
     )
     auto_gpu = f"{format_byte_size(GPU_AUTO_BYTES_CUDA)} on CUDA, {format_byte_size(GPU_AUTO_BYTES_HOST)} without"
     lines = ["# kvtierd effective configuration (kvtierd --print-config)"]

@@ -30,13 +30,10 @@ from typing import TYPE_CHECKING
 import psutil
 
 from kvtier.tiers.host_memory import RESERVE_BYTES, HostMemoryError
+from kvtier.tiers.units import format_gib as gib
 
 if TYPE_CHECKING:
     from kvtier.daemon.config import DaemonConfig
-
-
-def gib(nbytes: int) -> str:
-    return f"{nbytes / 1024**3:.2f} GiB"
 
 
 def pins_cpu_tiers() -> bool:

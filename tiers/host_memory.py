@@ -42,6 +42,7 @@ import psutil
 import torch
 
 from kvtier.tiers.layout import BlockLayout
+from kvtier.tiers.units import format_gib
 
 log = logging.getLogger(__name__)
 
@@ -55,23 +56,19 @@ class HostMemoryError(MemoryError):
     """A host allocation that the machine cannot (or may not) satisfy."""
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 1024**3:.2f} GiB"
-
-
 def check_host_capacity(nbytes: int, *, pin: bool = False, what: str = "CPU tier") -> None:
     available = psutil.virtual_memory().available
     usable = max(0, available - RESERVE_BYTES)
     if nbytes > usable:
         raise HostMemoryError(
-            f"{what} needs {_gib(nbytes)} but only {_gib(available)} is available "
-            f"({_gib(usable)} after a {_gib(RESERVE_BYTES)} reserve); lower cpu_bytes"
+            f"{what} needs {format_gib(nbytes)} but only {format_gib(available)} is available "
+            f"({format_gib(usable)} after a {format_gib(RESERVE_BYTES)} reserve); lower cpu_bytes"
         )
     if pin:
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and nbytes > soft:
             raise HostMemoryError(
-                f"{what} wants {_gib(nbytes)} of pinned memory but RLIMIT_MEMLOCK is {_gib(soft)}; "
+                f"{what} wants {format_gib(nbytes)} of pinned memory but RLIMIT_MEMLOCK is {format_gib(soft)}; "
                 "raise it (systemd: LimitMEMLOCK=infinity; shell: ulimit -l unlimited) or lower cpu_bytes"
             )
 
@@ -125,7 +122,7 @@ def allocate_host_slab(
             )
         except Exception as exc:
             log.warning("chunked pinning of %s failed (%s); falling back to one pinned allocation",
-                        _gib(num_blocks * block_bytes), exc)
+                        format_gib(num_blocks * block_bytes), exc)
     started = time.monotonic()
     with _bound_to_node(node):
         layout = BlockLayout.contiguous(num_blocks, block_bytes, "cpu", pin=True)
@@ -194,7 +191,8 @@ def allocate_pinned_in_chunks(
     layout.owners.append(owner)  # unregistered when the layout goes
     seconds = time.monotonic() - started
     layout.host_info = {"pinned": "chunked", "numa_node": numa_node, "chunks": len(registered), "seconds": seconds}
-    log.info("pinned %s in %d chunks in %.1f s (NUMA node %s)", _gib(nbytes), len(registered), seconds, numa_node)
+    log.info("pinned %s in %d chunks in %.1f s (NUMA node %s)", format_gib(nbytes), len(registered), seconds,
+             numa_node)
     return layout
 
 

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from kvtier.client.hashing import BlockHasher
 from kvtier.tools import cli
 from kvtier.tools.belady import belady, infinite_cache
-from kvtier.tools.replay import ReplayConfig, parse_size, replay, sweep
+from kvtier.tiers.units import parse_count as parse_size
+from kvtier.tools.replay import ReplayConfig, replay, sweep
 from kvtier.tools.traces import Request, TraceError, load_trace, mooncake_key
 
 DATA = Path(__file__).parent / "data"
@@ -317,7 +318,7 @@ def test_sweep_in_processes_matches_serial() -> None:
 def test_cli_replay_json_and_plot(tmp_path: Path, capsys) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = cli.main(["replay", str(HAND), "--block-size", "4", "--gpu-blocks", "3", "--cpu-blocks", "4", "--policy", "lru",
-                   "--block-bytes", "1k", "--json", str(out), "--plot", str(png), "-q"])
+                   "--block-bytes", "1KB", "--json", str(out), "--plot", str(png), "-q"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "hit cpu" in text and "bound belady" in text
@@ -328,6 +329,19 @@ def test_cli_replay_json_and_plot(tmp_path: Path, capsys) -> None:
     assert r["bounds"]["infinite"]["hit_blocks"] == 9 and r["bounds"]["belady"]["capacity_blocks"] == 7
     assert r["accounting"] and r["config"]["policy"] == "lru"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_counts_are_decimal_and_bytes_are_kvtierds(tmp_path: Path) -> None:
+    """One word, one meaning: 1k tokens is 1,000 tokens; 1k bytes is 1,024 bytes, as kvtierd reads it."""
+    out = tmp_path / "r.json"
+    cli.main(["replay", str(TOKENS), "--block-size", "4", "--gpu-tokens", "1k", "--cpu-blocks", "1k",
+              "--block-bytes", "1k", "--json", str(out), "-q"])
+    c = json.loads(out.read_text())["config"]
+    assert (c["gpu_blocks"], c["cpu_blocks"], c["block_bytes"]) == (250, 1000, 1024)
+    with pytest.raises(SystemExit):
+        cli.main(["replay", str(TOKENS), "--block-bytes", "8 GiBs"])
+    with pytest.raises(SystemExit):
+        cli.main(["replay", str(TOKENS), "--gpu-tokens", "1.5"])
 
 
 def test_cli_tokens_capacities(tmp_path: Path) -> None:

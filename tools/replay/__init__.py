@@ -48,7 +48,7 @@ Accounting (also written into the JSON report, ``ACCOUNTING``):
    earlier request) and Belady's MIN for ONE cache of gpu_blocks + cpu_blocks.
 """
 
-from kvtier.tools.replay.cli import main, parse_size, register
+from kvtier.tools.replay.cli import main, register
 from kvtier.tools.replay.core import ACCOUNTING, DEFAULT_POLICY, ReplayConfig, ReplayResult, replay, sweep
 
 __all__ = [
@@ -59,6 +59,5 @@ __all__ = [
     "main",
     "replay",
     "sweep",
-    "parse_size",
     "register",
 ]

@@ -6,7 +6,6 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -28,28 +27,39 @@ from kvtier.tools.replay.core import (
 from kvtier.tools.replay.nodes import ASSIGN_RULES, DEFAULT_ASSIGN, NodesConfig, compare
 from kvtier.tools.replay.progress import progress_bar
 from kvtier.tools.replay.report import format_nodes, format_result, format_sweep
+from kvtier.tiers.units import parse_byte_size, parse_count
 from kvtier.tools.traces import Request, load_trace
 
-__all__ = ["main", "parse_size", "register"]
+__all__ = ["SIZES_HELP", "byte_size_arg", "count_arg", "main", "register"]
 
 # ---- the single-node command --------------------------------------------------------------
 
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+# Two grammars (kvtier.tiers.units): token and block counts are decimal ("128k" = 128,000 tokens),
+# byte sizes are kvtierd's ("128K" = 131,072 bytes, "128KB" = 128,000).
+SIZES_HELP = ("Token and block counts (--*-tokens, --*-blocks) take k/M/G (powers of 1000, 128k = 128,000) or "
+              "Ki/Mi/Gi (powers of 1024) and, with --sweep, comma-separated lists. Byte sizes (--block-bytes) are "
+              "read as kvtierd reads them: K/M/G, Ki/Mi/Gi and KiB/MiB/GiB are powers of 1024 (128K = 131,072), "
+              "KB/MB/GB powers of 1000.")
 
 
-def parse_size(text: str) -> int:
-    """``"3M"`` -> 3_000_000, ``"100k"`` -> 100_000, ``"1.5M"``, ``"64Ki"``; plain integers too."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kKmMgG]i?)?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 195, 100k, 3M, 1.5M)")
-    value = float(m.group(1)) * _SUFFIX[(m.group(2) or "").lower()]
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
-    return int(value)
+def count_arg(text: str) -> int:
+    """An argparse type for token and block counts: ``parse_count`` (``"128k"`` -> 128,000)."""
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _size_list(text: str) -> list[int]:
-    return [parse_size(part) for part in text.split(",") if part.strip()]
+def byte_size_arg(text: str) -> int:
+    """An argparse type for byte sizes: ``parse_byte_size``, kvtierd's grammar (``"128K"`` -> 131,072)."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def _count_list(text: str) -> list[int]:
+    return [count_arg(part) for part in text.split(",") if part.strip()]
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -60,24 +70,25 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description="Replay a Mooncake-style (hash_ids) or token-id JSONL trace, plain or gzip, through the "
         "real GPU block manager and CPU tier in bookkeeping-only mode, and report hit rates by tier, "
         "demotions, restores, CPU evictions, bytes moved, and the infinite-cache and Belady bounds. "
-        "Sizes accept k/M/G suffixes (decimal) and, with --sweep, comma-separated lists.",
+        + SIZES_HELP,
         epilog="Accounting: " + " ".join(ACCOUNTING),
     )
     p.add_argument("trace", help="JSONL trace (plain or gzip): hash_ids (Mooncake) or token_ids per request")
     gpu = p.add_mutually_exclusive_group()
-    gpu.add_argument("--gpu-blocks", type=parse_size, metavar="N", help="GPU tier size in blocks")
-    gpu.add_argument("--gpu-tokens", type=parse_size, metavar="N",
+    gpu.add_argument("--gpu-blocks", type=count_arg, metavar="N", help="GPU tier size in blocks (a count)")
+    gpu.add_argument("--gpu-tokens", type=count_arg, metavar="N",
                      help=f"GPU tier size in tokens (default {DEFAULT_GPU_TOKENS:,}; blocks = N // block-size)")
     cpu = p.add_mutually_exclusive_group()
-    cpu.add_argument("--cpu-blocks", type=_size_list, metavar="M", help="CPU tier size in blocks (list with --sweep)")
-    cpu.add_argument("--cpu-tokens", type=_size_list, metavar="M",
+    cpu.add_argument("--cpu-blocks", type=_count_list, metavar="M",
+                     help="CPU tier size in blocks (a count; list with --sweep)")
+    cpu.add_argument("--cpu-tokens", type=_count_list, metavar="M",
                      help=f"CPU tier size in tokens (default {DEFAULT_CPU_TOKENS:,}; list with --sweep)")
     p.add_argument("--policy", default=DEFAULT_POLICY, help=f"CPU-tier policy name (default {DEFAULT_POLICY})")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
                    help=f"tokens per block (default {DEFAULT_BLOCK_SIZE}; for hash_ids traces: the trace's)")
-    p.add_argument("--block-bytes", type=parse_size, metavar="B",
-                   help=f"bytes per block for the bytes-moved figures (default block-size × "
-                        f"{DEFAULT_BYTES_PER_TOKEN} B/token, Llama-3.1-8B bf16)")
+    p.add_argument("--block-bytes", type=byte_size_arg, metavar="B",
+                   help=f"bytes per block for the bytes-moved figures, a byte size (64KiB, 128K = 131,072; default "
+                        f"block-size × {DEFAULT_BYTES_PER_TOKEN} B/token, Llama-3.1-8B bf16)")
     p.add_argument("--hash-algo", default="xxh3_128", help="hash for token_ids traces (xxh3_128 or sha256)")
     p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     p.add_argument("--no-belady", action="store_true", help="skip the Belady bound")
@@ -194,10 +205,10 @@ UNBOUNDED = -1  # what parse_remote_size returns for "unbounded" (None means "no
 
 
 def parse_remote_size(text: str) -> int:
-    """A size as ``parse_size`` reads it, or ``unbounded`` (``UNBOUNDED``)."""
+    """A count as ``count_arg`` reads it, or ``unbounded`` (``UNBOUNDED``)."""
     if text.strip().lower() in ("unbounded", "inf"):
         return UNBOUNDED
-    return parse_size(text)
+    return count_arg(text)
 
 
 def add_nodes_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.tiers.units import format_gib
+
 __all__ = ["format_nodes", "format_result", "format_sweep"]
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.1f} GiB"
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -36,7 +34,8 @@ def format_result(r: dict[str, Any]) -> str:
         "",
         f"demotions {r['demotions']:,} (not admitted {r['demotions_not_admitted']:,}), restores {r['restores']:,}, "
         f"CPU evictions {r['cpu_evictions']:,}",
-        f"bytes GPU->CPU {_gib(r['bytes']['gpu_to_cpu'])}, CPU->GPU {_gib(r['bytes']['cpu_to_gpu'])} "
+        f"bytes GPU->CPU {format_gib(r['bytes']['gpu_to_cpu'], decimals=1, thousands=True)}, "
+        f"CPU->GPU {format_gib(r['bytes']['cpu_to_gpu'], decimals=1, thousands=True)} "
         f"({c['block_bytes']:,} B/block)",
     ]
     if r["truncated_requests"]:
