@@ -171,10 +171,6 @@ class TieredPool:
         self.gpu = None
         self._copies.detach_gpu()
 
-    @property
-    def has_gpu(self) -> bool:
-        return self.bm is not None
-
     # ---- capacity and contents (what the daemon reads) ------------------------------
 
     @property
