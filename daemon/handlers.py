@@ -145,10 +145,7 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     f = req.fields
     # Who it is comes first: an unauthorised hello must not create a pool.
     tenant = ctx.tenants.resolve(ctx.peer, f["token"])
-    fresh = f["pool"] not in {e.name for e in ctx.pools}
     entry = ctx.pools.get_or_create(f["pool"], f["layout"])
-    if fresh:
-        ctx.tenants.install(entry.pool, entry.block_bytes)
     lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
     new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer, uid=ctx.peer_uid)
     entry.sessions.add(new.sid)
@@ -167,8 +164,8 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
                 "name": entry.name,
                 "mode": entry.mode,
                 "block_bytes": entry.block_bytes,
-                "gpu_blocks": pool.bm.num_blocks if pool.bm is not None else 0,
-                "cpu_blocks": pool.cpu.capacity_blocks,
+                "gpu_blocks": pool.gpu_blocks,
+                "cpu_blocks": pool.cpu_blocks,
             },
             "limits": {
                 "max_header_bytes": MAX_HEADER_BYTES,

@@ -35,7 +35,7 @@ from typing import Any
 from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.tiers.host_memory import HostMemoryError, allocate_host_slab
 from kvtier.tiers.layout import BlockLayout
-from kvtier.tiers.pool import PoolSpec, TieredPool
+from kvtier.tiers.pool import PolicyWrapper, PoolSpec, TieredPool
 from kvtier.tiers.transfer import ThreadTransferEngine, TransferEngine, make_transfer_engine
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class PoolRegistry:
         hash_algo: str | None = None,
         wakeup: Callable[[], None] | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        policy_wrapper: Callable[[int], PolicyWrapper | None] | None = None,
     ) -> None:
         self.device = device
         self._sizing_for = sizing_for
@@ -100,6 +101,8 @@ class PoolRegistry:
         # (pool name, bytes done, bytes total) after each pinned chunk of a new
         # CPU tier: the daemon reports it (STATUS=) and feeds the watchdog.
         self._progress = progress
+        # block_bytes -> what wraps a new pool's CPU-tier policy (tenant quotas), or None
+        self._policy_wrapper = policy_wrapper
         self._pools: dict[str, PoolEntry] = {}
 
     def __iter__(self) -> Iterator[PoolEntry]:
@@ -201,6 +204,7 @@ class PoolRegistry:
             clean_ahead_blocks=sizing.clean_ahead_blocks,
             remote=remote,
             defer_learning=True,  # the loop calls learn() after sending its replies
+            policy_wrapper=self._policy_wrapper(block_bytes) if self._policy_wrapper is not None else None,
         )
         if gpu_layout is not None:
             pool.attach_gpu(gpu_layout)

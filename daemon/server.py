@@ -160,6 +160,7 @@ class Server:
             hash_algo=options.hash_algo,
             wakeup=self._wakeup,
             progress=self._allocation_progress,
+            policy_wrapper=options.tenants.policy_wrapper,
         )
         self.sessions = SessionTable(self._release_session)
         self.ctx = HandlerContext(
@@ -201,7 +202,7 @@ class Server:
     def _sizing_for(self, name: str) -> PoolSizing:
         """The configured sizing of a new pool, refused (NO_SPACE, with the numbers) if the host cannot take it."""
         sizing = self.options.sizing_for(name)
-        existing = {e.name: e.pool.cpu.capacity_blocks * e.block_bytes for e in self.pools}
+        existing = {e.name: e.pool.cpu_blocks * e.block_bytes for e in self.pools}
         try:
             check_new_pool(name, sizing.cpu_bytes, existing)
         except HostMemoryError as exc:
@@ -345,7 +346,7 @@ class Server:
 
     def _post_status(self) -> None:
         """systemctl status shows this line; sent only when it changed."""
-        cpu_bytes = sum(e.pool.cpu.capacity_blocks * e.block_bytes for e in self.pools)
+        cpu_bytes = sum(e.pool.cpu_blocks * e.block_bytes for e in self.pools)
         text = (f"serving on {self.options.endpoint}: {len(self.pools)} pools, {len(self.sessions)} sessions, "
                 f"CPU tiers {gib(cpu_bytes)}")
         if text != self._status_text:

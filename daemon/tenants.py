@@ -23,8 +23,8 @@ Contract
   refuses tenant names with equal tags), and no tenant can name another's
   block: lookups, pins, restores and allocation hits only ever see the
   caller's namespace. Replies carry tiers and block ids, never keys.
-- Quotas (``cpu_quota_bytes`` per tenant, over all pools): ``install(pool,
-  block_bytes)`` wraps a pool's CPU-tier eviction policy in
+- Quotas (``cpu_quota_bytes`` per tenant, over all pools): ``policy_wrapper(
+  block_bytes)``, given to a pool as it is built, wraps its CPU-tier eviction policy in
   ``TenantQuotaPolicy``, which counts each tenant's CPU-tier blocks (resident,
   plus admitted demotions whose copies are still in flight) and refuses to
   admit a *demotion* that would take a tenant over its quota (the block is
@@ -57,7 +57,7 @@ from kvtier.tiers.eviction import EvictionPolicy  # stdlib only: no torch
 
 if TYPE_CHECKING:
     from kvtier.daemon.config import TenantConfig
-    from kvtier.tiers.pool import TieredPool
+    from kvtier.tiers.pool import PolicyWrapper, TieredPool
 
 log = logging.getLogger(__name__)
 
@@ -178,19 +178,9 @@ class TenantRegistry:
     def clear(self, pool: TieredPool, tenant: str) -> int:
         """``clear`` for one tenant: drop its cached blocks nobody uses or pins, in both tiers."""
         tag = self._tenants[tenant].tag
-        dropped = 0
-        bm = pool.bm
-        if bm is not None:
-            # Blocks in the free queue are unreferenced; their hash goes, as in
-            # TieredPool.clear (no demotion).
-            for block in list(bm.iter_free()):
-                if block.block_hash is not None and block.block_hash[:TAG_BYTES] == tag:
-                    bm.discard_hash(block)
-                    dropped += 1
-        policy = pool.cpu.policy
-        if isinstance(policy, TenantQuotaPolicy):
-            dropped += pool.cpu.discard(policy.keys_of(tenant))
-        return dropped
+        policy = pool.policy
+        cpu_keys = policy.keys_of(tenant) if isinstance(policy, TenantQuotaPolicy) else ()
+        return pool.clear_matching(lambda key: key[:TAG_BYTES] == tag, cpu_keys)
 
     def tenant_of(self, key: bytes) -> str | None:
         """Whose namespace a pool key is in (None: the anonymous tenant or unknown)."""
@@ -201,10 +191,12 @@ class TenantRegistry:
 
     # ---- quotas ----------------------------------------------------------------------
 
-    def install(self, pool: TieredPool, block_bytes: int) -> None:
-        """Count (and cap) tenants' CPU-tier residency in ``pool``. Call before the pool holds blocks."""
-        if self._tenants:
-            pool.cpu.policy = TenantQuotaPolicy(pool.cpu.policy, self, block_bytes, pool.cpu)
+    def policy_wrapper(self, block_bytes: int) -> PolicyWrapper | None:
+        """What counts (and caps) tenants' CPU-tier residency in a pool of ``block_bytes`` blocks:
+        ``TieredPool(policy_wrapper=...)``. None without tenants."""
+        if not self._tenants:
+            return None
+        return lambda policy, cpu: TenantQuotaPolicy(policy, self, block_bytes, cpu)
 
     def over_quota(self, tenant: str | None, extra_bytes: int) -> bool:
         if tenant is None or tenant == ANONYMOUS:
@@ -220,11 +212,9 @@ class TenantRegistry:
         """
         if tenant == ANONYMOUS or self._tenants[tenant].quota_bytes is None:
             return
-        bm = pool.bm
-        new = sum(1 for k in keys if not ((bm is not None and bm.get_cached(k) is not None) or pool.cpu.get(k)))
         # The pool's own split (TieredPool.store): the free blocks holding keys
         # of this store are protected, so they take none of its new blocks.
-        spill = max(0, new - (bm.num_free_unprotected(frozenset(keys)) if bm is not None else 0))
+        spill = pool.cpu_spill(keys)
         if spill and self.over_quota(tenant, spill * block_bytes):
             self.refused_stores[tenant] += 1
             quota = self._tenants[tenant].quota_bytes

@@ -71,10 +71,10 @@ def test_namespaces_are_disjoint_deterministic_and_16_bytes() -> None:
 
 
 def make_pool(reg: TenantRegistry, *, gpu_blocks: int = 4, cpu_blocks: int = 16) -> TieredPool:
-    pool = TieredPool(PoolSpec("p", 4, BLOCK), cpu_blocks=cpu_blocks, policy="lru", data=False, clean_ahead_blocks=0)
+    pool = TieredPool(PoolSpec("p", 4, BLOCK), cpu_blocks=cpu_blocks, policy="lru", data=False, clean_ahead_blocks=0,
+                      policy_wrapper=reg.policy_wrapper(BLOCK))
     pool.attach_gpu(num_blocks=gpu_blocks)
-    reg.install(pool, BLOCK)
-    assert isinstance(pool.cpu.policy, TenantQuotaPolicy)
+    assert isinstance(pool.policy, TenantQuotaPolicy)
     return pool
 
 
@@ -137,7 +137,7 @@ def test_store_spilling_into_the_cpu_tier_past_the_quota_is_refused() -> None:
 def test_an_admitted_demotion_that_never_lands_stops_counting() -> None:
     reg = registry(quota_a=2 * BLOCK)
     pool = make_pool(reg, cpu_blocks=0)  # a CPU tier without room: reservations never happen
-    policy = pool.cpu.policy
+    policy = pool.policy
     assert isinstance(policy, TenantQuotaPolicy)
     alice = reg.namespace("alice", hashes(4))
     assert policy.admit(alice[0]) and policy.admit(alice[1])
