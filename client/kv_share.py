@@ -704,6 +704,12 @@ class KvImport:
     def __init__(self, transport: str, keepalive: list[object], nbytes: int) -> None:
         self.transport = transport
         self.nbytes = nbytes
+        # The shared-memory files mapped (one descriptor each while open):
+        # (inode, owner uid) per file, for the daemon's ownership checks and caps.
+        self.files: list[tuple[tuple[int, int], int]] = [
+            (obj.inode, obj.file_uid) for obj in keepalive
+            if isinstance(obj, ShmArena) and obj.inode is not None and obj.file_uid is not None
+        ]
         self._keepalive: list[object] = keepalive
         self._closed = False
 

@@ -103,8 +103,12 @@ class ErrorCode(IntEnum):
     INVALID_STATE = 204  # well-formed but contradicts current state
     UNAUTHORIZED = 205  # hello names no tenant this daemon serves (bad or missing token/key)
     FOREIGN_SESSION = 206  # the sid belongs to a session another user (ipc peer uid) opened
+    IN_USE = 207  # the arena or KV file is attached by another live session
+    NOT_OWNER = 208  # the arena or KV file belongs to another user than the session's
 
     NO_SPACE = 300  # the tier cannot make room (nothing changed)
+    TOO_MANY_REGISTRATIONS = 301  # the session holds max_registrations_per_session registrations
+    TOO_MANY_FILES = 302  # the session (or the daemon) maps as many shared-memory files as it may
 
     TRANSFER_FAILED = 400  # a copy failed; nothing was committed
     SHUTTING_DOWN = 401  # the daemon is draining and takes no new work

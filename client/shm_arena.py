@@ -105,6 +105,10 @@ class ShmArena:
         self._mmap: mmap.mmap | None = mapping
         self._view: memoryview | None = memoryview(mapping)
         self._owner = owner
+        # (st_dev, st_ino) and st_uid of the file, as fstat saw it when mapped
+        # (the daemon tells which session owns which file by inode, not name).
+        self.inode: tuple[int, int] | None = None
+        self.file_uid: int | None = None
 
     # -- construction ---------------------------------------------------------------
 
@@ -142,13 +146,16 @@ class ShmArena:
                     raise ShmArenaError(f"cannot size arena {name}: {exc.strerror}") from exc
                 os.ftruncate(fd, size_bytes)
             mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            st = os.fstat(fd)
         except BaseException:
             os.close(fd)
             _unlink_quietly(path)
             raise
         # The mmap keeps its own reference to the file; our descriptor is not needed.
         os.close(fd)
-        return cls(name=name, num_slots=num_slots, slot_bytes=slot_bytes, mapping=mapping, owner=True)
+        arena = cls(name=name, num_slots=num_slots, slot_bytes=slot_bytes, mapping=mapping, owner=True)
+        arena.inode, arena.file_uid = (st.st_dev, st.st_ino), st.st_uid
+        return arena
 
     @classmethod
     def attach(cls, name: str, num_slots: int, slot_bytes: int) -> ShmArena:
@@ -177,7 +184,9 @@ class ShmArena:
                 raise ShmArenaError(f"cannot map arena {name}: {exc}") from None
         finally:
             os.close(fd)
-        return cls(name=name, num_slots=num_slots, slot_bytes=slot_bytes, mapping=mapping, owner=False)
+        arena = cls(name=name, num_slots=num_slots, slot_bytes=slot_bytes, mapping=mapping, owner=False)
+        arena.inode, arena.file_uid = (st.st_dev, st.st_ino), st.st_uid
+        return arena
 
     # -- geometry -------------------------------------------------------------------
 

@@ -100,6 +100,8 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         poll_interval_s=cfg.poll_interval_s,
         drain_timeout_s=cfg.drain_timeout_s,
         max_payload_bytes=cfg.max_message_bytes,
+        max_shm_files_per_session=cfg.max_shm_files_per_session,
+        max_registrations_per_session=cfg.max_registrations_per_session,
         hash_algo=cfg.hash_algo,
         socket_mode=cfg.socket_mode,
         curve=curve,

@@ -273,6 +273,11 @@ class DaemonConfig:
     poll_interval_s: float = 0.05
     drain_timeout_s: float = 10.0
     max_message_bytes: int = 256 * MiB
+    # Shared-memory files a session may map (arena and KV registrations: one
+    # descriptor each) and KV registrations it may hold; the daemon-wide total
+    # of mapped files is capped below RLIMIT_NOFILE as well (daemon.handlers).
+    max_shm_files_per_session: int = 1024
+    max_registrations_per_session: int = 64
     log_level: str = "info"
     device: str = "auto"
     metrics_port: int | None = None
@@ -299,6 +304,8 @@ class DaemonConfig:
         _check_duration("poll_interval_s", self.poll_interval_s)
         _check_duration("drain_timeout_s", self.drain_timeout_s, allow_zero=True)
         _check_int("max_message_bytes", self.max_message_bytes, minimum=MIN_MESSAGE_BYTES)
+        _check_int("max_shm_files_per_session", self.max_shm_files_per_session, minimum=1)
+        _check_int("max_registrations_per_session", self.max_registrations_per_session, minimum=1)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         _check_device("device", self.device)
@@ -719,6 +726,8 @@ _TOP_KEYS: dict[str, _Key] = {
     "heartbeat_s": _Key(_as_optional_float, "heartbeat interval recommended to clients in hello ('auto' = lease_s / 3)", "SECONDS"),
     "poll_interval_s": _Key(_as_float, "longest the event loop sleeps before polling copies in flight", "SECONDS"),
     "drain_timeout_s": _Key(_as_float, "on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting", "SECONDS"),
+    "max_shm_files_per_session": _Key(_as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N"),
+    "max_registrations_per_session": _Key(_as_int, "KV registrations (register_kv) one session may hold", "N"),
     "max_message_bytes": _Key(_as_size, "largest request accepted, header and frames together (e.g. 256MiB)", "SIZE"),
     "log_level": _Key(_as_log_level, "one of debug, info, warning, error, critical", "LEVEL"),
     "device": _Key(_as_device, "'auto' (CUDA if available), 'cpu', or 'cuda:N'", "DEVICE"),
@@ -1038,7 +1047,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
     groups = {
         "server": ("server", ["socket", "socket_mode", "lease_s", "heartbeat_s", "poll_interval_s", "drain_timeout_s",
-                              "max_message_bytes"]),
+                              "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session"]),
         "runtime": ("runtime", ["device", "hash_algo", "log_level", "metrics_port", "metrics_host"]),
         "security": ("tcp security", ["insecure_tcp", "curve_secret_key_file", "curve_public_keys_dir"]),
     }

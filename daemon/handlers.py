@@ -103,6 +103,13 @@ class HandlerContext:
     peer: str | None = None
     # uid of the local (ipc) process the request came from (SO_PEERCRED); None over tcp.
     peer_uid: int | None = None
+    # Shared-memory files (arenas, KV tensors) mapped by sessions: (st_dev, st_ino)
+    # -> the session that owns the file; only it may map it, only its end unlinks it.
+    file_owner: dict[tuple[int, int], str] = field(default_factory=dict)
+    files_mapped: int = 0  # mappings held by all sessions: one descriptor each
+    max_shm_files_per_session: int = 1024
+    max_registrations_per_session: int = 64
+    max_shm_files_total: int = 4096  # the server sets it below RLIMIT_NOFILE
 
 
 def _entry(ctx: HandlerContext, session: Session) -> PoolEntry:
@@ -195,10 +202,16 @@ def attach_arena(ctx: HandlerContext, req: Request, session: Session | None) -> 
         raise ProtocolError(ErrorCode.INVALID_STATE, "this session already has an arena")
     if f["slot_bytes"] != entry.block_bytes:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"slot_bytes {f['slot_bytes']} != pool block_bytes {entry.block_bytes}")
+    _check_file_budget(ctx, session, 1)
     try:
         arena = ShmArena.attach(f["name"], f["num_slots"], f["slot_bytes"])
     except ShmArenaError as exc:
         raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+    try:
+        _claim_files(ctx, session, [(arena.inode, arena.file_uid)], f"arena {f['name']}")
+    except BaseException:
+        arena.close()
+        raise
     layout = BlockLayout.from_buffer(arena.buffer, arena.num_slots, arena.slot_bytes)
     session.arena = (arena, layout)
     return Reply({"num_slots": arena.num_slots})
@@ -213,8 +226,17 @@ def register_kv(ctx: HandlerContext, req: Request, session: Session | None) -> R
         raise ProtocolError(ErrorCode.INVALID_STATE, f"registration {name!r} exists in this session")
     if entry.mode == "engine" and entry.gpu_owner is not None:
         raise ProtocolError(ErrorCode.INVALID_STATE, f"pool {entry.name!r} already has a GPU tier registered")
+    if len(session.registrations) >= ctx.max_registrations_per_session:
+        raise ProtocolError(ErrorCode.TOO_MANY_REGISTRATIONS,
+                            f"this session holds {len(session.registrations)} registrations, the most one may "
+                            f"(max_registrations_per_session); unregister_kv one first")
+    # Each shm tensor maps its file once (one descriptor): counted before any is opened.
+    _check_file_budget(ctx, session, sum(1 for item in f["tensors"]
+                                         if isinstance(item.get("desc"), dict) and item["desc"].get("transport") == "shm"))
     tensors: list[Any] = []
     handles: list[Closeable] = []
+    files: list[tuple[tuple[int, int], int]] = []
+    claimed = False
     try:
         for i, item in enumerate(f["tensors"]):
             try:
@@ -232,11 +254,17 @@ def register_kv(ctx: HandlerContext, req: Request, session: Session | None) -> R
                 ErrorCode.LAYOUT_MISMATCH,
                 f"registered tensors hold {layout.block_bytes} bytes per block, pool blocks are {entry.block_bytes}",
             )
-        reg = Registration(name, layout, handles)
+        for handle in handles:
+            files.extend(getattr(handle, "files", ()))
+        _claim_files(ctx, session, files, f"registration {name!r}")
+        claimed = True
+        reg = Registration(name, layout, handles, files=files)
         if entry.mode == "engine":
             ctx.pools.attach_engine_gpu(entry, (session.sid, name), layout)
             reg.attached_gpu = True
     except BaseException:
+        if claimed:
+            _release_files(ctx, session, files)
         for handle in handles:
             handle.close()
         raise
@@ -252,7 +280,67 @@ def release_registration(ctx: HandlerContext, session: Session, reg: Registratio
         # The GPU tier goes with every request in it, this session's included.
         ctx.pools.detach_engine_gpu(entry, (session.sid, reg.name), ctx.detach_timeout_s)
         session.requests.clear()
+    _release_files(ctx, session, reg.files)
+    reg.files = []
     reg.close()
+
+
+def release_arena(ctx: HandlerContext, session: Session, *, unlink: bool) -> None:
+    """Unmap a session's arena; with ``unlink``, remove its file too, if this session (still) owns it."""
+    if session.arena is None:
+        return
+    arena, _layout = session.arena
+    session.arena = None
+    owned = arena.inode is not None and ctx.file_owner.get(arena.inode) == session.sid
+    if arena.inode is not None:
+        _release_files(ctx, session, [(arena.inode, arena.file_uid)])
+    arena.close()
+    if unlink and owned:
+        arena.unlink()
+
+
+def _check_file_budget(ctx: HandlerContext, session: Session, n: int) -> None:
+    """Refuse (TOO_MANY_FILES) before mapping ``n`` more files: per session, and daemon-wide below the fd limit."""
+    held = sum(session.files.values())
+    if held + n > ctx.max_shm_files_per_session:
+        raise ProtocolError(ErrorCode.TOO_MANY_FILES,
+                            f"this session maps {held} shared-memory files and asks for {n} more; at most "
+                            f"{ctx.max_shm_files_per_session} (max_shm_files_per_session)")
+    if ctx.files_mapped + n > ctx.max_shm_files_total:
+        raise ProtocolError(ErrorCode.TOO_MANY_FILES,
+                            f"the daemon maps {ctx.files_mapped} shared-memory files of all sessions; {n} more would "
+                            f"pass its limit of {ctx.max_shm_files_total} (kept below its file descriptor limit)")
+
+
+def _claim_files(ctx: HandlerContext, session: Session, files: Sequence[tuple[tuple[int, int], int]], what: str) -> None:
+    """Make ``files`` this session's (all or none): refused if another live session owns one, or another user's file."""
+    _check_file_budget(ctx, session, len(files))
+    for inode, uid in files:
+        # The daemon may open files the client cannot: it maps only the
+        # caller's own (on ipc, where the caller's uid is known; root may).
+        if session.uid not in (None, 0) and uid != session.uid:
+            raise ProtocolError(ErrorCode.NOT_OWNER, f"{what}: the file belongs to another user")
+        owner = ctx.file_owner.get(inode)
+        if owner is not None and owner != session.sid and ctx.sessions.is_live(owner):
+            raise ProtocolError(ErrorCode.IN_USE, f"{what}: the file is attached by another session")
+    for inode, _uid in files:
+        ctx.file_owner[inode] = session.sid
+        session.files[inode] = session.files.get(inode, 0) + 1
+    ctx.files_mapped += len(files)
+
+
+def _release_files(ctx: HandlerContext, session: Session, files: Sequence[tuple[tuple[int, int], int]]) -> None:
+    for inode, _uid in files:
+        left = session.files.get(inode, 0) - 1
+        if left < 0:
+            continue
+        ctx.files_mapped -= 1
+        if left:
+            session.files[inode] = left
+            continue
+        del session.files[inode]
+        if ctx.file_owner.get(inode) == session.sid:
+            del ctx.file_owner[inode]
 
 
 def unregister_kv(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
@@ -493,10 +581,7 @@ def drop_client_memory(ctx: HandlerContext, session: Session, why: str) -> None:
         except Exception:
             log.exception("releasing registration %r", reg.name)
     session.registrations.clear()
-    if session.arena is not None:
-        arena, _layout = session.arena
-        session.arena = None
-        arena.close()
+    release_arena(ctx, session, unlink=False)
 
 
 # ---- daemon-wide -------------------------------------------------------------

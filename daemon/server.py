@@ -65,7 +65,8 @@ from kvtier.client.protocol import (
     recoverable_id,
     validate_request,
 )
-from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_registration, stats_fields
+from kvtier.daemon.handlers import (HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_arena, release_registration,
+                                    stats_fields)
 from kvtier.daemon.lifecycle import StopFlag
 from kvtier.daemon.memory import check_new_pool, gib
 from kvtier.daemon.metrics import Counters
@@ -111,6 +112,8 @@ class ServeOptions:
     socket_mode: int = 0o600  # of the ipc socket file; 0o660 lets a group of engine users in
     curve: CurveOptions | None = None  # CURVE server keys and authorised clients; None: no CURVE
     tenants: TenantRegistry = field(default_factory=TenantRegistry)  # none configured: one anonymous tenant
+    max_shm_files_per_session: int = 1024
+    max_registrations_per_session: int = 64
 
 
 @dataclass(eq=False)
@@ -132,6 +135,27 @@ def _error_code_for(exc: BaseException) -> ErrorCode:
     if isinstance(exc, TransferError):
         return ErrorCode.TRANSFER_FAILED
     return ErrorCode.INTERNAL
+
+
+# Descriptors kept free of shared-memory mappings: client connections (libzmq
+# aborts the process when it cannot get one), pools' threads and files.
+SPARE_FDS = 512
+
+
+def _file_budget() -> int:
+    """How many shared-memory files all sessions may map: the soft fd limit, raised to the hard one, less spares."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    # Half of what is left after the spares: connections need theirs too.
+    return max(16, (soft - SPARE_FDS) // 2)
 
 
 def _message(exc: BaseException) -> str:
@@ -174,6 +198,9 @@ class Server:
             max_payload_bytes=options.max_payload_bytes,
             detach_timeout_s=options.drain_timeout_s,
             tenants=options.tenants,
+            max_shm_files_per_session=options.max_shm_files_per_session,
+            max_registrations_per_session=options.max_registrations_per_session,
+            max_shm_files_total=_file_budget(),
         )
         self._serial = itertools.count(1)
         self._parked: dict[int, _Parked] = {}
@@ -514,9 +541,7 @@ class Server:
             for reg in session.registrations.values():
                 reg.close()
             session.registrations.clear()
-            if session.arena is not None:
-                session.arena[0].close()
-                session.arena = None
+            release_arena(self.ctx, session, unlink=False)
             return
         try:
             entry = self.pools.get(session.pool_name)
@@ -535,12 +560,9 @@ class Server:
         for reg in list(session.registrations.values()):
             release_registration(self.ctx, session, reg)
         session.registrations.clear()
-        if session.arena is not None:
-            arena, _layout = session.arena
-            session.arena = None
-            arena.close()
-            # The client is dead (expired) or done with it (bye).
-            arena.unlink()
+        # The client is dead (expired) or done with it (bye): the file goes,
+        # if this session still owns it.
+        release_arena(self.ctx, session, unlink=True)
         entry.sessions.discard(session.sid)
         log.info(
             "session %s ended (%s): released %d pins, %d requests, %d registrations",

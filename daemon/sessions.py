@@ -45,6 +45,7 @@ class Registration:
     layout: Any
     handles: list[Closeable]  # importer handles that keep the memory mapped
     attached_gpu: bool = False  # engine mode: this registration is the pool's GPU tier
+    files: list[tuple[tuple[int, int], int]] = field(default_factory=list)  # ((dev, ino), uid) it maps
 
     def close(self) -> None:
         for handle in self.handles:
@@ -65,6 +66,10 @@ class Session:
     requests: set[str] = field(default_factory=set)
     registrations: dict[str, Registration] = field(default_factory=dict)
     arena: Any = None  # kvtier.client.shm_arena arena owned by the daemon side, or None
+    # (st_dev, st_ino) -> mappings of that shared-memory file this session holds
+    # (arena and registrations; one descriptor each). The daemon's ownership map
+    # is HandlerContext.file_owner.
+    files: dict[tuple[int, int], int] = field(default_factory=dict)
     num_pins: int = 0  # pin calls minus unpins, for stats only (the pool holds the truth)
     in_flight: int = 0  # parked requests whose copies are still running
     ended: str = ""  # why the session ended ("expired", "bye", "shutdown"); "" while live
@@ -123,6 +128,9 @@ class SessionTable:
                 f"no session {sid[:64]!r} (expired, closed, or the daemon restarted): send hello again",
             )
         return session
+
+    def is_live(self, sid: str) -> bool:
+        return sid in self._sessions
 
     def touch(self, session: Session) -> None:
         session.expires_at_s = self._clock() + session.lease_s

@@ -54,12 +54,24 @@ def test_a_layout_that_gives_the_pool_no_block_is_refused(daemon, mode: str) -> 
 
 def _as_other_user(endpoint: str, headers: list[dict[str, object]]) -> list[dict[str, object]]:
     """Send each header from a forked child running as uid 65534 (gid 0, to reach the 0660 socket); their replies."""
+    from kvtier.client.protocol import decode, encode
+
+    def send_all(sock):  # type: ignore[no-untyped-def]
+        out = []
+        for h in headers:
+            sock.send(encode(h))
+            out.append(decode(sock.recv()) if sock.poll(10_000) else {"timeout": True})
+        return out
+
+    return _run_as_other_user(endpoint, send_all)
+
+
+def _run_as_other_user(endpoint: str, fn):  # type: ignore[no-untyped-def]
+    """``fn(dealer socket)`` in a forked child running as uid 65534 (gid 0); its JSON-able result."""
     import json
     import os
 
     import zmq
-
-    from kvtier.client.protocol import decode, encode
 
     r, w = os.pipe()
     pid = os.fork()
@@ -73,10 +85,7 @@ def _as_other_user(endpoint: str, headers: list[dict[str, object]]) -> list[dict
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
-            out = []
-            for h in headers:
-                sock.send(encode(h))
-                out.append(decode(sock.recv()) if sock.poll(10_000) else {"timeout": True})
+            out = fn(sock)
             sock.close()
             ctx.term()
             os.write(w, json.dumps(out, default=repr).encode())
@@ -132,3 +141,83 @@ def test_a_sid_is_no_use_to_another_user(shared_daemon) -> None:  # type: ignore
         assert bytes(victim.restore(hs).data) == data
         assert victim.unpin(hs) == 2
         assert victim.stats()["pools"]["victim"]["sessions"] == 1
+
+
+# ---- arenas and registrations belong to one session (item 6) --------------------------------
+
+
+def test_an_arena_or_kv_file_attached_by_one_session_is_refused_to_another(daemon) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    from kvtier.client.kv_share import allocate_shared_kv, export_tensor
+
+    with Client(daemon.endpoint, "own-a", layout()) as a, Client(daemon.endpoint, "own-b", layout()) as b:
+        arena = a.open_arena(2)
+        with pytest.raises(DaemonError) as err:
+            b._call("attach_arena", {"name": arena.name, "num_slots": 2, "slot_bytes": BLOCK_BYTES})
+        assert err.value.code == ErrorCode.IN_USE
+        kv, _handle = allocate_shared_kv([4, BLOCK_BYTES // 2], "bfloat16", 0)
+        a.register_kv("kv", [kv], 0)
+        desc = export_tensor(kv)
+        with pytest.raises(DaemonError) as err:
+            b._call("register_kv", {"name": "stolen", "tensors": [{"desc": desc, "block_dim": 0}]})
+        assert err.value.code == ErrorCode.IN_USE
+        # B's end unlinks nothing of A's.
+        b.close()
+        assert os.path.exists(arena.path)
+        # Once A's session is gone, the file is free to be taken (a restarted client re-attaches).
+        a._call("unregister_kv", {"name": "kv"})
+        with Client(daemon.endpoint, "own-c", layout()) as c:
+            c._call("register_kv", {"name": "mine-now", "tensors": [{"desc": desc, "block_dim": 0}]})
+        del kv
+    still_serving(daemon, "own-after")
+
+
+def test_another_users_file_is_refused(shared_daemon) -> None:  # type: ignore[no-untyped-def]
+    from kvtier.client.protocol import decode, encode
+
+    with Client(shared_daemon.endpoint, "root-pool", layout()) as owner:
+        arena = owner.open_arena(2)
+        lay = dict(layout().to_wire())
+
+        def hijack(sock):  # type: ignore[no-untyped-def]
+            sock.send(encode({"v": 1, "op": "hello", "id": 1, "pool": "root-pool", "layout": lay}))
+            assert sock.poll(10_000)
+            sid = decode(sock.recv())["sid"]
+            sock.send(encode({"v": 1, "op": "attach_arena", "id": 2, "sid": sid, "name": arena.name,
+                              "num_slots": 2, "slot_bytes": BLOCK_BYTES}))
+            assert sock.poll(10_000)
+            return [decode(sock.recv())]
+
+        (reply,) = _run_as_other_user(shared_daemon.endpoint, hijack)
+        assert reply["ok"] is False and reply["error"]["code"] == int(ErrorCode.NOT_OWNER), reply
+
+
+# ---- descriptors: registrations and mapped files capped per session (item 2) ---------------
+
+
+def test_registrations_and_mapped_files_are_capped_per_session(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    from kvtier.client.kv_share import allocate_shared_kv, export_tensor
+
+    d = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES,
+                        max_registrations_per_session=3, max_shm_files_per_session=4)
+    kv, _handle = allocate_shared_kv([4, BLOCK_BYTES // 2], "bfloat16", 0)
+    one = [{"desc": export_tensor(kv), "block_dim": 0}]
+    for _round in range(2):  # caps are per session: a new session starts from zero
+        with Client(d.endpoint, "caps", layout()) as c:
+            for i in range(3):
+                c._call("register_kv", {"name": f"r{i}", "tensors": one})
+            with pytest.raises(DaemonError) as err:
+                c._call("register_kv", {"name": "r3", "tensors": one})
+            assert err.value.code == ErrorCode.TOO_MANY_REGISTRATIONS
+            c.open_arena(2)  # the fourth file
+            c._call("unregister_kv", {"name": "r0"})
+            with pytest.raises(DaemonError) as err:
+                c._call("register_kv", {"name": "two", "tensors": one * 2})
+            assert err.value.code == ErrorCode.TOO_MANY_FILES
+            c._call("register_kv", {"name": "r0", "tensors": one})
+            with pytest.raises(DaemonError) as err:
+                c._call("register_kv", {"name": "r4", "tensors": one})
+            assert err.value.code in (ErrorCode.TOO_MANY_FILES, ErrorCode.TOO_MANY_REGISTRATIONS)
+            still_serving(d, f"caps-other-{_round}")
+    del kv
