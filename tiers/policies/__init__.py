@@ -6,10 +6,10 @@ Layout (imports point down this list, never up):
                 the ``POLICIES``/``WRAPPERS`` tables; imports every policy module.
 - ``lru``, ``arc``, ``s3fifo``, ``chain``  one policy each; ``admit2``: the
                 ``+admit2`` admission wrapper. Each imports only ``base``.
-- ``base``      the ``EvictionPolicy`` contract (stdlib only).
+- ``base``      the ``EvictionPolicy`` contract; ``names``: ``DEFAULT_POLICY`` (both stdlib only).
 
-This package re-exports the registry's API and the contract, so
-``from kvtier.tiers.policies import make_policy`` is the usual import.
+This package re-exports the registry's API (loaded on first use) and the
+contract, so ``from kvtier.tiers.policies import make_policy`` is the usual import.
 
 Notes that hold for ARC, S3-FIFO and admit2 (each module documents its own
 algorithm and its differences from the paper): they follow the
@@ -32,16 +32,22 @@ as it does for ``LRUPolicy``. ``on_hit``/``on_remove`` of a key that is not
 resident are no-ops.
 """
 
+from typing import Any
+
 from kvtier.tiers.policies.base import EvictionPolicy
-from kvtier.tiers.policies.registry import (
-    DEFAULT_POLICY,
-    POLICIES,
-    WRAPPERS,
-    PolicyFactory,
-    WrapperFactory,
-    make_policy,
-    policy_names,
-)
+from kvtier.tiers.policies.names import DEFAULT_POLICY
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "WRAPPERS", "EvictionPolicy", "PolicyFactory", "WrapperFactory",
            "make_policy", "policy_names"]
+
+_FROM_REGISTRY = frozenset({"POLICIES", "WRAPPERS", "PolicyFactory", "WrapperFactory", "make_policy", "policy_names"})
+
+
+def __getattr__(name: str) -> Any:
+    """The registry's names, loaded on first use: ``DEFAULT_POLICY`` and ``EvictionPolicy`` load no
+    policy, so ``kvtier --help`` and the daemon's config do not pay for numpy (the chain policy's)."""
+    if name in _FROM_REGISTRY:
+        from kvtier.tiers.policies import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,15 +17,11 @@ from kvtier.tiers.policies.arc import ARCPolicy
 from kvtier.tiers.policies.base import EvictionPolicy
 from kvtier.tiers.policies.chain import ChainPolicy
 from kvtier.tiers.policies.lru import LRUPolicy
+from kvtier.tiers.policies.names import DEFAULT_POLICY
 from kvtier.tiers.policies.s3fifo import S3FIFOPolicy
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "WRAPPERS", "PolicyFactory", "WrapperFactory", "make_policy",
            "policy_names"]
-
-# The default for the daemon and the replay tool: on the Mooncake traces it
-# beats LRU by 3.6 points (conversation) and 2 points (synthetic) at 100k GPU +
-# 3M CPU tokens (README, "Hit rates"). Measured with `kvtier replay --sweep`.
-DEFAULT_POLICY = "chain"
 
 PolicyFactory = Callable[[int], EvictionPolicy]
 WrapperFactory = Callable[[EvictionPolicy], EvictionPolicy]
