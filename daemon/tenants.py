@@ -186,9 +186,6 @@ class TenantRegistry:
         """Whose namespace a pool key is in (None: the anonymous tenant or unknown)."""
         return self._by_tag.get(key[:TAG_BYTES])
 
-    def tag_of(self, tenant: str) -> bytes:
-        return self._tenants[tenant].tag
-
     # ---- quotas ----------------------------------------------------------------------
 
     def policy_wrapper(self, block_bytes: int) -> PolicyWrapper | None:
