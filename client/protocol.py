@@ -109,6 +109,7 @@ class ErrorCode(IntEnum):
     NO_SPACE = 300  # the tier cannot make room (nothing changed)
     TOO_MANY_REGISTRATIONS = 301  # the session holds max_registrations_per_session registrations
     TOO_MANY_FILES = 302  # the session (or the daemon) maps as many shared-memory files as it may
+    TOO_MANY_POOLS = 303  # the daemon holds max_pools pools; a hello may join one, not create another
 
     TRANSFER_FAILED = 400  # a copy failed; nothing was committed
     SHUTTING_DOWN = 401  # the daemon is draining and takes no new work

@@ -278,6 +278,7 @@ class DaemonConfig:
     # of mapped files is capped below RLIMIT_NOFILE as well (daemon.handlers).
     max_shm_files_per_session: int = 1024
     max_registrations_per_session: int = 64
+    max_pools: int = 128  # pools the daemon holds at once (each: a CPU tier, a GPU tier in store mode, 2 threads)
     log_level: str = "info"
     device: str = "auto"
     metrics_port: int | None = None
@@ -306,6 +307,7 @@ class DaemonConfig:
         _check_int("max_message_bytes", self.max_message_bytes, minimum=MIN_MESSAGE_BYTES)
         _check_int("max_shm_files_per_session", self.max_shm_files_per_session, minimum=1)
         _check_int("max_registrations_per_session", self.max_registrations_per_session, minimum=1)
+        _check_int("max_pools", self.max_pools, minimum=1)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         _check_device("device", self.device)
@@ -728,6 +730,7 @@ _TOP_KEYS: dict[str, _Key] = {
     "drain_timeout_s": _Key(_as_float, "on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting", "SECONDS"),
     "max_shm_files_per_session": _Key(_as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N"),
     "max_registrations_per_session": _Key(_as_int, "KV registrations (register_kv) one session may hold", "N"),
+    "max_pools": _Key(_as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N"),
     "max_message_bytes": _Key(_as_size, "largest request accepted, header and frames together (e.g. 256MiB)", "SIZE"),
     "log_level": _Key(_as_log_level, "one of debug, info, warning, error, critical", "LEVEL"),
     "device": _Key(_as_device, "'auto' (CUDA if available), 'cpu', or 'cuda:N'", "DEVICE"),
@@ -1047,7 +1050,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
     groups = {
         "server": ("server", ["socket", "socket_mode", "lease_s", "heartbeat_s", "poll_interval_s", "drain_timeout_s",
-                              "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session"]),
+                              "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session", "max_pools"]),
         "runtime": ("runtime", ["device", "hash_algo", "log_level", "metrics_port", "metrics_host"]),
         "security": ("tcp security", ["insecure_tcp", "curve_secret_key_file", "curve_public_keys_dir"]),
     }

@@ -114,6 +114,7 @@ class ServeOptions:
     tenants: TenantRegistry = field(default_factory=TenantRegistry)  # none configured: one anonymous tenant
     max_shm_files_per_session: int = 1024
     max_registrations_per_session: int = 64
+    max_pools: int = 128  # pools held at once; a hello that would create one more gets TOO_MANY_POOLS
 
 
 @dataclass(eq=False)
@@ -228,6 +229,13 @@ class Server:
 
     def _sizing_for(self, name: str) -> PoolSizing:
         """The configured sizing of a new pool, refused (NO_SPACE, with the numbers) if the host cannot take it."""
+        if len(self.pools) >= self.options.max_pools:
+            # Pools outlive their sessions (the cache is the point), so without
+            # a bound every new pool name a client sends costs tiers and threads.
+            self.metrics.inc("pools_refused_total")
+            raise ProtocolError(ErrorCode.TOO_MANY_POOLS,
+                                f"this daemon holds {len(self.pools)} pools, its limit (max_pools); join an existing "
+                                "pool or ask the operator")
         sizing = self.options.sizing_for(name)
         existing = {e.name: e.pool.cpu_blocks * e.block_bytes for e in self.pools}
         try:

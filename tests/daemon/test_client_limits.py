@@ -221,3 +221,24 @@ def test_registrations_and_mapped_files_are_capped_per_session(kvtierd_factory) 
             assert err.value.code in (ErrorCode.TOO_MANY_FILES, ErrorCode.TOO_MANY_REGISTRATIONS)
             still_serving(d, f"caps-other-{_round}")
     del kv
+
+
+# ---- pools: at most max_pools (item 3, part) ---------------------------------------------------
+
+
+def test_a_hello_past_max_pools_is_refused_and_existing_pools_still_join(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    from kvtier.client.client import probe_health
+
+    d = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES, max_pools=3)
+    for i in range(3):
+        Client(d.endpoint, f"p{i}", layout()).close()
+    with pytest.raises(DaemonError) as err:
+        Client(d.endpoint, "p3", layout()).close()
+    assert err.value.code == ErrorCode.TOO_MANY_POOLS and "max_pools" in str(err.value)
+    assert probe_health(d.endpoint)["pools"] == 3
+    rng = random.Random(4)
+    with Client(d.endpoint, "p1", layout()) as c:  # joining one that exists is fine
+        hs, data = [rng.randbytes(16)], rng.randbytes(BLOCK_BYTES)
+        assert c.store(hs, data) == (1, 0)
+        assert bytes(c.restore(hs).data) == data
+        assert c.stats()["daemon"]["pools_refused_total"] == 1
