@@ -43,6 +43,7 @@ import ctypes
 import errno
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,21 +104,38 @@ def _tensor_runs(t: Any, out: list[tuple[int, int]]) -> None:
         _tensor_runs(t[i], out)
 
 
+# layout -> per tensor (bytes between blocks, runs of block 0): block s is
+# block 0 shifted by s strides, so the runs are worked out once per layout.
+_TEMPLATES: weakref.WeakKeyDictionary[Any, list[tuple[int, list[tuple[int, int]]]]] = weakref.WeakKeyDictionary()
+
+
+def _template(layout: Any) -> list[tuple[int, list[tuple[int, int]]]]:
+    parts = _TEMPLATES.get(layout)
+    if parts is None:
+        parts = []
+        for t, d in zip(layout.tensors, layout.block_dims):
+            runs: list[tuple[int, int]] = []
+            _tensor_runs(t.select(d, 0), runs)
+            parts.append((t.stride(d) * t.element_size(), runs))
+        _TEMPLATES[layout] = parts
+    return parts
+
+
 def block_runs(layout: Any, slot: int) -> list[tuple[int, int]]:
     """(address, length) runs of block ``slot``'s canonical bytes, in order, adjacent runs merged."""
     if layout.is_slab:
         slab = layout.slab()
         bb = slab.shape[1]
         return [(slab.data_ptr() + slot * slab.stride(0), bb)]
-    raw: list[tuple[int, int]] = []
-    for t, d in zip(layout.tensors, layout.block_dims):
-        _tensor_runs(t.select(d, slot), raw)
     runs: list[tuple[int, int]] = []
-    for addr, n in raw:
-        if runs and runs[-1][0] + runs[-1][1] == addr:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
-        else:
-            runs.append((addr, n))
+    for stride, template in _template(layout):
+        shift = slot * stride
+        for addr, n in template:
+            addr += shift
+            if runs and runs[-1][0] + runs[-1][1] == addr:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((addr, n))
     return runs
 
 

@@ -134,3 +134,20 @@ def test_an_arena_truncated_and_regrown_under_copies_never_crashes_the_daemon(da
         assert daemon.alive, daemon.log()[-3000:]
         assert outcomes.get("TRANSFER_FAILED", 0) > 0, outcomes
     still_serving(daemon, "trunc-race-other")
+
+
+@pytest.mark.parametrize("shape,block_dim", [((2, 10, 4, 3, 8), 1), ((10, 2, 4, 8), 0), ((5, 10, 6), 1)])
+def test_fault_safe_copies_move_canonical_block_bytes_of_any_layout(shape, block_dim) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from kvtier.daemon import client_memory
+    from kvtier.tiers.layout import BlockLayout
+
+    src = BlockLayout([torch.randn(shape).to(torch.bfloat16) for _ in range(3)], [block_dim] * 3)
+    staging = BlockLayout.contiguous(4, src.block_bytes)
+    client_memory.read_blocks(src, [7, 2, 9, 0], staging)
+    assert torch.equal(staging.slab(), src.gather([7, 2, 9, 0]))
+    dst = BlockLayout([torch.zeros(shape).to(torch.bfloat16) for _ in range(3)], [block_dim] * 3)
+    client_memory.write_blocks(staging, 3, dst, [1, 5, 3, 8])
+    assert torch.equal(dst.gather([1, 5, 3]), staging.slab()[:3])
+    assert not dst.gather([8]).any()  # only `count` blocks are written
