@@ -357,6 +357,10 @@ class _SharedFile:
     name: str
     size_bytes: int
     data_offset_bytes: int = 0  # where the storage's first byte lies in the file
+    # share_kv_in_place: torch's own name of the file. Such an entry is keyed by
+    # an address that a later storage may reuse once this one is freed, so it
+    # holds only while the storage at that address is still that file.
+    torch_name: str | None = None
 
 
 # base address of a shared KV storage -> its file. Entries leave when the
@@ -457,9 +461,8 @@ def share_kv_in_place(tensors: Sequence[torch.Tensor], name_prefix: str = DEFAUL
         storage = t.untyped_storage()
         if storage.device.type != "cpu":
             raise KvShareError(f"share_kv_in_place takes CPU tensors, got one on {storage.device}")
-        with _SHARED_LOCK:
-            if storage.data_ptr() in _SHARED:
-                continue
+        if _entry_of(storage) is not None:
+            continue  # already shared (another view of the same storage)
         try:
             _manager, torch_name, data_bytes = storage._share_filename_cpu_()
             name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(6)}"
@@ -469,15 +472,34 @@ def share_kv_in_place(tensors: Sequence[torch.Tensor], name_prefix: str = DEFAUL
             raise KvShareError(f"cannot move a KV tensor into shared memory: {exc}") from None
         # torch's refcounted files keep a header before the data: the data is
         # the file's last data_bytes bytes.
-        entry = _SharedFile(name, file_bytes, file_bytes - int(data_bytes))
+        entry = _SharedFile(name, file_bytes, file_bytes - int(data_bytes), torch_name.decode())
         if entry.data_offset_bytes < 0 or entry.data_offset_bytes % 64:
             ShmArena.unlink_name(name)
             raise KvShareError(f"unexpected shared file layout: {file_bytes} bytes for {data_bytes} bytes of data")
         with _SHARED_LOCK:
-            _SHARED[storage.data_ptr()] = entry
+            _SHARED[storage.data_ptr()] = entry  # the storage's new (shared) address
         atexit.register(ShmArena.unlink_name, name)
         names.append(name)
     return names
+
+
+def _torch_file_of(storage: torch.UntypedStorage) -> str | None:
+    """torch's name of the shared-memory file behind a CPU storage; None for private memory (never shares it)."""
+    if not storage.is_shared():
+        return None
+    try:
+        return storage._share_filename_cpu_()[1].decode()  # already shared: returns its name, copies nothing
+    except RuntimeError:
+        return None  # shared some other way (file descriptors)
+
+
+def _entry_of(storage: torch.UntypedStorage) -> _SharedFile | None:
+    """The shm file that holds ``storage``, if kv_share put it there."""
+    with _SHARED_LOCK:
+        entry = _SHARED.get(storage.data_ptr())
+    if entry is None or entry.torch_name is None:
+        return entry  # allocate_shared_kv's entries leave with their memory (weakref.finalize)
+    return entry if _torch_file_of(storage) == entry.torch_name else None
 
 
 def unlink_shared_kv(tensor_or_handle: torch.Tensor | Mapping[str, Any]) -> None:
@@ -494,12 +516,11 @@ def unlink_shared_kv(tensor_or_handle: torch.Tensor | Mapping[str, Any]) -> None
 
 def _export_shm(t: torch.Tensor) -> tuple[dict[str, Any], int]:
     storage = t.untyped_storage()
-    with _SHARED_LOCK:
-        entry = _SHARED.get(storage.data_ptr())
+    entry = _entry_of(storage)
     if entry is None:
         raise KvShareError(
             "a CPU KV tensor must live in shared memory: allocate it with kvtier.client.kv_share.allocate_shared_kv "
-            "(or take a view of such a tensor)"
+            "(or take a view of such a tensor), or move it there with share_kv_in_place"
         )
     offset_bytes = t.data_ptr() - storage.data_ptr() + entry.data_offset_bytes
     if offset_bytes % t.element_size():

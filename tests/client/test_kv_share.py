@@ -633,3 +633,28 @@ def test_cuda_storage_larger_than_allocation_is_refused() -> None:
     finally:
         engine.ask("check")
         engine.finish()
+
+
+def test_share_in_place_entries_do_not_outlive_their_storage() -> None:
+    # kv_share remembers shared storages by address; a private tensor that
+    # later lands at a freed shared storage's address must not be described
+    # as that file (the daemon would copy into the dead storage's memory).
+    import torch
+
+    from kvtier.client import kv_share
+
+    shared = torch.zeros(4, 256)
+    (name,) = kv_share.share_kv_in_place([shared])
+    assert kv_share.export_kv([shared], [0])["tensors"][0]["handle"]["name"] == name
+    private = torch.zeros(4, 256)
+    stale = kv_share._SHARED[shared.untyped_storage().data_ptr()]
+    with kv_share._SHARED_LOCK:  # what address reuse would look like
+        kv_share._SHARED[private.untyped_storage().data_ptr()] = stale
+    with pytest.raises(kv_share.KvShareError, match="shared memory"):
+        kv_share.export_kv([private], [0])
+    # Sharing it then gives it its own file.
+    (fresh,) = kv_share.share_kv_in_place([private])
+    assert fresh != name
+    assert kv_share.export_kv([private], [0])["tensors"][0]["handle"]["name"] == fresh
+    kv_share.unlink_shared_kv(private)
+    kv_share.unlink_shared_kv(shared)
