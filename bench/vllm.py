@@ -2,46 +2,54 @@
 """kvtier under vLLM: TTFT of a restored prefix, and the scheduler half's cost per call, in one run.
 
 Usage:
-    python bench/vllm.py [--prefix-tokens 4096] [--reps 5] [--json PATH] [--skip-ttft] [--skip-sched]
+    python bench/vllm.py [--prefix-tokens 4096] [--reps 5] [--cases ...] [--json PATH] [--skip-ttft] [--skip-sched]
 
 Everything runs on this machine, in one run: the bench starts one kvtierd
 (``python -m kvtier.daemon --socket ipc://...``, store mode) and stops it at
 the end (SIGTERM, exit status checked).
 
-1. TTFT (time of ``llm.generate`` with ``max_tokens=1``) of a prompt made of a
-   long shared prefix (default 4,096 tokens) and a short unique suffix (32
-   tokens), on a random-weight Llama (``load_format="dummy"``; default hidden
-   1024, 8 heads of 128, 2 KV heads (GQA), 4 layers, float32: prefill is expensive
-   on this CPU, the KV per token small; bfloat16 runs 4-25x slower on a CPU without
-   AVX-512 BF16, as this one: 72 s for the prefix, 7.5 s for a prefix-cache hit). Cases:
+1. TTFT (time of ``llm.generate`` with ``max_tokens=1``, one request at a time) of a prompt made of a
+   long shared prefix (default 4,096 tokens) and a short unique suffix (32 tokens), on a random-weight
+   Llama (``load_format="dummy"``; default hidden 1024, 8 heads of 128, 2 KV heads (GQA), 4 layers,
+   float32: a 4,096-token prefill costs ~10 s on this CPU, so a restore has a lot to beat, while the KV is
+   8 KiB a token, 32 MiB for the prefix, so the copy is not free either; bfloat16 runs 4-25x slower on a
+   CPU without AVX-512 BF16, as this one: 72 s for the prefix, 7.5 s for a prefix-cache hit). Cases:
 
-   a. ``kvtier``: vLLM with ``KvtierConnector`` and ``enable_prefix_caching=False``.
-      The prefix was computed once by an earlier request (whose full blocks
-      the connector stored into kvtierd, write-through); with vLLM's own cache
-      off, every repetition's prefix comes from kvtierd (restored into vLLM's
-      KV tensors, registered in place). Prefix caching off is the fair way to
-      force this: it is the state of a prefix vLLM evicted (or never had: another
-      engine or a restart), without adding the eviction traffic of filler requests
-      to the timed requests; vLLM's prefix-cache bookkeeping on a miss costs
-      nothing worth counting next to a prefill.
-   b. ``recompute``: no connector; every repetition's prompt carries a unique
-      ``cache_salt``, so no block hits and the whole prompt is prefilled.
-   c. ``prefix cache``: the same engine as (b) (prefix caching on), the same
-      prompt without a salt: the prefix (computed once before) is a hit in
-      vLLM's own prefix cache. (b) and (c) alternate in each repetition.
-   d. ``ExampleConnector``: vLLM's example connector (safetensors files, one per
-      layer, under ``--example-dir``, default a fresh directory in /dev/shm)
-      with prefix caching off, after one request stored the prefix.
+   a. ``kvtier``: vLLM with ``KvtierConnector`` and ``enable_prefix_caching=False``: every repetition's
+      prefix comes from kvtierd (stored once, write-through, by an earlier request) into vLLM's KV
+      tensors. Prefix caching off is the state of a prefix vLLM evicted (or never had: another engine,
+      a restart) without the eviction traffic of filler requests.
+   b. ``recompute``: no connector; a unique ``cache_salt`` per repetition: the whole prompt is prefilled.
+   c. ``prefix_cache``: the engine of (b) (prefix caching on), unsalted: a hit in vLLM's own cache.
+   d. ``example``: vLLM's ``ExampleConnector`` (safetensors files under ``--example-dir``, default a
+      fresh directory in /dev/shm), prefix caching off.
+   e. ``kvtier_pc_evicted`` (for information): ``KvtierConnector`` with prefix caching ON, the prefix
+      evicted from vLLM's cache (``LLM.reset_prefix_cache()``, untimed) before each repetition.
+   f. ``kvtier_staged`` (for information): as (a) with ``data_plane="staged"`` (vLLM's KV tensors stay
+      in vLLM's own memory, blocks go through a shared arena) instead of the registered plane (KV
+      tensors moved to /dev/shm, kvtierd copies in place).
 
-   Each configuration is one ``LLM`` started once in a child process of the
-   bench (which prints its numbers as JSON and exits, engine processes and
-   all, before the next starts); every case sees the same prompts. Reported:
-   median TTFT over ``--reps`` repetitions (each a different suffix), the
-   tokens vLLM counts as cached, whether the greedy token of every repetition
-   equals the recompute's, and for (a) the connector's own load time (the
-   worker half's ``load_s``, read through ``collective_rpc``) and kvtierd's
-   copy statistics. Ratios: kvtier / recompute (target <= 0.2), kvtier /
-   prefix cache (target <= 1.2), kvtier / ExampleConnector (target < 1).
+   Fairness: every engine (one ``LLM`` per configuration, (b) and (c) share one) is a child process of
+   the bench, started one after another and then kept alive for the whole run, answering JSON commands
+   on stdin (one tagged JSON line on stdout each). After each engine's warm-up and one request that
+   computes the prefix, the timed repetitions go round robin: repetition i runs every case once, the
+   order rotated by i, so background load on a shared machine hits every case alike. Each engine has
+   4 requests' worth of KV blocks (~130 MiB; ~1-1.5 GB a process in all). The load average is recorded
+   before and after the repetitions.
+
+   Reported: median (min, max) TTFT over ``--reps`` repetitions (each a different suffix), the tokens
+   vLLM counts as cached, whether every case's greedy token equals the recompute's, and each request's
+   TTFT cut at time stamps (CLOCK_MONOTONIC, shared by the processes): the engine worker's
+   ``execute_model`` / ``sample_tokens`` / model forward and, with KvtierConnector, the worker half's
+   ``start_load_kv`` (wrapped through ``collective_rpc``) and the scheduler half's ``on_new_request``,
+   lookup completion and ``get_num_new_matched_tokens`` (vLLM's EngineCore process is spawned, so these
+   are wrapped by a ``sitecustomize`` the bench writes into its temp directory and puts on the engine's
+   PYTHONPATH). For the kvtier cases: arrival -> lookup answer (bench submit -> the first
+   ``get_num_new_matched_tokens`` that answers; with the empty engine steps in between), the load
+   (``start_load_kv``; the worker half's ``load_s`` delta per repetition via ``collective_rpc`` beside
+   it), and the rest (alloc -> load start, the forward without the load, output). Ratios of medians
+   (and the median of the per-repetition ratios): kvtier / recompute (target <= 0.2), kvtier / prefix
+   cache (target <= 1.2), kvtier / ExampleConnector (target < 1).
 
 2. The scheduler half's cost (``SchedulerSide``, built directly, no engine)
    against the same kvtierd, on fake requests (``--sched-prompt-tokens``,
@@ -110,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary (default 8192)")
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32", "float16"),
                    help="model dtype (default float32: on a CPU without AVX-512 BF16, as here, vLLM runs bfloat16 4-25x slower)")
-    p.add_argument("--cases", default="vllm,kvtier,example",
-                   help="configurations to run, comma-separated: vllm (recompute + prefix cache), kvtier, example")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"timed cases, comma-separated, in round-robin order (default {','.join(CASES)})")
     p.add_argument("--example-dir", type=Path, default=None,
                    help="ExampleConnector's storage (default: a fresh directory in /dev/shm, removed at the end)")
     p.add_argument("--sched-reqs", default="1,64", help="waiting requests per scheduler trial (default 1,64)")
@@ -124,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "vllm-cpu.json", help="JSON report path")
     p.add_argument("--log", type=Path, default=None,
                    help="vLLM's own output (default: kvtier-bench-vllm.log in the temp directory)")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one LLM configuration, JSON in
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one live LLM configuration
     return p
 
 
@@ -195,8 +203,15 @@ def numeric_diff(after: Any, before: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# 1. TTFT: one child process per LLM configuration
+# 1. TTFT: one long-lived child process per LLM configuration, all alive at once
 # ---------------------------------------------------------------------------
+
+ENGINES = ("vllm", "kvtier", "example", "kvtier_pc", "kvtier_staged")  # engine configurations (child processes)
+# Timed cases -> the engine serving them. Each repetition runs every case once (round robin).
+CASES = {"kvtier": "kvtier", "recompute": "vllm", "prefix_cache": "vllm", "example": "example",
+         "kvtier_pc_evicted": "kvtier_pc", "kvtier_staged": "kvtier_staged"}
+KVTIER_CASES = ("kvtier", "kvtier_pc_evicted", "kvtier_staged")
+
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
     inter = args.intermediate or int(round(args.hidden * 2.75 / 256)) * 256
@@ -215,133 +230,332 @@ def parameters(cfg: dict[str, Any]) -> int:
     return L * per_layer + 2 * v * h + h
 
 
-def _worker_load_stats(worker: Any) -> dict[str, Any]:  # runs in vLLM's worker process (collective_rpc)
+# The functions below run in vLLM's engine-core process (collective_rpc; on the CPU backend the
+# worker runs in that process, beside the scheduler): they add time stamps to the worker's
+# execute_model / sample_tokens and, with KvtierConnector, to both connector halves. Each
+# wrapper appends one tuple to a list (a few us); nothing else changes.
+
+def _worker_load_stats(worker: Any) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     side = get_kv_transfer_group()._worker
     return {"blocks_loaded": side.blocks_loaded, "blocks_stored": side.blocks_stored, "load_s": side.load_s}
 
 
+def _install_trace(worker: Any, connector: bool) -> dict[str, Any]:
+    import time as _t
+
+    ev: list[tuple[Any, ...]] = []
+    worker._bench_events = ev
+
+    def timed(name: str, orig: Any, count: Any = None) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            t0 = _t.monotonic()
+            try:
+                return orig(*a, **k)
+            finally:
+                ev.append((name, t0, _t.monotonic(), count(*a) if count else None))
+        return call
+
+    # Instance attributes win over WorkerWrapperBase's methods / __getattr__ in run_method's getattr.
+    worker.execute_model = timed("exec", worker.execute_model, lambda so, *_: int(so.total_num_scheduled_tokens))
+    worker.sample_tokens = timed("sample", worker.sample_tokens)
+    model = worker.worker.model_runner.model
+    model.forward = timed("model", model.forward)  # nn.Module.__call__ finds the instance attribute
+    info: dict[str, Any] = {"pid": os.getpid(), "connector": False}
+    if not connector:
+        return info
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group()._worker
+    side.start_load_kv = timed("load", side.start_load_kv, lambda meta: sum(len(x.keys) for x in meta.loads))
+    side.wait_for_save = timed("save", side.wait_for_save)
+    info["connector"] = True
+    return info
+
+
+def _patch_scheduler_side(path: str) -> None:
+    """Time stamps of the connector's scheduler half, which lives in vLLM's EngineCore process (spawned:
+    vLLM's CPU platform forces spawn): this function's source is the ``sitecustomize`` of the engine's
+    processes (a PYTHONPATH folder in the bench's temp directory, with $BENCH_VLLM_SCHED_EVENTS set), so
+    SchedulerSide's methods are wrapped at the class before vLLM builds it; each event is one line
+    appended to ``path`` (one os.write, a few us)."""
+    import json
+    import os
+    import time as _t
+
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def emit(*ev: Any) -> None:
+        os.write(fd, (json.dumps(ev) + "\n").encode())
+
+    on_new, gnmt, alloc = (SchedulerSide.on_new_request, SchedulerSide.get_num_new_matched_tokens,
+                           SchedulerSide.update_state_after_alloc)
+
+    def on_new_request(self: Any, request: Any) -> None:
+        t0 = _t.monotonic()
+        on_new(self, request)
+        emit("new", t0, _t.monotonic(), os.getpid())
+        t = self._tracked.get(request.request_id)
+        if t is not None and t.lookup is not None:
+            t.lookup.add_done_callback(lambda _f: emit("lookup_done", _t.monotonic(), None, None))
+
+    def get_num_new_matched_tokens(self: Any, request: Any, num_computed_tokens: int) -> Any:
+        t0 = _t.monotonic()
+        out = gnmt(self, request, num_computed_tokens)
+        emit("gnmt", t0, _t.monotonic(), out[0])
+        return out
+
+    def update_state_after_alloc(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        t0 = _t.monotonic()
+        alloc(self, request, blocks, num_external_tokens)
+        emit("alloc", t0, _t.monotonic(), num_external_tokens)
+
+    SchedulerSide.on_new_request = on_new_request  # type: ignore[method-assign]
+    SchedulerSide.get_num_new_matched_tokens = get_num_new_matched_tokens  # type: ignore[method-assign]
+    SchedulerSide.update_state_after_alloc = update_state_after_alloc  # type: ignore[method-assign]
+
+
+def _take_events(worker: Any) -> list[tuple[Any, ...]]:
+    ev = worker._bench_events
+    out = list(ev)
+    ev.clear()
+    return out
+
+
+def breakdown(t_submit: float, t_done: float, events: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """One request's TTFT cut at the time stamps (ms). All on CLOCK_MONOTONIC, shared by the processes."""
+    ms = lambda a, b: round(1e3 * (b - a), 3)  # noqa: E731
+    execs = [e for e in events if e[0] == "exec"]
+    fwd = next((e for e in execs if e[3]), None)
+    out: dict[str, Any] = {"ttft_ms": ms(t_submit, t_done), "engine_steps": len(execs)}
+    if fwd is None:
+        return out
+    samples = [e for e in events if e[0] == "sample" and e[1] >= fwd[1]]
+    fwd_end = samples[0][2] if samples else fwd[2]
+    out |= {"empty_steps_before_forward": sum(1 for e in execs if not e[3] and e[1] < fwd[1]),
+            "submit_to_first_step_ms": ms(t_submit, execs[0][1]),
+            "submit_to_forward_ms": ms(t_submit, fwd[1]),
+            "forward_step_ms": ms(fwd[1], fwd_end),  # execute_model + sample_tokens (the load runs inside)
+            "forward_tokens": fwd[3],
+            "after_forward_ms": ms(fwd_end, t_done)}  # engine output, IPC, front end
+    model = next((e for e in events if e[0] == "model" and e[1] >= fwd[1]), None)
+    if model is not None:
+        out["model_forward_ms"] = ms(model[1], model[2])  # the model's forward alone (attention, MLP)
+    new = next((e for e in events if e[0] == "new"), None)
+    if new is None:
+        return out
+    answer = next((e for e in events if e[0] == "gnmt" and e[3] is not None), None)
+    done = next((e for e in events if e[0] == "lookup_done"), None)
+    load = next((e for e in events if e[0] == "load" and e[3]), None)
+    out |= {"submit_to_on_new_request_ms": ms(t_submit, new[1]),
+            "gnmt_calls": sum(1 for e in events if e[0] == "gnmt"),
+            "gnmt_us_total": round(1e6 * sum(e[2] - e[1] for e in events if e[0] == "gnmt"), 1)}
+    if done is not None:
+        out["lookup_round_trip_ms"] = ms(new[1], done[1])  # on_new_request -> kvtierd's answer landed
+    if answer is not None:
+        out["matched_tokens"] = answer[3]
+        out["on_new_request_to_answer_ms"] = ms(new[1], answer[2])
+        out["arrival_to_answer_ms"] = ms(t_submit, answer[2])  # bench's submit -> scheduler has the answer
+    if load is not None:
+        out["load_ms"] = ms(load[1], load[2])
+        out["load_blocks"] = load[3]
+        if answer is not None:
+            out["answer_to_load_start_ms"] = ms(answer[2], load[1])  # alloc, schedule, meta, dispatch
+        out["forward_without_load_ms"] = round(out["forward_step_ms"] - out["load_ms"], 3)
+    if "arrival_to_answer_ms" in out and "load_ms" in out:
+        out["rest_ms"] = round(out["ttft_ms"] - out["arrival_to_answer_ms"] - out["load_ms"], 3)
+    return out
+
+
 def child_main(spec: dict[str, Any]) -> int:
-    """One LLM configuration: warm up, compute the prefix once, time the repetitions; JSON on stdout."""
+    """One LLM configuration, alive for the whole run: JSON commands on stdin, one tagged JSON line each on stdout."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
-    case = spec["case"]
-    import gc
-
+    engine = spec["engine"]
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     total = spec["prefix_tokens"] + spec["suffix_tokens"]
     max_len = -(-(total + 8) // BLOCK_SIZE) * BLOCK_SIZE
     blocks_per_req = max_len // BLOCK_SIZE
+    # 4 requests' worth: the prefix-cache engine keeps the prefix (LRU) while two salted recomputes
+    # pass between two of its hits; the others need one request's worth. 1 MiB a block by default.
     kw: dict[str, Any] = dict(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True,
                               max_model_len=max_len, max_num_batched_tokens=max_len, block_size=BLOCK_SIZE,
-                              num_gpu_blocks_override=blocks_per_req * (spec["reps"] + 4), enforce_eager=True,
+                              num_gpu_blocks_override=blocks_per_req * 4 + 1, enforce_eager=True,
                               seed=0, dtype=spec["dtype"])
-    if case == "vllm":
+    kvtier_cfg = {"kv_connector": "KvtierConnector", "kv_role": "kv_both",
+                  "kv_connector_module_path": "kvtier.integrations.vllm",
+                  "kv_connector_extra_config": {"socket": spec["socket"]}}
+    if engine == "vllm":
         kw["enable_prefix_caching"] = True
-    elif case == "kvtier":
+    elif engine == "kvtier":
         kw["enable_prefix_caching"] = False
-        kw["kv_transfer_config"] = {"kv_connector": "KvtierConnector", "kv_role": "kv_both",
-                                    "kv_connector_module_path": "kvtier.integrations.vllm",
-                                    "kv_connector_extra_config": {"socket": spec["socket"]}}
-    elif case == "example":
+        kw["kv_transfer_config"] = kvtier_cfg
+    elif engine == "kvtier_pc":
+        kw["enable_prefix_caching"] = True
+        kw["kv_transfer_config"] = kvtier_cfg
+    elif engine == "kvtier_staged":  # vLLM's KV tensors stay where vLLM put them; blocks go through an arena
+        kw["enable_prefix_caching"] = False
+        kw["kv_transfer_config"] = kvtier_cfg | {"kv_connector_extra_config": {"socket": spec["socket"],
+                                                                                "data_plane": "staged"}}
+    elif engine == "example":
         kw["enable_prefix_caching"] = False
         kw["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": {"shared_storage_path": spec["example_dir"]}}
     else:
-        raise SystemExit(f"unknown case {case!r}")
+        raise SystemExit(f"unknown engine {engine!r}")
+    connector = engine.startswith("kvtier")
+    sched_events = Path(spec["workdir"]) / f"sched-events-{engine}.jsonl"  # see _patch_scheduler_side
+    sched_events.touch()
+    sched_file = open(sched_events)  # noqa: SIM115
     t0 = time.perf_counter()
     llm = LLM(**kw)
     startup_s = time.perf_counter() - t0
-    progress(f"{case}: LLM started in {startup_s:.1f} s")
+    info = llm.collective_rpc(_install_trace, args=(connector,))[0]
+    progress(f"{engine}: LLM started in {startup_s:.1f} s (engine core pid {info['pid']})")
     sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
 
-    def gen(tokens: list[int], salt: str | None = None) -> dict[str, Any]:
-        prompt = TokensPrompt(prompt_token_ids=tokens)
-        if salt is not None:
-            prompt["cache_salt"] = salt
-        t = time.perf_counter()
-        out = llm.generate([prompt], sp, use_tqdm=False)[0]
-        dt = time.perf_counter() - t
-        return {"ttft_s": round(dt, 5), "token": int(out.outputs[0].token_ids[0]),
-                "cached_tokens": int(out.num_cached_tokens or 0)}
+    def reply(obj: dict[str, Any]) -> None:
+        sys.stdout.write(RESULT_TAG + json.dumps(obj) + "\n")
+        sys.stdout.flush()
 
-    prefix, suffixes, warm = spec["prefix"], spec["suffixes"], spec["warm_suffix"]
-    res: dict[str, Any] = {"case": case, "startup_s": round(startup_s, 2), "engine_kwargs": {
-        k: v for k, v in kw.items() if k not in ("model",)}}
-    w = gen(spec["warmup"], salt="warmup")  # kernels, first-touch memory
-    progress(f"{case}: warm-up ({len(spec['warmup'])} tokens) {w['ttft_s']:.2f} s")
-    first = gen(prefix + warm)  # computes the prefix once (prefix cache / kvtierd / example storage)
-    res["first"] = first
-    progress(f"{case}: prefix computed once: {first['ttft_s']:.2f} s (cached {first['cached_tokens']})")
-    if case == "kvtier":
-        time.sleep(1.0)  # the write-through stores of that request run on the worker's background thread
-        try:
-            res["worker_before"] = llm.collective_rpc(_worker_load_stats)[0]
-        except Exception as exc:  # noqa: BLE001
-            res["worker_rpc_error"] = f"{type(exc).__name__}: {exc}"
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for i, sfx in enumerate(suffixes):
-        if case == "vllm":
-            rc = gen(prefix + sfx, salt=f"recompute-{i}-{time.time_ns()}")
-            pc = gen(prefix + sfx)
-            runs.setdefault("recompute", []).append(rc)
-            runs.setdefault("prefix_cache", []).append(pc)
-            progress(f"vllm rep {i}: recompute {rc['ttft_s']:.3f} s (cached {rc['cached_tokens']}, token {rc['token']}) "
-                     f"| prefix cache {pc['ttft_s']:.3f} s (cached {pc['cached_tokens']}, token {pc['token']})")
-        else:
-            r = gen(prefix + sfx)
-            runs.setdefault(case, []).append(r)
-            progress(f"{case} rep {i}: {r['ttft_s']:.3f} s (cached {r['cached_tokens']}, token {r['token']})")
-    res["runs"] = runs
-    if case == "kvtier" and "worker_before" in res:
-        after = llm.collective_rpc(_worker_load_stats)[0]
-        res["worker_after"] = after
-        b = res["worker_before"]
-        res["worker_reps"] = {k: after[k] - b[k] for k in after}
-    del llm
-    gc.collect()
-    sys.stdout.write(RESULT_TAG + json.dumps(res) + "\n")
-    sys.stdout.flush()
+    def worker_stats() -> dict[str, Any] | None:
+        return llm.collective_rpc(_worker_load_stats)[0] if connector else None
+
+    prefix, suffixes = spec["prefix"], spec["suffixes"]
+    reply({"ready": True, "engine": engine, "startup_s": round(startup_s, 2), "trace": info,
+           "engine_kwargs": {k: v for k, v in kw.items() if k != "model"}})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "exit":
+            break
+        if op == "stats":
+            reply({"worker": worker_stats()})
+            continue
+        assert op == "gen", op
+        which = cmd["which"]
+        tokens = (spec["warmup"] if which == "warmup" else
+                  prefix + (spec["warm_suffix"] if which == "first" else suffixes[cmd["i"]]))
+        res: dict[str, Any] = {}
+        if cmd.get("reset"):  # drop every block of vLLM's prefix cache (nothing runs now)
+            res["reset_prefix_cache"] = bool(llm.reset_prefix_cache())
+        before = worker_stats()
+        llm.collective_rpc(_take_events)
+        sched_file.read()
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if cmd.get("salt") is not None:
+            prompt["cache_salt"] = cmd["salt"]
+        t_submit = time.monotonic()
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        t_done = time.monotonic()
+        events = llm.collective_rpc(_take_events)[0]
+        time.sleep(0.005)  # a lookup's done-callback may land just after
+        events += [tuple(json.loads(x)) for x in sched_file.read().splitlines() if x]
+        events.sort(key=lambda e: e[1])
+        res |= {"ttft_s": round(t_done - t_submit, 5), "token": int(out.outputs[0].token_ids[0]),
+                "cached_tokens": int(out.num_cached_tokens or 0),
+                "breakdown": breakdown(t_submit, t_done, events),
+                # every time stamp, ms after submit: [what, start, end, tokens / blocks / answer]
+                "events_ms": [[e[0], round(1e3 * (e[1] - t_submit), 3),
+                               round(1e3 * (e[2] - t_submit), 3) if isinstance(e[2], float) else None,
+                               e[3] if e[0] != "new" else None] for e in events]}
+        if before is not None:
+            after = worker_stats()
+            res["worker_delta"] = {k: round(after[k] - before[k], 6) for k in after}
+        reply(res)
+    reply({"bye": True})
     return 0
 
 
-def run_child(spec: dict[str, Any], log_path: Path, timeout_s: float = 600) -> dict[str, Any]:
-    spec_path = Path(spec["workdir"]) / f"spec-{spec['case']}.json"
-    spec_path.write_text(json.dumps(spec))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
-    result: dict[str, Any] | None = None
-    with open(log_path, "a") as log:
-        log.write(f"\n===== {spec['case']}: {' '.join(cmd)}\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                text=True, cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.write(line)
+class EngineProc:
+    """One child (``--child SPEC``): a live LLM answering JSON commands."""
+
+    def __init__(self, spec: dict[str, Any], log_path: Path) -> None:
+        import queue
+        import threading
+
+        spec_path = Path(spec["workdir"]) / f"spec-{spec['engine']}.json"
+        spec_path.write_text(json.dumps(spec))
+        self.name = spec["engine"]
+        self.log_path = log_path
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
+        env = dict(os.environ)
+        if spec["engine"].startswith("kvtier"):
+            import inspect
+
+            hook = Path(spec["workdir"]) / "pyhook"
+            hook.mkdir(exist_ok=True)
+            (hook / "sitecustomize.py").write_text(
+                "# bench/vllm.py: time stamps of KvtierConnector's scheduler half\nfrom typing import Any\n\n"
+                + inspect.getsource(_patch_scheduler_side)
+                + "\n\nimport os as _os\nif _os.environ.get('BENCH_VLLM_SCHED_EVENTS'):\n"
+                "    _patch_scheduler_side(_os.environ['BENCH_VLLM_SCHED_EVENTS'])\n")
+            env["PYTHONPATH"] = os.pathsep.join([str(hook)] + [x for x in [env.get("PYTHONPATH")] if x])
+            env["BENCH_VLLM_SCHED_EVENTS"] = str(Path(spec["workdir"]) / f"sched-events-{spec['engine']}.jsonl")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=REPO, start_new_session=True, env=env)
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log_path, "a") as log:
+            for line in self.proc.stdout:
+                log.write(f"[{self.name}] {line}")
+                log.flush()
                 if line.startswith(RESULT_TAG):
-                    result = json.loads(line[len(RESULT_TAG):])
+                    self._replies.put(json.loads(line[len(RESULT_TAG):]))
                 elif line.startswith("[bench]"):
                     sys.stderr.write(line)
                     sys.stderr.flush()
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout_s: float) -> dict[str, Any]:
+        import queue
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._replies.get(timeout=1.0)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    self._reader.join(5)
+                    if not self._replies.empty():
+                        continue
+                    raise RuntimeError(f"{self.name}: the engine exited with {self.proc.returncode}; "
+                                       f"see {self.log_path}") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{spec['case']}: no result in {timeout_s} s")
-            rc = proc.wait(60)
+                    raise TimeoutError(f"{self.name}: no answer in {timeout_s} s; see {self.log_path}") from None
+
+    def call(self, timeout_s: float, **cmd: Any) -> dict[str, Any]:
+        self.send(**cmd)
+        return self.recv(timeout_s)
+
+    def close(self) -> int | None:
+        rc = None
+        try:
+            if self.proc.poll() is None:
+                self.send(op="exit")
+            rc = self.proc.wait(60)
+        except (subprocess.TimeoutExpired, OSError, ValueError):
+            self.proc.kill()
+            self.proc.wait(10)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
             try:  # whatever of its engine is left (its own process group only)
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-    if result is None:
-        raise RuntimeError(f"{spec['case']}: the child exited with {rc} and no result; see {log_path}")
-    result["child_exit_code"] = rc
-    return result
+        return rc
 
 
 def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_path: Path) -> dict[str, Any]:
@@ -355,8 +569,13 @@ def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_pa
     def toks(n: int) -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(n)]
 
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    for c in cases:
+        if c not in CASES:
+            raise SystemExit(f"--cases: unknown case {c!r}; known: {', '.join(CASES)}")
+    engines = [e for e in ENGINES if any(CASES[c] == e for c in cases)]
     prefix = toks(args.prefix_tokens)
-    base = {"workdir": str(workdir), "model_dir": str(model_dir), "dtype": args.dtype, "reps": args.reps,
+    base = {"workdir": str(workdir), "model_dir": str(model_dir), "dtype": args.dtype,
             "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens, "prefix": prefix,
             "warm_suffix": toks(args.suffix_tokens), "suffixes": [toks(args.suffix_tokens) for _ in range(args.reps)],
             "warmup": toks(256), "socket": daemon.endpoint}
@@ -370,55 +589,137 @@ def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_pa
                            "prefix_kv_bytes": kv_bytes_per_token * args.prefix_tokens,
                            "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
                            "block_size": BLOCK_SIZE, "reps": args.reps, "example_dir": str(example_dir),
-                           "cases": {}}
+                           "case_order": "round robin: repetition i runs every case once, the order rotated by i",
+                           "engines": {}, "runs": {c: [] for c in cases}}
     progress(f"model: {parameters(cfg) / 1e6:.0f}M parameters, hidden {args.hidden}, {args.heads} heads, "
              f"{args.kv_heads} KV heads, {args.layers} layers, {args.dtype}; KV {kv_bytes_per_token} B/token, "
              f"prefix {out['prefix_kv_bytes'] / 2**20:.0f} MiB")
+    procs: dict[str, EngineProc] = {}
     try:
-        for case in [c.strip() for c in args.cases.split(",") if c.strip()]:
-            before = pool_stats(daemon.stats(), "vllm/") if case == "kvtier" else None
-            progress(f"starting configuration {case!r}")
-            res = run_child(base | {"case": case}, log_path)
-            if case == "kvtier":
-                after = pool_stats(daemon.stats(), "vllm/")
-                res["kvtierd_pool_after"] = after
-                res["kvtierd_pool_delta"] = numeric_diff(after, before or {})
-            out["cases"][case] = res
+        # One after another (each engine's start-up picks a free port; starting them together could race),
+        # each one's warm-up and first computation of the prefix queued as soon as it is up.
+        for name in engines:
+            progress(f"starting engine {name!r}")
+            procs[name] = p = EngineProc(base | {"engine": name}, log_path)
+            ready = p.recv(900)
+            out["engines"][name] = {k: v for k, v in ready.items() if k != "ready"}
+            p.send(op="gen", which="warmup", salt="warmup")  # kernels, first-touch memory
+            p.send(op="gen", which="first")  # the prefix once: vLLM's prefix cache / kvtierd / example files
+        for name, p in procs.items():
+            w, first = p.recv(1800), p.recv(1800)
+            out["engines"][name] |= {"warmup": w, "first": first}
+            progress(f"{name}: warm-up {w['ttft_s']:.2f} s, prefix computed once {first['ttft_s']:.2f} s "
+                     f"(cached {first['cached_tokens']})")
+        time.sleep(1.0)  # the write-through stores of the first request run on the worker's background thread
+        for name, p in procs.items():
+            if name.startswith("kvtier"):
+                out["engines"][name]["worker_before"] = p.call(60, op="stats")["worker"]
+        pool_before = pool_stats(daemon.stats(), "vllm/")
+        out["load_average_before_reps"] = list(os.getloadavg())
+        t_reps = time.perf_counter()
+        for i in range(args.reps):
+            k = i % len(cases)
+            for case in cases[k:] + cases[:k]:
+                p = procs[CASES[case]]
+                cmd: dict[str, Any] = {"op": "gen", "which": "rep", "i": i}
+                if case == "recompute":
+                    cmd["salt"] = f"recompute-{i}-{time.time_ns()}"
+                if case == "kvtier_pc_evicted":
+                    cmd["reset"] = True
+                d0 = daemon.stats() if case.startswith("kvtier") else None
+                r = p.call(900, **cmd)
+                if d0 is not None:
+                    d = numeric_diff(pool_stats(daemon.stats(), "vllm/"), pool_stats(d0, "vllm/"))
+                    r["kvtierd_delta"] = {k2: d.get(k2) for k2 in ("lookups", "looked_up_blocks", "hit_blocks_gpu",
+                                                                   "hit_blocks_cpu", "loads", "bytes_load",
+                                                                   "seconds_load", "stores")}
+                r["load_average_1m"] = round(os.getloadavg()[0], 2)
+                out["runs"][case].append(r)
+                b = r["breakdown"]
+                extra = ""
+                if "load_ms" in b:
+                    extra = (f" [arrival->answer {b.get('arrival_to_answer_ms', float('nan')):.1f} ms, "
+                             f"load {b['load_ms']:.1f} ms, rest {b.get('rest_ms', float('nan')):.1f} ms]")
+                progress(f"rep {i} {case}: {r['ttft_s'] * 1e3:.1f} ms (cached {r['cached_tokens']}, "
+                         f"token {r['token']}){extra}")
+        out["reps_wall_s"] = round(time.perf_counter() - t_reps, 1)
+        out["load_average_after_reps"] = list(os.getloadavg())
+        pool_after = pool_stats(daemon.stats(), "vllm/")
+        out["kvtierd_pool_after"] = pool_after
+        out["kvtierd_pool_delta_reps"] = numeric_diff(pool_after, pool_before or {})
+        for name, p in procs.items():
+            if name.startswith("kvtier"):
+                out["engines"][name]["worker_after"] = p.call(60, op="stats")["worker"]
     finally:
+        for name, p in procs.items():
+            out["engines"].setdefault(name, {})["exit_code"] = p.close()
         if args.example_dir is None:
             shutil.rmtree(example_dir, ignore_errors=True)
     return out
 
 
+BREAKDOWN_KEYS = ("model_forward_ms", "forward_tokens", "arrival_to_answer_ms", "submit_to_on_new_request_ms", "lookup_round_trip_ms",
+                  "on_new_request_to_answer_ms", "empty_steps_before_forward", "gnmt_calls", "gnmt_us_total",
+                  "answer_to_load_start_ms", "load_ms", "load_blocks", "submit_to_forward_ms", "forward_step_ms",
+                  "forward_without_load_ms", "after_forward_ms", "rest_ms", "submit_to_first_step_ms")
+
+
 def summarize_ttft(t: dict[str, Any]) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for res in t["cases"].values():
-        runs.update(res["runs"])
+    runs = {k: v for k, v in t["runs"].items() if v}
     med = {name: statistics.median(r["ttft_s"] for r in rs) for name, rs in runs.items()}
     s: dict[str, Any] = {"median_ttft_s": {k: round(v, 4) for k, v in med.items()},
+                         "min_ttft_s": {k: round(min(r["ttft_s"] for r in rs), 4) for k, rs in runs.items()},
+                         "max_ttft_s": {k: round(max(r["ttft_s"] for r in rs), 4) for k, rs in runs.items()},
                          "cached_tokens": {k: [r["cached_tokens"] for r in rs] for k, rs in runs.items()},
                          "tokens": {k: [r["token"] for r in rs] for k, rs in runs.items()}}
     ref = runs.get("recompute")
     if ref:
         s["same_token_as_recompute"] = {k: [a["token"] == b["token"] for a, b in zip(rs, ref)]
                                         for k, rs in runs.items() if k != "recompute"}
+        s["all_same_token_as_recompute"] = all(all(v) for v in s["same_token_as_recompute"].values())
+    # Medians of each part of the TTFT, per case (keys a case's time stamps allow).
+    s["median_breakdown_ms"] = {}
+    for name, rs in runs.items():
+        parts = {}
+        for key in BREAKDOWN_KEYS:
+            vals = [r["breakdown"][key] for r in rs if key in r.get("breakdown", {})]
+            if vals:
+                parts[key] = round(statistics.median(vals), 3)
+        parts["ttft_ms"] = round(1e3 * med[name], 3)
+        s["median_breakdown_ms"][name] = parts
+    for name in KVTIER_CASES:
+        if name in runs and all("worker_delta" in r for r in runs[name]):
+            ws = [r["worker_delta"] for r in runs[name]]
+            s.setdefault("connector_load_worker", {})[name] = {
+                "blocks_loaded_per_request": [w["blocks_loaded"] for w in ws],
+                "load_ms_median": round(1e3 * statistics.median(w["load_s"] for w in ws), 3),
+                "load_ms_per_request": [round(1e3 * w["load_s"], 3) for w in ws]}
+            # A restore that fails is a miss, not an error: vLLM recomputes the blocks after the step (the
+            # token stays right, num_cached_tokens still counts them), so the TTFT measures a recompute.
+            want = t["prefix_tokens"] // t["block_size"]
+            s.setdefault("restored_every_block", {})[name] = all(w["blocks_loaded"] == want for w in ws)
     ratios: dict[str, Any] = {}
     targets: dict[str, Any] = {}
-    if "kvtier" in med:
-        for other, target, op in (("recompute", TARGET_VS_RECOMPUTE, "<="), ("prefix_cache", TARGET_VS_PREFIX_CACHE, "<="),
-                                  ("example", TARGET_VS_EXAMPLE, "<")):
+    for mine in KVTIER_CASES:
+        if mine not in med:
+            continue
+        for other, target, op in (("recompute", TARGET_VS_RECOMPUTE, "<="),
+                                  ("prefix_cache", TARGET_VS_PREFIX_CACHE, "<="), ("example", TARGET_VS_EXAMPLE, "<")):
             if other in med:
-                r = med["kvtier"] / med[other]
-                ratios[f"kvtier/{other}"] = round(r, 4)
-                targets[f"kvtier/{other}"] = {"target": f"{op} {target}",
-                                              "met": r <= target if op == "<=" else r < target}
+                r = med[mine] / med[other]
+                ratios[f"{mine}/{other}"] = round(r, 4)
+                if mine == "kvtier":
+                    targets[f"kvtier/{other}"] = {"target": f"{op} {target}",
+                                                  "met": r <= target if op == "<=" else r < target}
+    # The same ratios per repetition (the cases of one repetition ran back to back).
+    if "kvtier" in runs:
+        for other in ("recompute", "prefix_cache", "example"):
+            if other in runs:
+                per = [a["ttft_s"] / b["ttft_s"] for a, b in zip(runs["kvtier"], runs[other])]
+                ratios[f"kvtier/{other}_per_rep"] = [round(x, 3) for x in per]
+                ratios[f"kvtier/{other}_median_of_per_rep"] = round(statistics.median(per), 4)
     s["ratios"] = ratios
     s["targets"] = targets
-    kv = t["cases"].get("kvtier", {})
-    if "worker_reps" in kv:
-        w = kv["worker_reps"]
-        s["connector_load"] = {"blocks_loaded": w["blocks_loaded"], "load_s_total": round(w["load_s"], 5),
-                               "load_ms_per_request": round(1e3 * w["load_s"] / max(1, len(runs.get("kvtier", []))), 3)}
     return s
 
 
@@ -601,25 +902,52 @@ def print_tables(report: dict[str, Any]) -> None:
     if t and "summary" in t:
         s = t["summary"]
         med = s["median_ttft_s"]
-        names = {"recompute": "b. recompute (no connector, salted)", "prefix_cache": "c. vLLM prefix cache",
-                 "kvtier": "a. KvtierConnector (prefix caching off)", "example": "d. ExampleConnector (prefix caching off)"}
+        names = {"kvtier": "a. KvtierConnector (prefix caching off)", "recompute": "b. recompute (no connector, salted)",
+                 "prefix_cache": "c. vLLM prefix cache", "example": "d. ExampleConnector (prefix caching off)",
+                 "kvtier_pc_evicted": "e. KvtierConnector, prefix caching on, prefix evicted",
+                 "kvtier_staged": "f. KvtierConnector, staged data plane (prefix caching off)"}
         print(f"\nTTFT (generate, max_tokens=1), {t['prefix_tokens']}-token prefix + {t['suffix_tokens']} new tokens, "
-              f"median of {t['reps']}; {t['model']['parameters'] / 1e6:.0f}M-parameter random Llama, "
-              f"{t['model']['torch_dtype']}, prefix KV {t['prefix_kv_bytes'] / 2**20:.0f} MiB")
-        print("| case | TTFT | cached tokens | same token as recompute |")
-        print("|---|---:|---|---|")
-        for k in ("kvtier", "recompute", "prefix_cache", "example"):
+              f"median of {t['reps']} (round robin, all engines alive); {t['model']['parameters'] / 1e6:.0f}M-parameter "
+              f"random Llama, {t['model']['torch_dtype']}, prefix KV {t['prefix_kv_bytes'] / 2**20:.0f} MiB; "
+              f"load average {t['load_average_before_reps'][0]:.1f} -> {t['load_average_after_reps'][0]:.1f}")
+        print("| case | TTFT median | min - max | forward step | cached tokens | same token as recompute |")
+        print("|---|---:|---:|---:|---|---|")
+        for k in names:
             if k in med:
                 same = s.get("same_token_as_recompute", {}).get(k)
                 same_s = "-" if k == "recompute" else (f"{sum(same)}/{len(same)}" if same else "?")
-                print(f"| {names[k]} | {med[k] * 1e3:.1f} ms | {sorted(set(s['cached_tokens'][k]))} | {same_s} |")
+                fw = s["median_breakdown_ms"][k].get("forward_step_ms")
+                print(f"| {names[k]} | {med[k] * 1e3:.1f} ms | {s['min_ttft_s'][k] * 1e3:.0f} - "
+                      f"{s['max_ttft_s'][k] * 1e3:.0f} ms | {fw if fw is not None else float('nan'):.1f} ms | "
+                      f"{sorted(set(s['cached_tokens'][k]))} | {same_s} |")
         for name, r in s["ratios"].items():
-            tg = s["targets"][name]
-            print(f"{name}: {r:.3f}x (target {tg['target']}: {'met' if tg['met'] else 'NOT met'})")
-        if "connector_load" in s:
-            c = s["connector_load"]
-            print(f"connector load (worker half, start_load_kv): {c['load_ms_per_request']:.1f} ms per request "
-                  f"({c['blocks_loaded']} blocks over {t['reps']} requests)")
+            if name in s["targets"]:
+                tg = s["targets"][name]
+                print(f"{name}: {r:.3f}x (target {tg['target']}: {'met' if tg['met'] else 'NOT met'}; median of the "
+                      f"per-repetition ratios {s['ratios'].get(name + '_median_of_per_rep', float('nan')):.3f})")
+            elif not name.endswith("per_rep"):
+                print(f"{name}: {r:.3f}x (for information)")
+        for k, ok in s.get("restored_every_block", {}).items():
+            if not ok:
+                print(f"WARNING {k}: the connector did not restore every prefix block in every repetition "
+                      f"(worker blocks_loaded {s['connector_load_worker'][k]['blocks_loaded_per_request']}): "
+                      f"vLLM recomputed them, its TTFT is not a restore's; see kvtierd's log / --log")
+        for k in KVTIER_CASES:
+            b = s["median_breakdown_ms"].get(k)
+            if b and "load_ms" in b:
+                print(f"{k} TTFT {b['ttft_ms']:.1f} ms (medians): arrival -> lookup answer "
+                      f"{b.get('arrival_to_answer_ms', float('nan')):.1f} ms (submit -> on_new_request "
+                      f"{b.get('submit_to_on_new_request_ms', float('nan')):.1f}, lookup round trip "
+                      f"{b.get('lookup_round_trip_ms', float('nan')):.1f}, {b.get('empty_steps_before_forward', 0):.0f} "
+                      f"empty step(s)), load {b['load_ms']:.1f} ms ({b.get('load_blocks', 0):.0f} blocks), rest "
+                      f"{b.get('rest_ms', float('nan')):.1f} ms (answer -> load {b.get('answer_to_load_start_ms', float('nan')):.1f}, "
+                      f"forward without load {b.get('forward_without_load_ms', float('nan')):.1f}, after forward "
+                      f"{b.get('after_forward_ms', float('nan')):.1f})")
+        for k in ("prefix_cache", "example", "recompute"):
+            b = s["median_breakdown_ms"].get(k)
+            if b and "forward_step_ms" in b:
+                print(f"{k} TTFT {b['ttft_ms']:.1f} ms (medians): submit -> forward {b['submit_to_forward_ms']:.1f} ms, "
+                      f"forward step {b['forward_step_ms']:.1f} ms, after forward {b['after_forward_ms']:.1f} ms")
     sc = report.get("scheduler")
     if sc:
         print(f"\nScheduler half (SchedulerSide against kvtierd; {sc['blocks_per_lookup']}-block lookups, all hits, "
