@@ -543,8 +543,19 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
     if not client_memory.is_client_host_memory(dst):
         op = pool.restore(hashes, dst, slots)
         return _done_or_pending(op, lambda o: Reply({"tiers": list(o.result["tiers"])}))
-    # Client host memory: the pool writes a staging buffer, and the loop
-    # copies it out with calls that fail instead of faulting (see store).
+    # Client host memory: the loop copies the blocks out with calls that fail
+    # instead of faulting (see store). Straight from the tiers where the pool
+    # can lend them in place (one copy, no copy worker in between) ...
+    borrowed = pool.borrow(hashes)
+    if borrowed is not None:
+        try:
+            got = len(borrowed.tiers)
+            _client_copy(ctx, session, lambda: client_memory.write_views(borrowed.views, dst, slots[:got]))
+        finally:
+            borrowed.release()
+        return Reply({"tiers": _tiers(borrowed.tiers)})
+    # ... else the pool writes a staging buffer first (a remote tier to
+    # consult, a write still in flight into a block).
     k = len(pool.lookup(hashes, count=False))
     if k == 0:
         pool.lookup(hashes)

@@ -151,3 +151,45 @@ def test_fault_safe_copies_move_canonical_block_bytes_of_any_layout(shape, block
     client_memory.write_blocks(staging, 3, dst, [1, 5, 3, 8])
     assert torch.equal(dst.gather([1, 5, 3]), staging.slab()[:3])
     assert not dst.gather([8]).any()  # only `count` blocks are written
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_lent_views_land_byte_exact_in_any_layout(available, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """write_views: several lent runs of tier slots (as borrow hands them out) into scattered client slots."""
+    import torch
+
+    from kvtier.daemon import client_memory
+    from kvtier.tiers.layout import BlockLayout
+
+    monkeypatch.setattr(client_memory, "_available", available)
+    shape, block_dim = (2, 40, 4, 3, 8), 1
+    dst = BlockLayout([torch.zeros(shape).to(torch.bfloat16) for _ in range(3)], [block_dim] * 3)
+    tier = BlockLayout.contiguous(30, dst.block_bytes)
+    tier.slab().copy_(torch.randint(0, 256, tier.slab().shape, dtype=torch.uint8))
+    runs = [(3, 5), (20, 1), (9, 4)]  # (first slot, count): 10 blocks in three views
+    views = [tier.slab()[a: a + n].numpy() for a, n in runs]
+    expected = torch.cat([tier.slab()[a: a + n] for a, n in runs])
+    slots = [39, 0, 17, 5, 6, 7, 30, 2, 11, 25]
+    client_memory.write_views(views, dst, slots)
+    assert torch.equal(dst.gather(slots), expected)
+    untouched = [s for s in range(40) if s not in slots]
+    assert not dst.gather(untouched).any()
+
+
+def test_moves_split_at_the_iovec_limit() -> None:
+    """More pieces than one process_vm_writev takes (IOV_MAX): every byte still lands, in order."""
+    import torch
+
+    from kvtier.daemon import client_memory
+    from kvtier.tiers.layout import BlockLayout
+
+    if not client_memory.available():
+        pytest.skip("process_vm_writev is not permitted here")
+    # Per block 2 x 4 runs (the block dim is not outermost): 300 blocks make 2,400 client runs.
+    dst = BlockLayout([torch.zeros(2, 300, 4, 16) for _ in range(2)], [1, 1])
+    tier = BlockLayout.contiguous(300, dst.block_bytes)
+    tier.slab().copy_(torch.randint(0, 256, tier.slab().shape, dtype=torch.uint8))
+    order = list(range(299, -1, -1))
+    views = [tier.slab()[i: i + 1].numpy() for i in range(300)]  # 300 local runs too
+    client_memory.write_views(views, dst, order)
+    assert torch.equal(dst.gather(order), tier.slab())
