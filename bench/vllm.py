@@ -30,12 +30,17 @@ the end (SIGTERM, exit status checked).
       tensors moved to /dev/shm, kvtierd copies in place).
 
    Fairness: every engine (one ``LLM`` per configuration, (b) and (c) share one) is a child process of
-   the bench, started one after another and then kept alive for the whole run, answering JSON commands
-   on stdin (one tagged JSON line on stdout each). After each engine's warm-up and one request that
-   computes the prefix, the timed repetitions go round robin: repetition i runs every case once, the
-   order rotated by i, so background load on a shared machine hits every case alike. Each engine has
-   4 requests' worth of KV blocks (~130 MiB; ~1-1.5 GB a process in all). The load average is recorded
-   before and after the repetitions.
+   the bench, answering JSON commands on stdin (one tagged JSON line on stdout each). By default
+   (``--schedule sequential``) one engine is alive at a time: it starts, warms up, computes the prefix
+   once, runs its cases' repetitions (round robin between (b) and (c)) and exits before the next one
+   starts. On this 2-core machine an idle vLLM engine beside the measured one skews its forward pass
+   several-fold (one run with all six alive put the same restore at 124 ms alone and 700-1,000 ms
+   beside the others), so ``--schedule round-robin`` (all alive, repetition i runs every case once,
+   the order rotated by i) is only for hosts with cores to spare. vLLM reserves a core for its
+   scheduler, and one more when a KV connector is configured, which on 2 cores left the engines
+   without a connector 1 compute thread and those with one 2 (their prefills 9.6 s against 6.0 s):
+   every engine gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=--reserved-cpus`` (default 1). Each engine has 4 requests' worth of
+   KV blocks (~130 MiB). The load average is recorded before and after each engine's repetitions.
 
    Reported: median (min, max) TTFT over ``--reps`` repetitions (each a different suffix), the tokens
    vLLM counts as cached, whether every case's greedy token equals the recompute's, and each request's
@@ -120,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model dtype (default float32: on a CPU without AVX-512 BF16, as here, vLLM runs bfloat16 4-25x slower)")
     p.add_argument("--cases", default=",".join(CASES),
                    help=f"timed cases, comma-separated, in round-robin order (default {','.join(CASES)})")
+    p.add_argument("--schedule", choices=("sequential", "round-robin"), default="sequential",
+                   help="sequential (default): one engine alive at a time, its repetitions back to back; round-robin: "
+                        "all engines alive, every repetition runs every case (on 2 cores the idle engines skew it)")
+    p.add_argument("--reserved-cpus", type=int, default=1,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default 1: vLLM's own choice without a "
+                        "connector; with one it reserves another core, which 2 cores cannot give)")
     p.add_argument("--example-dir", type=Path, default=None,
                    help="ExampleConnector's storage (default: a fresh directory in /dev/shm, removed at the end)")
     p.add_argument("--sched-reqs", default="1,64", help="waiting requests per scheduler trial (default 1,64)")
@@ -485,6 +496,11 @@ class EngineProc:
         self.log_path = log_path
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
         env = dict(os.environ)
+        # vLLM reserves a core for its scheduler process, and one more when a
+        # KV connector is configured; on 2 cores that gave the engines without
+        # a connector 1 compute thread and those with one 2. Every engine gets
+        # the same reservation.
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(spec["reserved_cpus"])
         if spec["engine"].startswith("kvtier"):
             import inspect
 
@@ -573,12 +589,12 @@ def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_pa
     for c in cases:
         if c not in CASES:
             raise SystemExit(f"--cases: unknown case {c!r}; known: {', '.join(CASES)}")
-    engines = [e for e in ENGINES if any(CASES[c] == e for c in cases)]
+    engines = list(dict.fromkeys(CASES[c] for c in cases))  # in the order of --cases
     prefix = toks(args.prefix_tokens)
     base = {"workdir": str(workdir), "model_dir": str(model_dir), "dtype": args.dtype,
             "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens, "prefix": prefix,
             "warm_suffix": toks(args.suffix_tokens), "suffixes": [toks(args.suffix_tokens) for _ in range(args.reps)],
-            "warmup": toks(256), "socket": daemon.endpoint}
+            "warmup": toks(256), "socket": daemon.endpoint, "reserved_cpus": args.reserved_cpus}
     example_dir = args.example_dir or Path(tempfile.mkdtemp(prefix="kvtier-bench-example-",
                                                              dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     base["example_dir"] = str(example_dir)
@@ -589,11 +605,34 @@ def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_pa
                            "prefix_kv_bytes": kv_bytes_per_token * args.prefix_tokens,
                            "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
                            "block_size": BLOCK_SIZE, "reps": args.reps, "example_dir": str(example_dir),
-                           "case_order": "round robin: repetition i runs every case once, the order rotated by i",
+                           "case_order": ("one engine alive at a time; its cases round robin" if args.schedule == "sequential"
+                                          else "all engines alive; repetition i runs every case once, the order rotated by i"),
                            "engines": {}, "runs": {c: [] for c in cases}}
     progress(f"model: {parameters(cfg) / 1e6:.0f}M parameters, hidden {args.hidden}, {args.heads} heads, "
              f"{args.kv_heads} KV heads, {args.layers} layers, {args.dtype}; KV {kv_bytes_per_token} B/token, "
              f"prefix {out['prefix_kv_bytes'] / 2**20:.0f} MiB")
+    groups = [[e] for e in engines] if args.schedule == "sequential" else [engines]
+    out["schedule"] = args.schedule
+    pool_before = pool_stats(daemon.stats(), "vllm/")
+    out["load_average_before_reps"] = list(os.getloadavg())
+    t_reps = time.perf_counter()
+    try:
+        for group in groups:
+            _run_group(args, daemon, base, log_path, group, [c for c in cases if CASES[c] in group], out)
+    finally:
+        if args.example_dir is None:
+            shutil.rmtree(example_dir, ignore_errors=True)
+    out["reps_wall_s"] = round(time.perf_counter() - t_reps, 1)
+    out["load_average_after_reps"] = list(os.getloadavg())
+    pool_after = pool_stats(daemon.stats(), "vllm/")
+    out["kvtierd_pool_after"] = pool_after
+    out["kvtierd_pool_delta_reps"] = numeric_diff(pool_after, pool_before or {})
+    return out
+
+
+def _run_group(args: argparse.Namespace, daemon: Daemon, base: dict[str, Any], log_path: Path,
+               engines: list[str], cases: list[str], out: dict[str, Any]) -> None:
+    """Start ``engines`` (alive together), compute the prefix once in each, run the repetitions of ``cases``, stop them."""
     procs: dict[str, EngineProc] = {}
     try:
         # One after another (each engine's start-up picks a free port; starting them together could race),
@@ -614,9 +653,7 @@ def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_pa
         for name, p in procs.items():
             if name.startswith("kvtier"):
                 out["engines"][name]["worker_before"] = p.call(60, op="stats")["worker"]
-        pool_before = pool_stats(daemon.stats(), "vllm/")
-        out["load_average_before_reps"] = list(os.getloadavg())
-        t_reps = time.perf_counter()
+        out.setdefault("load_average_per_group", []).append({"engines": engines, "before": list(os.getloadavg())})
         for i in range(args.reps):
             k = i % len(cases)
             for case in cases[k:] + cases[:k]:
@@ -642,20 +679,13 @@ def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_pa
                              f"load {b['load_ms']:.1f} ms, rest {b.get('rest_ms', float('nan')):.1f} ms]")
                 progress(f"rep {i} {case}: {r['ttft_s'] * 1e3:.1f} ms (cached {r['cached_tokens']}, "
                          f"token {r['token']}){extra}")
-        out["reps_wall_s"] = round(time.perf_counter() - t_reps, 1)
-        out["load_average_after_reps"] = list(os.getloadavg())
-        pool_after = pool_stats(daemon.stats(), "vllm/")
-        out["kvtierd_pool_after"] = pool_after
-        out["kvtierd_pool_delta_reps"] = numeric_diff(pool_after, pool_before or {})
+        out["load_average_per_group"][-1]["after"] = list(os.getloadavg())
         for name, p in procs.items():
             if name.startswith("kvtier"):
                 out["engines"][name]["worker_after"] = p.call(60, op="stats")["worker"]
     finally:
         for name, p in procs.items():
             out["engines"].setdefault(name, {})["exit_code"] = p.close()
-        if args.example_dir is None:
-            shutil.rmtree(example_dir, ignore_errors=True)
-    return out
 
 
 BREAKDOWN_KEYS = ("model_forward_ms", "forward_tokens", "arrival_to_answer_ms", "submit_to_on_new_request_ms", "lookup_round_trip_ms",
@@ -907,7 +937,7 @@ def print_tables(report: dict[str, Any]) -> None:
                  "kvtier_pc_evicted": "e. KvtierConnector, prefix caching on, prefix evicted",
                  "kvtier_staged": "f. KvtierConnector, staged data plane (prefix caching off)"}
         print(f"\nTTFT (generate, max_tokens=1), {t['prefix_tokens']}-token prefix + {t['suffix_tokens']} new tokens, "
-              f"median of {t['reps']} (round robin, all engines alive); {t['model']['parameters'] / 1e6:.0f}M-parameter "
+              f"median of {t['reps']} ({t.get('case_order', 'round robin, all engines alive')}); {t['model']['parameters'] / 1e6:.0f}M-parameter "
               f"random Llama, {t['model']['torch_dtype']}, prefix KV {t['prefix_kv_bytes'] / 2**20:.0f} MiB; "
               f"load average {t['load_average_before_reps'][0]:.1f} -> {t['load_average_after_reps'][0]:.1f}")
         print("| case | TTFT median | min - max | forward step | cached tokens | same token as recompute |")
