@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies.base import EvictionPolicy
 
 
@@ -88,6 +89,9 @@ class AdmissionWrapper(EvictionPolicy):
         if sighting.requests == 0:
             sighting.rejected_unrequested = True
         return False
+
+    def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
+        self.inner.record_hints(keys, hints)
 
     def record_request(self, keys: Sequence[bytes]) -> None:
         self._count_request(keys)

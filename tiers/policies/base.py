@@ -36,6 +36,14 @@ Who calls what (always from the tier's single owner thread):
                        in a single step. Wrappers forward it to the wrapped
                        policy's, doing their own bookkeeping once.
 
+- ``record_hints(keys, hints)``  what the application said about the request
+                       whose keys these are (``kvtier.tiers.hints.RequestHints``:
+                       session, retain_s, priority, at_s). Called only for
+                       requests that carry hints, just before their
+                       ``record_request`` (or alone, for a store). Default:
+                       nothing, so a policy without hints support behaves
+                       exactly as before. Wrappers forward it.
+
 Policies are chosen by name through ``kvtier.tiers.policies.registry``.
 Extra behaviour wraps a policy; it does not subclass one.
 """
@@ -44,7 +52,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from kvtier.tiers.hints import RequestHints
 
 __all__ = ["EvictionPolicy"]
 
@@ -78,6 +89,9 @@ class EvictionPolicy(ABC):
         return True
 
     def record_request(self, keys: Sequence[bytes]) -> None:
+        return None
+
+    def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
         return None
 
     def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.tiers.block_manager import NoFreeBlocks
 from kvtier.tiers.cpu_tier import CpuEntry
+from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.pool.base import NoSpace, NotFound, PoolError, Tier
 from kvtier.tiers.pool.copies import Op
 from kvtier.tiers.transfer import CopyKind
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
     from kvtier.tiers.pool.facade import TieredPool
 
 
-def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tokens: int, *, count: bool) -> Op:
+def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tokens: int, *, count: bool,
+             hints: RequestHints | None = None) -> Op:
     bm = pool._require_gpu()
     if bm.has_request(request_id):
         raise PoolError(f"request {request_id!r} is already allocated; free it first")
@@ -42,7 +44,7 @@ def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tok
     assert alloc.num_hit_blocks == num_gpu_prefix or not pool.enable_caching
     tiers = [tier for tier, _ in held]
     if count:
-        pool._count(hashes, tiers)
+        pool._count(hashes, tiers, hints=hints)
     op = Op(pool, "allocate", {"block_ids": alloc.block_ids, "tiers": [t.value for t in tiers],
                                "num_gpu_hits": tiers.count(Tier.GPU), "num_cpu_hits": tiers.count(Tier.CPU),
                                "num_remote_hits": tiers.count(Tier.REMOTE)})

@@ -70,6 +70,7 @@ from typing import Any
 from kvtier.tiers.block_manager import BlockManager
 from kvtier.tiers.cpu_tier import CpuTier
 from kvtier.tiers.eviction import EvictionPolicy, make_policy
+from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import engine, lending, store
 from kvtier.tiers.pool.base import Borrowed, Held, PoolError, PoolSpec, Tier
@@ -198,12 +199,12 @@ class TieredPool:
 
     # ---- lookups, pins and policy learning --------------------------------------------
 
-    def lookup(self, hashes: Sequence[bytes], *, count: bool = True) -> list[Tier]:
+    def lookup(self, hashes: Sequence[bytes], *, count: bool = True, hints: RequestHints | None = None) -> list[Tier]:
         resolve = self._resolve
         tiers = resolve.held_tiers(hashes)
         tiers += [Tier.REMOTE] * resolve.remote_run(hashes, len(tiers))
         if count:
-            self._count(hashes, tiers, is_lookup=True)
+            self._count(hashes, tiers, is_lookup=True, hints=hints)
         return tiers
 
     def _held_prefix(self, hashes: Sequence[bytes]) -> Held:
@@ -228,7 +229,8 @@ class TieredPool:
     def num_pinned(self) -> int:
         return len(self._pins)
 
-    def _count(self, hashes: Sequence[bytes], tiers: Sequence[Tier], *, is_lookup: bool = False) -> None:
+    def _count(self, hashes: Sequence[bytes], tiers: Sequence[Tier], *, is_lookup: bool = False,
+               hints: RequestHints | None = None) -> None:
         """Count one request's hits and misses, and hand it to policy learning."""
         c = self.counters
         c.lookups += 1
@@ -237,7 +239,7 @@ class TieredPool:
         c.hit_blocks_cpu += tiers.count(Tier.CPU)
         c.hit_blocks_remote += tiers.count(Tier.REMOTE)
         c.miss_blocks += len(hashes) - len(tiers)
-        self._learning.note(hashes, is_lookup=is_lookup)
+        self._learning.note(hashes, is_lookup=is_lookup, hints=hints)
 
     def learn(self, should_yield: Callable[[], bool] | None = None, *, chunk_keys: int = LEARN_CHUNK_KEYS) -> bool:
         """Feed the requests counted so far to the policy (see ``defer_learning``); True when none is left.
@@ -263,8 +265,9 @@ class TieredPool:
             raise PoolError(f"pool {self.spec.name!r} has no GPU tier (register the engine's KV tensors first)")
         return self.bm
 
-    def allocate(self, request_id: str, hashes: Sequence[bytes], num_tokens: int, *, count: bool = True) -> Op:
-        return engine.allocate(self, request_id, hashes, num_tokens, count=count)
+    def allocate(self, request_id: str, hashes: Sequence[bytes], num_tokens: int, *, count: bool = True,
+                 hints: RequestHints | None = None) -> Op:
+        return engine.allocate(self, request_id, hashes, num_tokens, count=count, hints=hints)
 
     def append(self, request_id: str, num_new_tokens: int, new_hashes: Sequence[bytes]) -> Op:
         return engine.append(self, request_id, num_new_tokens, new_hashes)
@@ -279,8 +282,12 @@ class TieredPool:
 
     # ---- store mode (store.py, lending.py) ----------------------------------------------
 
-    def store(self, hashes: Sequence[bytes], src: BlockLayout | None, src_slots: Sequence[int]) -> Op:
-        return store.store(self, hashes, src, src_slots)
+    def store(self, hashes: Sequence[bytes], src: BlockLayout | None, src_slots: Sequence[int], *,
+              hints: RequestHints | None = None) -> Op:
+        op = store.store(self, hashes, src, src_slots)
+        if hints is not None:
+            self._learning.note_hints(hashes, hints)  # only once the store is planned: a refused one says nothing
+        return op
 
     def restore(self, hashes: Sequence[bytes], dst: BlockLayout | None, dst_slots: Sequence[int], *,
                 count: bool = True) -> Op:
