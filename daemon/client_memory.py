@@ -45,6 +45,7 @@ contiguous runs (one per block for a slab such as an arena).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
 import logging
@@ -169,23 +170,48 @@ def _pieces(local_runs: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int
 
 
 def _move_runs(fn: Any, what: str, local_runs: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int]]) -> None:
-    """Move the bytes of ``local_runs`` (daemon memory, in order) to or from ``runs`` (client memory), equal in total."""
+    """Move the bytes of ``local_runs`` (daemon memory, in order) to or from ``runs`` (client memory), equal in total.
+
+    A large move is split in two halves, the second on a helper thread:
+    process_vm_writev pins and maps every page it copies, which makes one
+    call ~2.5x slower than memcpy, and the engine waiting on a restore is
+    idle (32 MiB: 7.4 ms on one thread, 5.0 ms on two, 2-core VM).
+    """
+    pieces = _pieces(local_runs, runs)
+    total = sum(n for _, _, n in pieces)
+    if total < PARALLEL_MIN_BYTES or len(pieces) < 2:
+        _move_pieces(fn, what, pieces)
+        return
+    half, acc = 0, 0
+    while acc < total // 2 and half < len(pieces) - 1:
+        acc += pieces[half][2]
+        half += 1
+    second = _helper().submit(_move_pieces, fn, what, pieces[half:])
+    try:
+        _move_pieces(fn, what, pieces[:half])
+    finally:
+        second.result()  # waited for even when the first half failed: no copy outlives the call
+
+
+PARALLEL_MIN_BYTES = 8 * 1024 * 1024
+_HELPER: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _helper() -> concurrent.futures.ThreadPoolExecutor:
+    global _HELPER
+    if _HELPER is None:
+        _HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-client-copy")
+    return _HELPER
+
+
+def _move_pieces(fn: Any, what: str, pieces: Sequence[tuple[int, int, int]]) -> None:
     pid = os.getpid()
-    pieces = _pieces(local_runs, runs) if len(local_runs) > 1 else None
-    for i in range(0, len(pieces) if pieces is not None else len(runs), IOV_MAX):
-        if pieces is None:  # one local buffer: one local iovec per call
-            chunk = runs[i : i + IOV_MAX]
-            total = sum(n for _, n in chunk)
-            local = [(local_runs[0][0], total)]
-            local_runs = [(local_runs[0][0] + total, local_runs[0][1] - total)]
-        else:
-            part = pieces[i : i + IOV_MAX]
-            chunk = [(c, n) for _, c, n in part]
-            local = [(lo, n) for lo, _, n in part]
-            total = sum(n for _, _, n in part)
-        remote_iov = (_IoVec * len(chunk))(*chunk)
-        local_iov = (_IoVec * len(local))(*local)
-        got = fn(pid, local_iov, len(local), remote_iov, len(chunk), 0)
+    for i in range(0, len(pieces), IOV_MAX):
+        part = pieces[i : i + IOV_MAX]
+        total = sum(n for _, _, n in part)
+        remote_iov = (_IoVec * len(part))(*[(c, n) for _, c, n in part])
+        local_iov = (_IoVec * len(part))(*[(lo, n) for lo, _, n in part])
+        got = fn(pid, local_iov, len(part), remote_iov, len(part), 0)
         if got != total:
             err = ctypes.get_errno() if got < 0 else 0
             why = os.strerror(err) if err else f"{got} of {total} bytes moved"

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvtier.client.client import Client
 from kvtier.client.kv_share import KvShareError, export_kv, share_kv_in_place
-from kvtier.tiers.layout import BlockLayout, copy_blocks
+from kvtier.tiers.layout import BlockLayout
+from kvtier.tiers.transfer import copy_host_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -113,7 +114,7 @@ class StagedPlane:
         for lo in range(0, len(keys), self._slots):
             chunk = keys[lo: lo + self._slots]
             got = len(client.restore(chunk, slots=list(range(len(chunk))), timeout_s=self._deadline(len(chunk))))
-            copy_blocks(arena, list(range(got)), self._engine, block_ids[lo: lo + got])
+            copy_host_blocks(arena, list(range(got)), self._engine, block_ids[lo: lo + got])
             done += got
             if got < len(chunk):
                 break
@@ -124,7 +125,7 @@ class StagedPlane:
         for lo in range(0, len(keys), self._slots):
             chunk = keys[lo: lo + self._slots]
             slots = list(range(len(chunk)))
-            copy_blocks(self._engine, block_ids[lo: lo + len(chunk)], arena, slots)
+            copy_host_blocks(self._engine, block_ids[lo: lo + len(chunk)], arena, slots)
             client.store(chunk, slots=slots, timeout_s=self._deadline(len(chunk)))
 
 
