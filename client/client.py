@@ -66,11 +66,13 @@ import zmq
 from kvtier.client.curve import CurveKeys
 from kvtier.client.hashing import BlockHasher
 from kvtier.client.protocol import (
+    FEATURE_HINTS,
     FEATURE_PACKED_HASHES,
     HASH_BYTES,
     OPS,
     PROTOCOL_VERSION,
     ErrorCode,
+    Hints,
     KvtierError,
     ProtocolError,
     TierList,
@@ -276,7 +278,9 @@ class Client:
         self.heartbeat_s = 0.0
         self.pool_info: dict[str, Any] = {}
         self.limits: dict[str, Any] = {}
+        self.features: tuple[str, ...] = ()  # what the daemon listed in its hello reply
         self._packed_hashes = False  # the daemon listed FEATURE_PACKED_HASHES in its hello reply
+        self._hints = False  # ... and FEATURE_HINTS
         self._session_gone = False  # the daemon answered UNKNOWN_SESSION
         self._pending_loss: SessionLost | None = None  # found by the heartbeat thread, raised by the next call
         self._pins: Counter[bytes] = Counter()
@@ -509,7 +513,9 @@ class Client:
         self.pool_info = dict(rh.get("pool", {}))
         self.limits = dict(rh.get("limits", {}))
         features = rh.get("features")
+        self.features = tuple(f for f in features if isinstance(f, str)) if isinstance(features, list) else ()
         self._packed_hashes = isinstance(features, list) and FEATURE_PACKED_HASHES in features
+        self._hints = isinstance(features, list) and FEATURE_HINTS in features
         self._session_gone = False
 
     def _reestablish(self, deadline_s: float) -> None:
@@ -644,17 +650,30 @@ class Client:
         out = hashes if type(hashes) is list else list(hashes)
         return out, _pack_hashes(out)
 
-    def lookup(self, hashes: Sequence[bytes], *, pin: bool = False, timeout_s: float | None = None) -> Sequence[str]:
-        """Tiers of the longest cached prefix of ``hashes`` ("gpu"/"cpu"/"remote" per block)."""
+    def _with_hints(self, fields: dict[str, Any], hints: Hints | None) -> dict[str, Any]:
+        if hints is not None and self._hints:
+            wire = hints.to_wire()
+            if wire:
+                fields["hints"] = wire
+        return fields
+
+    def lookup(self, hashes: Sequence[bytes], *, pin: bool = False, hints: Hints | None = None,
+               timeout_s: float | None = None) -> Sequence[str]:
+        """Tiers of the longest cached prefix of ``hashes`` ("gpu"/"cpu"/"remote" per block).
+
+        ``hints`` (session, retain_s, priority) tell the daemon's eviction what
+        the application knows; a daemon without the "hints" feature is sent
+        none (they are soft, so nothing fails for it).
+        """
         hashes, wire = self._wire_hashes(hashes, keys=pin)
-        rh, _ = self._call("lookup", {"hashes": wire, "pin": pin}, timeout_s=timeout_s)
+        rh, _ = self._call("lookup", self._with_hints({"hashes": wire, "pin": pin}, hints), timeout_s=timeout_s)
         tiers = _tier_list(rh["tiers"])
         if pin:
             self._pins.update(hashes[: rh.get("pinned", 0)])
         return tiers
 
     def lookup_many(self, requests: Sequence[Sequence[bytes]], *, pin: bool = False,
-                    timeout_s: float | None = None) -> list[Sequence[str]]:
+                    hints: Sequence[Hints | None] | None = None, timeout_s: float | None = None) -> list[Sequence[str]]:
         """``lookup`` of each hash list, pipelined: all requests go out before any reply is read.
 
         One round trip for the batch instead of one each (a scheduler that
@@ -664,7 +683,11 @@ class Client:
         wires = [self._wire_hashes(h, keys=pin) for h in requests]
         if not wires:
             return []
-        replies = self._call_many("lookup", [{"hashes": w, "pin": pin} for _, w in wires], timeout_s=timeout_s)
+        if hints is not None and len(hints) != len(wires):
+            raise ValueError(f"{len(wires)} requests but {len(hints)} hints")
+        per = hints if hints is not None else [None] * len(wires)
+        replies = self._call_many("lookup", [self._with_hints({"hashes": w, "pin": pin}, h)
+                                             for (_, w), h in zip(wires, per)], timeout_s=timeout_s)
         out: list[Sequence[str]] = []
         for (hashes, _), rh in zip(wires, replies):
             if pin:
@@ -688,10 +711,12 @@ class Client:
 
     # ---- engine-managed mode ---------------------------------------------------
 
-    def allocate(self, req: str, hashes: Sequence[bytes], num_tokens: int, *, timeout_s: float | None = None) -> Allocation:
+    def allocate(self, req: str, hashes: Sequence[bytes], num_tokens: int, *, hints: Hints | None = None,
+                 timeout_s: float | None = None) -> Allocation:
         """Block table for a new request; CPU-tier hits are already restored into their slots."""
         _, wire = self._wire_hashes(hashes)
-        rh, _ = self._call("allocate", {"req": req, "hashes": wire, "num_tokens": num_tokens}, timeout_s=timeout_s)
+        rh, _ = self._call("allocate", self._with_hints({"req": req, "hashes": wire, "num_tokens": num_tokens}, hints),
+                           timeout_s=timeout_s)
         self._requests.add(req)
         return Allocation(list(rh["block_ids"]), _tier_list(rh["tiers"]), int(rh["num_gpu_hits"]), int(rh["num_cpu_hits"]))
 
@@ -754,6 +779,7 @@ class Client:
         *,
         slots: Sequence[int] | None = None,
         reg: str | None = None,
+        hints: Hints | None = None,
         timeout_s: float | None = None,
     ) -> tuple[int, int]:
         """Store blocks; returns (stored, already present).
@@ -766,7 +792,7 @@ class Client:
         hashes, wire = self._wire_hashes(hashes)
         fields, frames = self._plane(data, slots, reg, len(hashes))
         fields["hashes"] = wire
-        rh, _ = self._call("store", fields, frames, timeout_s=timeout_s)
+        rh, _ = self._call("store", self._with_hints(fields, hints), frames, timeout_s=timeout_s)
         return int(rh["stored"]), int(rh["present"])
 
     def restore(

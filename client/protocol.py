@@ -84,7 +84,8 @@ PLANES = ("inline", "shm", "kv")
 # What this side of the protocol can do beyond plain v1; the daemon lists its
 # features in the hello reply and a client uses one only when it is listed.
 FEATURE_PACKED_HASHES = "packed_hashes"
-FEATURES = (FEATURE_PACKED_HASHES,)
+FEATURE_HINTS = "hints"  # lookup / allocate / store take "hints" (HINT_FIELDS)
+FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS)
 
 
 class ErrorCode(IntEnum):
@@ -523,6 +524,44 @@ PLANE_FIELDS: dict[str, Spec] = {
 }
 
 
+# Per-request hints (feature "hints"): what the application knows about the
+# request. Soft: a daemon may bound or ignore them, never fails a request for
+# them once they are valid. Documented in docs/protocol.md ("Hints").
+MAX_RETAIN_S = 86400.0
+MAX_PRIORITY = 255
+HINT_FIELDS: dict[str, Spec] = {
+    "session": Spec(Str(1, MAX_STR_LEN), required=False,
+                    doc="opaque key of the conversation or agent session (a prompt-cache key); scoped to the tenant"),
+    "retain_s": Spec(Seconds(0.0, MAX_RETAIN_S), required=False,
+                     doc="soft TTL: keep these blocks at least this long while capacity allows (bounded per client)"),
+    "priority": Spec(UInt(0, MAX_PRIORITY), required=False, default=0, doc="higher is evicted later; default 0"),
+}
+HINTS = Spec(Map(HINT_FIELDS, max_keys=len(HINT_FIELDS)), required=False,
+             doc='feature "hints": session / retain_s / priority of the request')
+
+
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """The client's side of ``HINT_FIELDS``: checked here as the daemon will check them."""
+
+    session: str | None = None
+    retain_s: float | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self.to_wire(), HINT_FIELDS, prefix="hints.")
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {}
+        if self.session is not None:
+            wire["session"] = self.session
+        if self.retain_s is not None:
+            wire["retain_s"] = self.retain_s
+        if self.priority:
+            wire["priority"] = self.priority
+        return wire
+
+
 @dataclass(frozen=True)
 class OpSpec:
     fields: Mapping[str, Spec]
@@ -567,7 +606,7 @@ OPS: dict[str, OpSpec] = {
     ),
     "unregister_kv": OpSpec({"name": Spec(Str(1, 128))}, doc="drop a registration"),
     "lookup": OpSpec(
-        {"hashes": HASHES, "pin": Spec(Bool(), required=False, default=False)},
+        {"hashes": HASHES, "pin": Spec(Bool(), required=False, default=False), "hints": HINTS},
         renews_lease=False,
         idempotent=True,
         doc="longest cached prefix and the tier of each block; optionally pin it atomically",
@@ -575,7 +614,7 @@ OPS: dict[str, OpSpec] = {
     "pin": OpSpec({"hashes": HASHES}, doc="pin the longest available prefix (never evicted while pinned)"),
     "unpin": OpSpec({"hashes": HASHES}, doc="drop this session's pins on these hashes"),
     "allocate": OpSpec(
-        {"req": REQ, "hashes": HASHES, "num_tokens": Spec(UInt(0, 2**40))},
+        {"req": REQ, "hashes": HASHES, "num_tokens": Spec(UInt(0, 2**40)), "hints": HINTS},
         doc="engine mode: block table for a new request; CPU hits are restored into slots before the reply",
     ),
     "append": OpSpec(
@@ -593,7 +632,7 @@ OPS: dict[str, OpSpec] = {
         doc="engine mode: release a request's blocks",
     ),
     "store": OpSpec(
-        {"hashes": HASHES, **PLANE_FIELDS},
+        {"hashes": HASHES, **PLANE_FIELDS, "hints": HINTS},
         payload=True,
         idempotent=True,
         doc="copy blocks into the pool (content-addressed; present hashes are skipped)",

@@ -49,6 +49,7 @@ from kvtier.client.protocol import (
 )
 from kvtier.client.shm_arena import ShmArena, ShmArenaError
 from kvtier.daemon import client_memory
+from kvtier.daemon.hints import request_hints
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.daemon.sessions import Closeable, Registration, Session, SessionTable
@@ -361,9 +362,10 @@ def unregister_kv(ctx: HandlerContext, req: Request, session: Session | None) ->
 
 def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
-    pool = _entry(ctx, session).pool
+    entry = _entry(ctx, session)
+    pool = entry.pool
     hashes = _keys(ctx, session, req.fields["hashes"])
-    tiers = pool.lookup(hashes)
+    tiers = pool.lookup(hashes, hints=request_hints(req.fields["hints"], session, entry, len(hashes), ctx.metrics))
     if req.fields["pin"] and tiers:
         # Same thread, no copy in between: the pinned prefix is the one looked up.
         tiers = pool.pin(session.sid, hashes[: len(tiers)])
@@ -393,7 +395,9 @@ def allocate(ctx: HandlerContext, req: Request, session: Session | None) -> Resu
     entry = _entry(ctx, session)
     _require_mode(entry, "engine", "allocate")
     f = req.fields
-    op = entry.pool.allocate(session.pool_request_id(f["req"]), _keys(ctx, session, f["hashes"]), f["num_tokens"])
+    hashes = _keys(ctx, session, f["hashes"])
+    op = entry.pool.allocate(session.pool_request_id(f["req"]), hashes, f["num_tokens"],
+                             hints=request_hints(f["hints"], session, entry, len(hashes), ctx.metrics))
     session.requests.add(f["req"])
 
     def failed(_op: Op) -> None:
@@ -495,7 +499,7 @@ def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
         client_src, client_slots = src, slots
         _client_copy(ctx, session, lambda: client_memory.read_blocks(client_src, client_slots, staging))
         src, slots, keep = staging, list(range(n)), staging
-    op = entry.pool.store(hashes, src, slots)
+    op = entry.pool.store(hashes, src, slots, hints=request_hints(f["hints"], session, entry, n, ctx.metrics))
     return _done_or_pending(op, lambda o: Reply(dict(o.result)), keep=keep)
 
 
