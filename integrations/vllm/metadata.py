@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.client.protocol import Hints
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
@@ -15,6 +17,7 @@ class BlockTransfer:
     keys: list[bytes]  # kvtier block keys, prefix order
     block_ids: list[int]  # vLLM's block ids, one per key
     req_id: str = ""
+    hints: Hints | None = None  # the request's (stores only)
 
 
 @dataclass

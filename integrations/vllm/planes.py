@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvtier.client.client import Client
 from kvtier.client.kv_share import KvShareError, export_kv, share_kv_in_place
+from kvtier.client.protocol import Hints
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.transfer import copy_host_blocks
 
@@ -61,7 +62,7 @@ class Plane(Protocol):
 
     def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int: ...
 
-    def store(self, client: Client, keys: list[bytes], block_ids: list[int]) -> None: ...
+    def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None) -> None: ...
 
 
 class RegisteredPlane:
@@ -81,8 +82,8 @@ class RegisteredPlane:
     def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int:
         return len(client.restore(keys, slots=block_ids, reg=REGISTRATION, timeout_s=self._deadline(len(keys))))
 
-    def store(self, client: Client, keys: list[bytes], block_ids: list[int]) -> None:
-        client.store(keys, slots=block_ids, reg=REGISTRATION, timeout_s=self._deadline(len(keys)))
+    def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None) -> None:
+        client.store(keys, slots=block_ids, reg=REGISTRATION, hints=hints, timeout_s=self._deadline(len(keys)))
 
 
 class StagedPlane:
@@ -120,13 +121,13 @@ class StagedPlane:
                 break
         return done
 
-    def store(self, client: Client, keys: list[bytes], block_ids: list[int]) -> None:
+    def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None) -> None:
         arena = self._arena_of(client)
         for lo in range(0, len(keys), self._slots):
             chunk = keys[lo: lo + self._slots]
             slots = list(range(len(chunk)))
             copy_host_blocks(self._engine, block_ids[lo: lo + len(chunk)], arena, slots)
-            client.store(chunk, slots=slots, timeout_s=self._deadline(len(chunk)))
+            client.store(chunk, slots=slots, hints=hints, timeout_s=self._deadline(len(chunk)))
 
 
 def make_plane(choice: str, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int,

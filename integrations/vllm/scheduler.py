@@ -22,6 +22,8 @@ scheduler never waits on a round trip:
 - ``build_connector_meta`` hands the worker this step's loads, and the full
   blocks this step computes for every scheduled request that kvtierd did not
   hold (write-through: prompt and generated blocks alike).
+- A request's hints (session, retain_s, priority: ``hints.py`` says how a
+  vLLM user sets them) go with its lookup and its stores.
 - Pins of a load are dropped when the worker reports it ran
   (``update_connector_output``), or when the request finishes or is aborted
   (``request_finished``). A daemon that is down answers every lookup with 0:
@@ -38,7 +40,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.client.hashing import BlockHasher
+from kvtier.client.protocol import Hints
 from kvtier.integrations.vllm.background import Background
+from kvtier.integrations.vllm.hints import hints_of
 from kvtier.integrations.vllm.keys import RequestKeys
 from kvtier.integrations.vllm.link import DaemonLink
 from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, KvtierWorkerMetadata
@@ -60,6 +64,7 @@ class _Tracked:
 
     keys: RequestKeys
     request: Request
+    hints: Hints | None = None  # what the request says about its reuse (integrations.vllm.hints)
     lookup: Future[int] | None = None  # blocks kvtierd holds (and pinned) from block 0
     held_blocks: int = 0  # the answer handed to the scheduler, in blocks
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
@@ -90,7 +95,8 @@ class SchedulerSide:
     def _track(self, request: Request) -> _Tracked:
         t = self._tracked.get(request.request_id)
         if t is None:
-            t = self._tracked[request.request_id] = _Tracked(RequestKeys(self._hasher, request), request)
+            t = self._tracked[request.request_id] = _Tracked(RequestKeys(self._hasher, request), request,
+                                                             hints_of(request))
         return t
 
     def _start_lookup(self, t: _Tracked) -> None:
@@ -114,7 +120,8 @@ class SchedulerSide:
         with self._batch_lock:
             batch, self._batch = self._batch, []
         keys = [t.keys.upto(max_blocks) for t, max_blocks, _ in batch]
-        answers = self._link.call(lambda c: c.lookup_many(keys, pin=True))
+        hints = [t.hints for t, _, _ in batch]
+        answers = self._link.call(lambda c: c.lookup_many(keys, pin=True, hints=hints))
         for i, (t, _, fut) in enumerate(batch):
             held = len(answers[i]) if answers else 0
             t.pinned = keys[i][:held]
@@ -175,7 +182,8 @@ class SchedulerSide:
             full = min(full, len(block_ids))
             keys = t.keys.upto(full)
             if full > t.stored_blocks:
-                meta.stores.append(BlockTransfer(keys[t.stored_blocks:full], block_ids[t.stored_blocks:full], req_id))
+                meta.stores.append(BlockTransfer(keys[t.stored_blocks:full], block_ids[t.stored_blocks:full], req_id,
+                                                 t.hints))
                 t.stored_blocks = full
         return meta
 

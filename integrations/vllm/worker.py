@@ -108,7 +108,7 @@ class WorkerSide:
             return
         plane, link = self._plane, self._link
         for st in meta.stores:
-            self._stores.submit(lambda st=st: link.call(lambda c: plane.store(c, st.keys, st.block_ids)))
+            self._stores.submit(lambda st=st: link.call(lambda c: plane.store(c, st.keys, st.block_ids, st.hints)))
         self.blocks_stored += sum(len(st.keys) for st in meta.stores)
 
     def wait_for_stores(self) -> None:
