@@ -246,10 +246,11 @@ def test_cpu_only_pool_store_and_restore(make) -> None:
     assert op.error is None
     assert hx.pool.lookup(a) == [Tier.CPU] * 3
     assert hx.restore_check(a) == ["cpu"] * 3
-    # One free slot, two blocks: the least recently used entry (a0) goes.
+    # One free slot, two blocks: the least recently used entry goes. The restore recorded its hits
+    # tail first (as vLLM frees), so that is a's tail, a2, and a's head stays reachable.
     hx.store(chain("b", 2)).wait(10)
     assert len(hx.pool.cpu) == 4 and hx.pool.cpu.evictions == 1
-    assert hx.pool.lookup(a) == [] and hx.pool.lookup(a[1:]) == [Tier.CPU, Tier.CPU]
+    assert hx.pool.lookup(a) == [Tier.CPU, Tier.CPU]
     assert hx.restore_check(chain("b", 2)) == ["cpu", "cpu"]
     hx.check()
 

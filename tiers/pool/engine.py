@@ -55,6 +55,9 @@ def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tok
     for e in entries:
         assert isinstance(e, CpuEntry)
         cpu.begin_read(e)
+    # Hits recorded tail first, as vLLM frees: under a recency policy the head ends up the most
+    # recent, so an eviction takes the tail, not the head the rest of the chain needs (prefix-stop).
+    for e in reversed(entries):
         cpu.hit(e.key)
     # A GPU hit whose bytes are still being written (another op's restore or
     # store) is only as good as that write: the op fails if it fails.

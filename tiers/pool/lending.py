@@ -56,6 +56,7 @@ def borrow(pool: TieredPool, hashes: Sequence[bytes], *, max_views: int | None) 
         bm.touch(blocks)  # type: ignore[arg-type]
     for e in entries:
         cpu.begin_read(e)  # type: ignore[arg-type]
+    for e in reversed(entries):  # tail first, so the head is the most recent (see engine.allocate)
         cpu.hit(e.key)  # type: ignore[union-attr]
     pool.counters.loads += len(held)
     pool.counters.lent_bytes += len(held) * pool.spec.block_bytes
