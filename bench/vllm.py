@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=("sequential", "round-robin"), default="sequential",
                    help="sequential (default): one engine alive at a time, its repetitions back to back; round-robin: "
                         "all engines alive, every repetition runs every case (on 2 cores the idle engines skew it)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole sequence of engines this many times, odd rounds in reverse order, each engine "
+                        "a fresh process (default 1); the medians cover every round")
     p.add_argument("--reserved-cpus", type=int, default=1,
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default 1: vLLM's own choice without a "
                         "connector; with one it reserves another core, which 2 cores cannot give)")
@@ -616,9 +619,12 @@ def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_pa
     pool_before = pool_stats(daemon.stats(), "vllm/")
     out["load_average_before_reps"] = list(os.getloadavg())
     t_reps = time.perf_counter()
+    out["rounds"] = args.rounds
     try:
-        for group in groups:
-            _run_group(args, daemon, base, log_path, group, [c for c in cases if CASES[c] in group], out)
+        for r in range(args.rounds):
+            # Odd rounds go in reverse: an engine's place in the run (drift, a warmer machine) is averaged out.
+            for group in groups if r % 2 == 0 else groups[::-1]:
+                _run_group(args, daemon, base, log_path, group, [c for c in cases if CASES[c] in group], out, r)
     finally:
         if args.example_dir is None:
             shutil.rmtree(example_dir, ignore_errors=True)
@@ -631,9 +637,10 @@ def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_pa
 
 
 def _run_group(args: argparse.Namespace, daemon: Daemon, base: dict[str, Any], log_path: Path,
-               engines: list[str], cases: list[str], out: dict[str, Any]) -> None:
+               engines: list[str], cases: list[str], out: dict[str, Any], round_no: int = 0) -> None:
     """Start ``engines`` (alive together), compute the prefix once in each, run the repetitions of ``cases``, stop them."""
     procs: dict[str, EngineProc] = {}
+    key = {n: n if round_no == 0 else f"{n}#{round_no + 1}" for n in engines}  # its record in out["engines"]
     try:
         # One after another (each engine's start-up picks a free port; starting them together could race),
         # each one's warm-up and first computation of the prefix queued as soon as it is up.
@@ -641,24 +648,24 @@ def _run_group(args: argparse.Namespace, daemon: Daemon, base: dict[str, Any], l
             progress(f"starting engine {name!r}")
             procs[name] = p = EngineProc(base | {"engine": name}, log_path)
             ready = p.recv(900)
-            out["engines"][name] = {k: v for k, v in ready.items() if k != "ready"}
+            out["engines"][key[name]] = {k: v for k, v in ready.items() if k != "ready"}
             p.send(op="gen", which="warmup", salt="warmup")  # kernels, first-touch memory
             p.send(op="gen", which="first")  # the prefix once: vLLM's prefix cache / kvtierd / example files
         for name, p in procs.items():
             w, first = p.recv(1800), p.recv(1800)
-            out["engines"][name] |= {"warmup": w, "first": first}
+            out["engines"][key[name]] |= {"warmup": w, "first": first}
             progress(f"{name}: warm-up {w['ttft_s']:.2f} s, prefix computed once {first['ttft_s']:.2f} s "
                      f"(cached {first['cached_tokens']})")
         time.sleep(1.0)  # the write-through stores of the first request run on the worker's background thread
         for name, p in procs.items():
             if name.startswith("kvtier"):
-                out["engines"][name]["worker_before"] = p.call(60, op="stats")["worker"]
+                out["engines"][key[name]]["worker_before"] = p.call(60, op="stats")["worker"]
         out.setdefault("load_average_per_group", []).append({"engines": engines, "before": list(os.getloadavg())})
         for i in range(args.reps):
             k = i % len(cases)
             for case in cases[k:] + cases[:k]:
                 p = procs[CASES[case]]
-                cmd: dict[str, Any] = {"op": "gen", "which": "rep", "i": i}
+                cmd: dict[str, Any] = {"op": "gen", "which": "rep", "i": i}  # suffix i: the same prompts each round
                 if case == "recompute":
                     cmd["salt"] = f"recompute-{i}-{time.time_ns()}"
                 if case == "kvtier_pc_evicted":
@@ -682,10 +689,10 @@ def _run_group(args: argparse.Namespace, daemon: Daemon, base: dict[str, Any], l
         out["load_average_per_group"][-1]["after"] = list(os.getloadavg())
         for name, p in procs.items():
             if name.startswith("kvtier"):
-                out["engines"][name]["worker_after"] = p.call(60, op="stats")["worker"]
+                out["engines"][key[name]]["worker_after"] = p.call(60, op="stats")["worker"]
     finally:
         for name, p in procs.items():
-            out["engines"].setdefault(name, {})["exit_code"] = p.close()
+            out["engines"].setdefault(key[name], {})["exit_code"] = p.close()
 
 
 BREAKDOWN_KEYS = ("model_forward_ms", "forward_tokens", "arrival_to_answer_ms", "submit_to_on_new_request_ms", "lookup_round_trip_ms",
@@ -944,7 +951,7 @@ def print_tables(report: dict[str, Any]) -> None:
                  "kvtier_pc_evicted": "e. KvtierConnector, prefix caching on, prefix evicted",
                  "kvtier_staged": "f. KvtierConnector, staged data plane (prefix caching off)"}
         print(f"\nTTFT (generate, max_tokens=1), {t['prefix_tokens']}-token prefix + {t['suffix_tokens']} new tokens, "
-              f"median of {t['reps']} ({t.get('case_order', 'round robin, all engines alive')}); {t['model']['parameters'] / 1e6:.0f}M-parameter "
+              f"median of {t['reps']} x {t.get('rounds', 1)} round(s) ({t.get('case_order', 'round robin, all engines alive')}); {t['model']['parameters'] / 1e6:.0f}M-parameter "
               f"random Llama, {t['model']['torch_dtype']}, prefix KV {t['prefix_kv_bytes'] / 2**20:.0f} MiB; "
               f"load average {t['load_average_before_reps'][0]:.1f} -> {t['load_average_after_reps'][0]:.1f}")
         print("| case | TTFT median | min - max | forward step | cached tokens | same token as recompute |")

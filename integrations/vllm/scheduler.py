@@ -16,7 +16,10 @@ scheduler never waits on a round trip:
 - ``get_num_new_matched_tokens`` answers from that lookup: ``None`` ("ask me
   again") while it is in flight, then the tokens kvtierd holds beyond vLLM's
   own hit, block-aligned and always leaving the last prompt token to compute.
-  Repeated calls for a waiting request cost a dict lookup.
+  Asked for the first time, it may wait for the lookup, at most
+  ``lookup_wait_ms`` per scheduler step in all: a lookup takes ~1.5 ms, and
+  answering at once would cost the request a whole engine step. Repeated
+  calls for a waiting request cost a dict lookup.
 - ``update_state_after_alloc`` turns an answer into a load (keys + vLLM block
   ids) for the next ``build_connector_meta``; pins of blocks not loaded go.
 - ``build_connector_meta`` hands the worker this step's loads, and the full
@@ -32,6 +35,7 @@ scheduler never waits on a round trip:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -67,6 +71,7 @@ class _Tracked:
     hints: Hints | None = None  # what the request says about its reuse (integrations.vllm.hints)
     lookup: Future[int] | None = None  # blocks kvtierd holds (and pinned) from block 0
     held_blocks: int = 0  # the answer handed to the scheduler, in blocks
+    asked: bool = False  # the scheduler asked about it since its lookup started
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
 
@@ -84,6 +89,8 @@ class SchedulerSide:
         self._loads: list[BlockTransfer] = []  # decided by update_state_after_alloc, sent by the next meta
         self._load_pins: dict[str, list[bytes]] = {}  # req_id -> pins to drop once its load ran
         self.kv_cache_manager: KVCacheManager | None = None
+        self._wait_per_step_s = settings.lookup_wait_ms / 1e3
+        self._wait_left_s = self._wait_per_step_s  # refilled by build_connector_meta (once a step)
         self.calls_s = 0.0  # time spent in get_num_new_matched_tokens (bench/vllm.py reads it)
         self.calls = 0
 
@@ -109,6 +116,7 @@ class SchedulerSide:
             return
         fut: Future[int] = Future()
         t.lookup = fut
+        t.asked = False
         with self._batch_lock:
             self._batch.append((t, max_blocks, fut))
             first = len(self._batch) == 1
@@ -134,6 +142,11 @@ class SchedulerSide:
             if t.lookup is None:  # resumed after preemption, or never announced
                 self._start_lookup(t)
             assert t.lookup is not None
+            if not t.lookup.done() and not t.asked and self._wait_left_s > 0:
+                w0 = time.monotonic()
+                concurrent.futures.wait([t.lookup], timeout=self._wait_left_s)
+                self._wait_left_s -= time.monotonic() - w0
+            t.asked = True
             if not t.lookup.done():
                 return None, False
             try:
@@ -167,6 +180,7 @@ class SchedulerSide:
     def build_connector_meta(self, out: SchedulerOutput) -> KvtierMetadata:
         meta = KvtierMetadata(loads=self._loads)
         self._loads = []
+        self._wait_left_s = self._wait_per_step_s
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))

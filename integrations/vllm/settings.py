@@ -31,6 +31,7 @@ class ConnectorSettings:
     curve_server_key: str | None = None  # kvtierd's public key (tcp:// with CURVE)
     curve_secret_key_file: str | None = None  # this engine's secret key file
     load_failure_policy: str = "recompute"  # vLLM's kv_load_failure_policy while kvtier is used
+    lookup_wait_ms: float = 3.0  # per scheduler step, how long new requests' lookups may be waited for
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -58,6 +59,9 @@ class ConnectorSettings:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
                 fail(key, "a number of seconds in (0, 3600]")
+        if isinstance(self.lookup_wait_ms, bool) or not isinstance(self.lookup_wait_ms, (int, float)) \
+                or not 0 <= self.lookup_wait_ms <= 1000:
+            fail("lookup_wait_ms", "a number of milliseconds in [0, 1000]")
         if self.data_plane not in DATA_PLANES:
             fail("data_plane", f"one of {', '.join(DATA_PLANES)}")
         if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int) or self.staging_blocks < 1:

