@@ -68,6 +68,7 @@ from kvtier.client.protocol import (
 from kvtier.daemon.handlers import (HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_arena, release_registration,
                                     stats_fields)
 from kvtier.daemon.lifecycle import StopFlag
+from kvtier.daemon.log_limit import RateLimitedLog
 from kvtier.daemon.memory import check_new_pool, gib
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pools import PoolRegistry, PoolSizing
@@ -173,6 +174,8 @@ class Server:
         self.stop = stop
         self.notifier = notifier or Notifier(None)
         self.metrics = Counters()
+        # Refusals a client can cause at will: a line each up to a cap, then a count (daemon/log_limit.py).
+        self._error_log = RateLimitedLog(log)
         # Other threads (the Prometheus endpoint) read stats only through this:
         # they ask, the loop builds a snapshot in _turn, they never touch pools.
         self.stats_snapshot = StatsSnapshot(self._wakeup)
@@ -401,7 +404,7 @@ class Server:
             req = validate_request(header, frames[2:], max_payload_bytes=self.options.max_payload_bytes)
         except ProtocolError as exc:
             self.metrics.inc("protocol_errors_total", code=exc.code.name)
-            log.info("rejected a message: %s", exc)
+            self._error_log.log(exc.code.name, "rejected a message: %s", exc)
             self._send_error(identity, recoverable_id(header), exc.code, exc.message)
             return
         self.metrics.inc("requests_total", op=req.op)
@@ -536,7 +539,7 @@ class Server:
     def _send_error(self, identity: bytes, rid: int, code: ErrorCode, message: str, *, op: str = "") -> None:
         self.metrics.inc("errors_total", code=code.name)
         if op:
-            log.info("%s id=%d -> %s: %s", op, rid, code.name, message)
+            self._error_log.log(code.name, "%s id=%d -> %s: %s", op, rid, code.name, message)
         self._send(identity, error_reply(rid, code, message), [])
 
     # ---- sessions --------------------------------------------------------------
