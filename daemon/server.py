@@ -216,6 +216,9 @@ class Server:
         self._ipc_path: str | None = None
         self._curve_guard: CurveGuard | None = None
         self._ipc = options.endpoint.startswith("ipc://")  # peers have a uid (SO_PEERCRED)
+        # An abstract socket has no file, hence no permissions: any local user
+        # could connect. Without CURVE it serves the daemon's own user (and root).
+        self._same_user_only = options.endpoint.startswith("ipc://@") and options.curve is None
         self._status_text = ""
         self._next_status_s = 0.0
         self._sweep_every_s = min(0.1, options.lease_s / 10)
@@ -412,6 +415,14 @@ class Server:
         self.ctx.peer = peer_user_id(frames[1]) if self._curve_guard is not None else None
         # ...and, on ipc, as which user (only where a session is opened or named).
         self.ctx.peer_uid = peer_uid(frames[1]) if self._ipc and (req.sid is not None or req.op == "hello") else None
+        if self._same_user_only:
+            uid = self.ctx.peer_uid if self.ctx.peer_uid is not None else peer_uid(frames[1])
+            if uid not in (os.getuid(), 0):
+                self._send_error(identity, req.id, ErrorCode.UNAUTHORIZED,
+                                 "this daemon listens on an abstract socket without CURVE and serves only its own "
+                                 "user; run as that user, or ask the operator for a socket path with group access",
+                                 op=req.op)
+                return
         try:
             session = self._session_for(req)
             result = HANDLERS[req.op](self.ctx, req, session)

@@ -242,3 +242,31 @@ def test_a_hello_past_max_pools_is_refused_and_existing_pools_still_join(kvtierd
         assert c.store(hs, data) == (1, 0)
         assert bytes(c.restore(hs).data) == data
         assert c.stats()["daemon"]["pools_refused_total"] == 1
+
+
+def test_an_abstract_socket_without_curve_serves_only_the_daemons_own_user(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import secrets
+    import sys
+
+    from kvtierd_harness import Daemon, _spawn, _wait_ready
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    endpoint = f"ipc://@kvtier-test-{secrets.token_hex(4)}"
+    argv = [sys.executable, "-m", "kvtier.daemon", "--socket", endpoint, "--cpu-bytes", "65536", "--gpu-bytes", "16384"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") and k != "NOTIFY_SOCKET"}
+    d = Daemon(endpoint, _spawn(argv, env, tmp_path / "kvtierd.log"), tmp_path / "kvtierd.log", argv, env)
+    try:
+        _wait_ready(d)
+        with Client(endpoint, "mine", layout()) as me:  # the daemon's own user
+            assert me.stats()["sessions"] == 1
+        hello = {"v": 1, "id": 1, "op": "hello", "pool": "theirs", "layout": layout().to_wire()}
+        replies = _as_other_user(endpoint, [hello, {"v": 1, "id": 2, "op": "stats"}, {"v": 1, "id": 3, "op": "health"}])
+        assert [r.get("ok") for r in replies] == [False, False, False], replies
+        assert {r["error"]["code"] for r in replies} == {int(ErrorCode.UNAUTHORIZED)}
+        with Client(endpoint, "mine", layout()) as me:
+            assert "theirs" not in me.stats()["pools"]  # the refused hello created nothing
+    finally:
+        d.proc.kill()
+        d.proc.wait(10)
