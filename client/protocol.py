@@ -111,6 +111,7 @@ class ErrorCode(IntEnum):
     TOO_MANY_REGISTRATIONS = 301  # the session holds max_registrations_per_session registrations
     TOO_MANY_FILES = 302  # the session (or the daemon) maps as many shared-memory files as it may
     TOO_MANY_POOLS = 303  # the daemon holds max_pools pools; a hello may join one, not create another
+    TOO_MANY_PINS = 304  # the session (or its tenant) holds max_pinned_share of the pool pinned
 
     TRANSFER_FAILED = 400  # a copy failed; nothing was committed
     SHUTTING_DOWN = 401  # the daemon is draining and takes no new work

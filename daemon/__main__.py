@@ -102,6 +102,7 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         max_payload_bytes=cfg.max_message_bytes,
         max_shm_files_per_session=cfg.max_shm_files_per_session,
         max_registrations_per_session=cfg.max_registrations_per_session,
+        max_pinned_share=cfg.max_pinned_share,
         max_pools=cfg.max_pools,
         hash_algo=cfg.hash_algo,
         socket_mode=cfg.socket_mode,

@@ -279,6 +279,8 @@ class DaemonConfig:
     max_shm_files_per_session: int = 1024
     max_registrations_per_session: int = 64
     max_pools: int = 128  # pools the daemon holds at once (each: a CPU tier, a GPU tier in store mode, 2 threads)
+    # Pins one session, and one tenant's sessions together, may hold on a pool, as a share of its blocks.
+    max_pinned_share: float = 0.5
     log_level: str = "info"
     device: str = "auto"
     metrics_port: int | None = None
@@ -308,6 +310,8 @@ class DaemonConfig:
         _check_int("max_shm_files_per_session", self.max_shm_files_per_session, minimum=1)
         _check_int("max_registrations_per_session", self.max_registrations_per_session, minimum=1)
         _check_int("max_pools", self.max_pools, minimum=1)
+        if not 0.0 < self.max_pinned_share <= 1.0:
+            raise ConfigError("max_pinned_share", f"must be a share in (0, 1], got {self.max_pinned_share!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         _check_device("device", self.device)
@@ -605,6 +609,17 @@ def _as_float(value: object, text: bool) -> float:
     return float(value)
 
 
+def _as_share(value: object, text: bool) -> float:
+    if text and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"must be a number in (0, 1], got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be a number in (0, 1], got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def _as_optional_float(value: object, text: bool) -> float | None:
     if isinstance(value, str) and value.strip().lower() in _UNSET:
         return None
@@ -730,6 +745,7 @@ _TOP_KEYS: dict[str, _Key] = {
     "drain_timeout_s": _Key(_as_float, "on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting", "SECONDS"),
     "max_shm_files_per_session": _Key(_as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N"),
     "max_registrations_per_session": _Key(_as_int, "KV registrations (register_kv) one session may hold", "N"),
+    "max_pinned_share": _Key(_as_share, "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks", "SHARE"),
     "max_pools": _Key(_as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N"),
     "max_message_bytes": _Key(_as_size, "largest request accepted, header and frames together (e.g. 256MiB)", "SIZE"),
     "log_level": _Key(_as_log_level, "one of debug, info, warning, error, critical", "LEVEL"),
@@ -1050,7 +1066,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
     groups = {
         "server": ("server", ["socket", "socket_mode", "lease_s", "heartbeat_s", "poll_interval_s", "drain_timeout_s",
-                              "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session", "max_pools"]),
+                              "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session", "max_pools", "max_pinned_share"]),
         "runtime": ("runtime", ["device", "hash_algo", "log_level", "metrics_port", "metrics_host"]),
         "security": ("tcp security", ["insecure_tcp", "curve_secret_key_file", "curve_public_keys_dir"]),
     }

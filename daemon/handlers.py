@@ -110,6 +110,7 @@ class HandlerContext:
     files_mapped: int = 0  # mappings held by all sessions: one descriptor each
     max_shm_files_per_session: int = 1024
     max_registrations_per_session: int = 64
+    max_pinned_share: float = 0.5  # of a pool's blocks: pins of one session, and of one tenant's sessions
     max_shm_files_total: int = 4096  # the server sets it below RLIMIT_NOFILE
 
 
@@ -367,6 +368,7 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     hashes = _keys(ctx, session, req.fields["hashes"])
     tiers = pool.lookup(hashes, hints=request_hints(req.fields["hints"], session, entry, len(hashes), ctx.metrics))
     if req.fields["pin"] and tiers:
+        _check_pins(ctx, session, entry, len(tiers))
         # Same thread, no copy in between: the pinned prefix is the one looked up.
         tiers = pool.pin(session.sid, hashes[: len(tiers)])
         session.num_pins += len(tiers)
@@ -375,9 +377,30 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
 
 def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
-    tiers = _entry(ctx, session).pool.pin(session.sid, _keys(ctx, session, req.fields["hashes"]))
+    entry = _entry(ctx, session)
+    hashes = _keys(ctx, session, req.fields["hashes"])
+    _check_pins(ctx, session, entry, len(entry.pool.lookup(hashes, count=False)))
+    tiers = entry.pool.pin(session.sid, hashes)
     session.num_pins += len(tiers)
     return Reply({"tiers": _reply_tiers(req, tiers)})
+
+
+def _check_pins(ctx: HandlerContext, session: Session, entry: PoolEntry, more: int) -> None:
+    """Refuse (before pinning anything) pins past the session's, or its tenant's, share of the pool."""
+    cap = int(entry.capacity_blocks * ctx.max_pinned_share)
+    if session.num_pins + more > cap:
+        raise ProtocolError(ErrorCode.TOO_MANY_PINS,
+                            f"this session would hold {session.num_pins + more} pinned blocks; a session may pin "
+                            f"{cap} (max_pinned_share {ctx.max_pinned_share:g} of the pool's "
+                            f"{entry.capacity_blocks} blocks): unpin first")
+    if session.tenant == ANONYMOUS:
+        return  # no tenants: one owner, whose sessions share the pool as they see fit
+    mine = sum(s.num_pins for s in ctx.sessions if s.tenant == session.tenant and s.pool_name == session.pool_name)
+    if mine + more > cap:
+        raise ProtocolError(ErrorCode.TOO_MANY_PINS,
+                            f"tenant {session.tenant!r} would hold {mine + more} pinned blocks in this pool; a tenant "
+                            f"may pin {cap} (max_pinned_share {ctx.max_pinned_share:g} of the pool's "
+                            f"{entry.capacity_blocks} blocks): unpin first")
 
 
 def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:

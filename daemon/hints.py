@@ -33,15 +33,8 @@ MAX_RETAIN_S = 3600.0
 RETAIN_SHARE_OF_POOL = 0.5
 
 
-def pool_blocks(entry: PoolEntry) -> int:
-    """Blocks the pool can hold in its tiers (what retention is a share of)."""
-    pool = entry.pool
-    gpu = pool.bm.num_blocks if pool.bm is not None else 0
-    return gpu + pool.cpu.capacity_blocks
-
-
 def retain_share_blocks(entry: PoolEntry) -> int:
-    return int(pool_blocks(entry) * RETAIN_SHARE_OF_POOL) // max(1, len(entry.sessions))
+    return int(entry.capacity_blocks * RETAIN_SHARE_OF_POOL) // max(1, len(entry.sessions))
 
 
 def request_hints(wire: Mapping[str, Any] | None, session: Session, entry: PoolEntry, num_blocks: int,

@@ -80,6 +80,12 @@ class PoolEntry:
     def block_bytes(self) -> int:
         return int(self.layout["block_bytes"])
 
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks the pool's tiers hold (GPU + CPU): what per-client shares are shares of."""
+        pool = self.pool
+        return (pool.bm.num_blocks if pool.bm is not None else 0) + pool.cpu.capacity_blocks
+
 
 class PoolRegistry:
     """See the module docstring."""

@@ -116,6 +116,7 @@ class ServeOptions:
     max_shm_files_per_session: int = 1024
     max_registrations_per_session: int = 64
     max_pools: int = 128  # pools held at once; a hello that would create one more gets TOO_MANY_POOLS
+    max_pinned_share: float = 0.5  # pins a session (and a tenant) may hold, as a share of the pool's blocks
 
 
 @dataclass(eq=False)
@@ -204,6 +205,7 @@ class Server:
             tenants=options.tenants,
             max_shm_files_per_session=options.max_shm_files_per_session,
             max_registrations_per_session=options.max_registrations_per_session,
+            max_pinned_share=options.max_pinned_share,
             max_shm_files_total=_file_budget(),
         )
         self._serial = itertools.count(1)

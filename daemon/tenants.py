@@ -218,7 +218,8 @@ class TenantRegistry:
             raise ProtocolError(
                 ErrorCode.NO_SPACE,
                 f"tenant {tenant!r}: storing {spill} more blocks in the CPU tier would exceed its quota "
-                f"({self.resident_bytes[tenant] + spill * block_bytes} > {quota} bytes)",
+                f"({self.resident_bytes[tenant] + spill * block_bytes} > {quota} bytes); they spill there because "
+                f"the GPU tier cannot take them ({pool.num_pinned()} blocks pinned by all sessions)",
             )
 
     def stats(self, only: str | None = None) -> dict[str, Any]:

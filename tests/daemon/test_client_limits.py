@@ -270,3 +270,28 @@ def test_an_abstract_socket_without_curve_serves_only_the_daemons_own_user(tmp_p
     finally:
         d.proc.kill()
         d.proc.wait(10)
+
+
+# ---- pins are capped (item 11) ------------------------------------------------------------------
+
+
+def test_pins_past_the_sessions_share_are_refused_and_pin_nothing(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    # 4 GPU + 12 CPU blocks; max_pinned_share 0.5: a session may pin 8.
+    d = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=12 * BLOCK_BYTES, max_pinned_share=0.5)
+    rng = random.Random(4)
+    hs = [rng.randbytes(16) for _ in range(12)]
+    with Client(d.endpoint, "pins", layout()) as a, Client(d.endpoint, "pins", layout()) as b:
+        a.store(hs, rng.randbytes(12 * BLOCK_BYTES))
+        assert len(a.pin(hs[:6])) == 6
+        with pytest.raises(DaemonError) as err:
+            a.lookup(hs[6:9], pin=True)  # 6 + 3 > 8
+        assert err.value.code == ErrorCode.TOO_MANY_PINS and "max_pinned_share" in str(err.value)
+        with pytest.raises(DaemonError) as err:
+            a.pin(hs[6:9])
+        assert err.value.code == ErrorCode.TOO_MANY_PINS
+        assert a.stats()["pools"]["pins"]["pinned_blocks"] == 6  # the refused calls pinned nothing
+        assert len(a.pin(hs[6:8])) == 2  # up to the cap is fine
+        assert len(b.pin(hs[8:12])) == 4  # another session of the anonymous tenant has its own share
+        a.unpin(hs[:6])
+        assert len(a.lookup(hs[8:12], pin=True)) == 4  # room again after unpin
+    still_serving(d, "after-pins")

@@ -74,8 +74,7 @@ def test_a_session_retains_at_most_its_share_then_loses_only_retain_s(daemon) ->
 
 
 def entry(sessions: int) -> SimpleNamespace:
-    pool = SimpleNamespace(bm=SimpleNamespace(num_blocks=GPU_BLOCKS), cpu=SimpleNamespace(capacity_blocks=CPU_BLOCKS))
-    return SimpleNamespace(pool=pool, sessions={f"s{i}" for i in range(sessions)})
+    return SimpleNamespace(capacity_blocks=GPU_BLOCKS + CPU_BLOCKS, sessions={f"s{i}" for i in range(sessions)})
 
 
 def session(tenant: str = "") -> SimpleNamespace:
