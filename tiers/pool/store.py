@@ -1,6 +1,9 @@
 """Store mode: clients ``store`` blocks by hash and ``restore`` them into their own slots.
 
-- ``store`` copies the blocks not held yet into the GPU tier, or the CPU tier
+- ``store`` answers a block some tier holds as ``present``; one whose own
+  store is still being copied in is acknowledged only with that copy (the op
+  waits for it, and fails if it fails). It copies the blocks not held yet
+  into the GPU tier, or the CPU tier
   where the GPU tier (its free queue less the call's own present blocks) has
   no room or there is none; they are left cached and evictable. Every key of
   the call is protected (see the pool's contract); a store that would have to
@@ -20,7 +23,7 @@ from kvtier.tiers.block_manager import NoFreeBlocks
 from kvtier.tiers.cpu_tier import CpuTierFull
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool.base import NoSpace, PoolError, Tier
-from kvtier.tiers.pool.copies import Op
+from kvtier.tiers.pool.copies import Copy, Op
 from kvtier.tiers.transfer import CopyKind
 
 if TYPE_CHECKING:
@@ -45,9 +48,13 @@ def store(pool: TieredPool, hashes: Sequence[bytes], src: BlockLayout | None, sr
     new = [(h, s) for h, s in zip(hashes, src_slots) if not holds(h)]
     op = Op(pool, "store", {"stored": len(new), "present": len(hashes) - len(new)})
     counters = pool.counters
+    # "Present" must mean held: a present block whose own store is still in
+    # flight is acknowledged only with that copy, and fails if it fails.
+    for copy in _writes_in_flight(pool, [h for h in hashes if holds(h)]):
+        pool._copies.attach(op, copy)
     if not new:
         counters.stores_present += len(hashes)
-        op._finish()
+        pool._copies.settle(op)
         return op
     # Every key of the call is protected: making room for the new blocks
     # must not evict the present ones (they are what the reply counts as
@@ -74,6 +81,26 @@ def store(pool: TieredPool, hashes: Sequence[bytes], src: BlockLayout | None, sr
     return op
 
 
+def _writes_in_flight(pool: TieredPool, present: Sequence[bytes]) -> set[Copy]:
+    """The copies still writing the only copy of a present block (a block some tier holds ready needs none)."""
+    copies = pool._copies
+    found: set[Copy] = set()
+    bm = pool.bm
+    for h in present:
+        block = bm.get_cached(h) if bm is not None else None
+        gpu_writes = copies.busy_copies([block.block_id], writes_only=True) if block is not None else set()
+        if block is not None and not gpu_writes:
+            continue
+        entry = pool.cpu.get(h)
+        cpu_write = copies.cpu_writes.get(entry.slot) if entry is not None else None
+        if entry is not None and cpu_write is None:
+            continue
+        found |= gpu_writes
+        if cpu_write is not None:
+            found.add(cpu_write)
+    return found
+
+
 def _store_gpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: BlockLayout | None,
                protected: frozenset[bytes]) -> None:
     bm = pool.bm
@@ -93,13 +120,21 @@ def _store_gpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: Bloc
     copies.mark_gpu_busy(copy, dst)
     copies.attach(op, copy)
 
+    def forget(ok: bool) -> None:
+        # By this copy's outcome, not the op's: the op may fail for a block
+        # another store is copying in, while this copy's blocks are good
+        # (and another store may already be acknowledged for them).
+        bm = pool.bm
+        if not ok and bm is not None:
+            for block in blocks:
+                bm.discard_hash(block)
+
+    copy.on_done.append(forget)
+
     def release(ok: bool) -> None:
         bm = pool.bm
         if bm is None:
             return
-        if not ok:
-            for block in blocks:
-                bm.discard_hash(block)
         # Reverse order: the chain's tail sits nearest the head of the free queue.
         bm.release(reversed(blocks))
 
