@@ -154,7 +154,10 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     f = req.fields
     # Who it is comes first: an unauthorised hello must not create a pool.
     tenant = ctx.tenants.resolve(ctx.peer, f["token"])
-    entry = ctx.pools.get_or_create(f["pool"], f["layout"])
+    existing = ctx.pools.find(f["pool"])
+    reveal = tenant == ANONYMOUS or existing is None or tenant in existing.tenants
+    entry = ctx.pools.get_or_create(f["pool"], f["layout"], reveal=reveal)
+    entry.tenants.add(tenant)
     lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
     new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer, uid=ctx.peer_uid)
     entry.sessions.add(new.sid)
@@ -642,21 +645,36 @@ def stats_fields(ctx: HandlerContext) -> dict[str, Any]:
 
 def stats(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     fields = stats_fields(ctx)
-    if ctx.tenants.enabled:
-        # A tenant sees its own tenant counters only; the operator (no sid, a
-        # connection no tenant owns, e.g. the local ipc socket) sees all.
-        tenant = ctx.tenants.tenant_of_peer(ctx.peer)
-        if req.sid is not None:
-            # stats does not need a session, but one it names says whose it is.
-            try:
-                named = ctx.sessions.get(req.sid)
-            except ProtocolError:
-                named = None
-            mine = named is not None and named.peer == ctx.peer and named.uid in (None, ctx.peer_uid)
-            tenant = named.tenant if mine else ""
-        if tenant is not None:
-            fields["tenants"] = ctx.tenants.stats(only=tenant)
+    viewer = _viewer(ctx, req)
+    if viewer is not None:
+        # A tenant sees the pools its sessions opened and its own counters;
+        # someone who is neither a tenant nor the operator sees no pool or tenant.
+        fields["pools"] = {name: s for name, s in fields["pools"].items() if viewer in ctx.pools.get(name).tenants}
+        fields["tenants"] = ctx.tenants.stats(only=viewer) if viewer else {}
+        fields["sessions"] = sum(1 for s in ctx.sessions if s.tenant == viewer) if viewer else 0
     return Reply(fields)
+
+
+def _viewer(ctx: HandlerContext, req: Request) -> str | None:
+    """Whose view a session-optional request gets: None the operator's (everything), a tenant's name,
+    or "" (nobody's: no pool, no tenant). Without tenants, everyone is the operator."""
+    if not ctx.tenants.enabled:
+        return None
+    if req.sid is not None:
+        # stats does not need a session, but one it names says whose it is.
+        try:
+            named = ctx.sessions.get(req.sid)
+        except ProtocolError:
+            named = None
+        mine = named is not None and named.peer == ctx.peer and named.uid in (None, ctx.peer_uid)
+        return named.tenant if mine and named is not None else ""
+    tenant = ctx.tenants.tenant_of_peer(ctx.peer)
+    if tenant is not None:
+        return tenant
+    if ctx.peer is not None:
+        return None  # an authorised CURVE key that is no tenant's: the operator's
+    # ipc: the daemon's own user (and root) is the operator; a token tenant names its session.
+    return None if ctx.peer_uid in (os.getuid(), 0) else ""
 
 
 def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
@@ -671,7 +689,8 @@ def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result
             "pid": os.getpid(),
             # Per pool with a remote tier: is it reachable now (the daemon
             # serves the GPU and CPU tiers either way and reconnects alone).
-            "remote": {e.name: bool(e.pool.remote.available) for e in ctx.pools if e.pool.remote is not None},
+            "remote": {e.name: bool(e.pool.remote.available) for e in ctx.pools
+                       if e.pool.remote is not None and _viewer(ctx, req) in (None, *e.tenants)},
         }
     )
 

@@ -71,6 +71,7 @@ class PoolEntry:
     # Engine mode: (sid, registration name) whose tensors are the GPU tier.
     gpu_owner: tuple[str, str] | None = None
     sessions: set[str] = field(default_factory=set)
+    tenants: set[str] = field(default_factory=set)  # whose sessions opened it: who may see it in stats
 
     @property
     def mode(self) -> str:
@@ -117,18 +118,24 @@ class PoolRegistry:
     def __len__(self) -> int:
         return len(self._pools)
 
+    def find(self, name: str) -> PoolEntry | None:
+        return self._pools.get(name)
+
     def get(self, name: str) -> PoolEntry:
         entry = self._pools.get(name)
         if entry is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no pool {name!r}")
         return entry
 
-    def get_or_create(self, name: str, layout: Mapping[str, Any]) -> PoolEntry:
+    def get_or_create(self, name: str, layout: Mapping[str, Any], *, reveal: bool = True) -> PoolEntry:
+        """The pool ``name``, created with ``layout`` if new. ``reveal=False`` (a tenant that never
+        used the pool): a mismatch names the fields that differ, not the pool's values."""
         entry = self._pools.get(name)
         if entry is not None:
             if entry.layout != dict(layout):
                 diffs = sorted(k for k in set(entry.layout) | set(layout) if entry.layout.get(k) != layout.get(k))
-                detail = ", ".join(f"{k}: pool has {entry.layout.get(k)!r}, hello has {layout.get(k)!r}" for k in diffs)
+                detail = ", ".join(f"{k}: pool has {entry.layout.get(k)!r}, hello has {layout.get(k)!r}" if reveal
+                                   else f"{k}: hello has {layout.get(k)!r}" for k in diffs)
                 raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"pool {name!r} exists with another layout ({detail})")
             return entry
         if self._hash_algo is not None and layout["hash_algo"] != self._hash_algo:

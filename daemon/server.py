@@ -416,7 +416,7 @@ class Server:
         # Who is asking (CURVE User-Id); handlers read it for this request only.
         self.ctx.peer = peer_user_id(frames[1]) if self._curve_guard is not None else None
         # ...and, on ipc, as which user (only where a session is opened or named).
-        self.ctx.peer_uid = peer_uid(frames[1]) if self._ipc and (req.sid is not None or req.op == "hello") else None
+        self.ctx.peer_uid = peer_uid(frames[1]) if self._ipc and (req.sid is not None or req.op in ("hello", "stats", "health")) else None
         if self._same_user_only:
             uid = self.ctx.peer_uid if self.ctx.peer_uid is not None else peer_uid(frames[1])
             if uid not in (os.getuid(), 0):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -364,3 +365,24 @@ def test_tenant_daemon_requires_sha256_layouts(tenant_daemon: TcpDaemon, keys: d
     with pytest.raises(DaemonError) as info:
         tenant_client(tenant_daemon, keys, "alice", "xxh", layout=PoolLayout(**{**LAYOUT.to_wire(), "hash_algo": "xxh3_128"}))
     assert info.value.code == ErrorCode.LAYOUT_MISMATCH and "sha256" in info.value.message
+
+
+def test_stats_health_and_mismatches_show_a_tenant_nothing_of_other_tenants_pools(
+        tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    secret_layout = PoolLayout(model="bobs-secret-model", block_size=4, block_bytes=BLOCK, dtype="bfloat16",
+                               num_layers=1, kv_heads=1, head_dim=8, hash_algo="sha256", mode="store")
+    with tenant_client(tenant_daemon, keys, "bob", "bob-private", layout=secret_layout) as b:
+        assert "bob-private" in b.stats()["pools"]
+        with tenant_client(tenant_daemon, keys, "alice", "alice-own") as a:
+            st = a.stats()
+            assert "bob-private" not in st["pools"] and "alice-own" in st["pools"]
+            assert list(st["tenants"]) == ["alice"]
+            assert st["sessions"] == 1  # hers only
+            assert "bob-private" not in json.dumps(a.health())
+        with pytest.raises(DaemonError) as info:  # alice probes bob's pool name with another layout
+            tenant_client(tenant_daemon, keys, "alice", "bob-private")
+        assert info.value.code == ErrorCode.LAYOUT_MISMATCH
+        assert "bobs-secret-model" not in str(info.value) and "model" in str(info.value)
+        with pytest.raises(DaemonError) as info:  # bob, who uses the pool, is told its layout
+            tenant_client(tenant_daemon, keys, "bob", "bob-private")
+        assert "bobs-secret-model" in str(info.value)
