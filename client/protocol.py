@@ -65,6 +65,9 @@ HASH_BYTES = 16
 # set above them, and a frame over it makes libzmq drop the connection.
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 MAX_HASHES = 65536
+# Arrays, maps and their elements in one header, all levels: a request with
+# MAX_HASHES hashes and as many slots holds ~131k.
+MAX_HEADER_VALUES = 4 * MAX_HASHES
 MAX_PAYLOAD_FRAMES = 1
 MAX_STR_LEN = 256
 MAX_REGISTERED_TENSORS = 1024
@@ -679,7 +682,20 @@ def encode(header: Mapping[str, Any]) -> bytes:
 
 def decode(data: bytes | memoryview) -> Any:
     # Limits keep a hostile header from building huge containers; the header
-    # size itself is capped before decoding.
+    # size itself is capped before decoding. Per-container limits do not
+    # bound nesting: 4 MiB of arrays of empty arrays is ~4M objects (1.9 s of
+    # the daemon's loop), so the hooks count every array and map as it is
+    # built and stop at MAX_HEADER_VALUES (the attack: 0.07 s; a legitimate
+    # header holds a fraction of it, and the hooks cost it nothing measurable).
+    left = MAX_HEADER_VALUES
+
+    def counted(container: Any) -> Any:
+        nonlocal left
+        left -= len(container) + 1
+        if left < 0:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"header holds more than {MAX_HEADER_VALUES} values")
+        return container
+
     return msgpack.unpackb(
         data,
         raw=False,
@@ -689,6 +705,8 @@ def decode(data: bytes | memoryview) -> Any:
         max_array_len=MAX_HASHES * 2,
         max_map_len=1024,
         max_ext_len=0,
+        list_hook=counted,
+        object_hook=counted,
     )
 
 
@@ -707,6 +725,8 @@ def decode_header(data: bytes | memoryview) -> dict[str, Any]:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"header is {len(data)} bytes, limit {MAX_HEADER_BYTES}")
     try:
         header = decode(data)
+    except ProtocolError:
+        raise
     except Exception as exc:  # msgpack raises a zoo of types for bad input
         raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid MessagePack: {exc}") from None
     if not isinstance(header, dict):

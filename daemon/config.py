@@ -747,7 +747,7 @@ _TOP_KEYS: dict[str, _Key] = {
     "max_registrations_per_session": _Key(_as_int, "KV registrations (register_kv) one session may hold", "N"),
     "max_pinned_share": _Key(_as_share, "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks", "SHARE"),
     "max_pools": _Key(_as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N"),
-    "max_message_bytes": _Key(_as_size, "largest request accepted, header and frames together (e.g. 256MiB)", "SIZE"),
+    "max_message_bytes": _Key(_as_size, "largest payload (block bytes: a request's frames, an inline restore's reply) accepted; the header has its own 4 MiB limit (e.g. 256MiB)", "SIZE"),
     "log_level": _Key(_as_log_level, "one of debug, info, warning, error, critical", "LEVEL"),
     "device": _Key(_as_device, "'auto' (CUDA if available), 'cpu', or 'cuda:N'", "DEVICE"),
     "metrics_port": _Key(_as_optional_port, "Prometheus endpoint port ('off' = no endpoint)", "PORT"),

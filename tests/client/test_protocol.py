@@ -250,3 +250,30 @@ def test_tier_list_refuses_unknown_codes() -> None:
     assert info.value.code == ErrorCode.MALFORMED and "b'x'" in info.value.message
     with pytest.raises(ProtocolError):
         TierList(["gpu"])  # type: ignore[arg-type]
+
+
+def test_a_header_of_nested_empty_containers_is_refused_before_it_costs_the_loop() -> None:
+    """Per-container limits do not bound nesting: ~4M empty arrays in 4 MiB. Refused after MAX_HEADER_VALUES."""
+    import time
+
+    from kvtier.client.protocol import MAX_HEADER_VALUES, decode_header
+
+    inner = b"\xdc" + (32).to_bytes(2, "big") + b"\x90" * 32  # an array of 32 empty arrays
+    for empty in (b"\x90", b"\x80"):  # arrays, and maps
+        body = inner.replace(b"\x90", empty)
+        n = 100_000
+        header = b"\x81\xa1x" + b"\xdd" + n.to_bytes(4, "big") + body * n
+        t0 = time.perf_counter()
+        with pytest.raises(ProtocolError) as err:
+            decode_header(header)
+        assert err.value.code == ErrorCode.TOO_LARGE and str(MAX_HEADER_VALUES) in str(err.value)
+        assert time.perf_counter() - t0 < 0.5  # (1.9 s before the bound, 2-core VM)
+
+
+def test_the_largest_legitimate_header_still_decodes() -> None:
+    from kvtier.client.protocol import MAX_HASHES, decode_header
+
+    hs = [bytes([i % 256]) * 16 for i in range(MAX_HASHES)]
+    req = validate_request(decode_header(encode({"v": 1, "op": "store", "id": 1, "sid": "s" * 32, "hashes": hs,
+                                                 "plane": "shm", "slots": list(range(MAX_HASHES))})))
+    assert len(req.fields["hashes"]) == MAX_HASHES and len(req.fields["slots"]) == MAX_HASHES
