@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from kvtier.daemon.config import ConfigError, DaemonConfig, exit_on_config_error, load_config_or_exit
+from kvtier.daemon.config import (ConfigError, DaemonConfig, exit_on_config_error, load_config_or_exit,
+                                  resolve_cpu_budget_bytes)
 from kvtier.daemon.faults import FAULTS_ENV, FaultPlan, parse_faults
 from kvtier.daemon.lifecycle import StopFlag, refuse_if_served
 from kvtier.daemon.sd_notify import Notifier
@@ -103,6 +104,8 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         max_shm_files_per_session=cfg.max_shm_files_per_session,
         max_registrations_per_session=cfg.max_registrations_per_session,
         max_pinned_share=cfg.max_pinned_share,
+        cpu_budget_bytes=resolve_cpu_budget_bytes(cfg),
+        pool_idle_ttl_s=cfg.pool_idle_ttl_s,
         max_pools=cfg.max_pools,
         hash_algo=cfg.hash_algo,
         socket_mode=cfg.socket_mode,

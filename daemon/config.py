@@ -124,6 +124,9 @@ __all__ = [
 
 CPU_AUTO_FRACTION = 0.25
 CPU_AUTO_CAP_BYTES = 64 * GiB
+# The daemon's CPU budget ("auto"): half of what is available at start leaves
+# the other half to the engines (their processes, vLLM's own CPU KV cache).
+CPU_BUDGET_AUTO_FRACTION = 0.5
 GPU_AUTO_BYTES_CUDA = 1 * GiB
 GPU_AUTO_BYTES_HOST = 256 * MiB
 
@@ -281,6 +284,10 @@ class DaemonConfig:
     max_pools: int = 128  # pools the daemon holds at once (each: a CPU tier, a GPU tier in store mode, 2 threads)
     # Pins one session, and one tenant's sessions together, may hold on a pool, as a share of its blocks.
     max_pinned_share: float = 0.5
+    # All pools' CPU tiers together; None ("auto"): CPU_BUDGET_AUTO_FRACTION of available memory at start.
+    cpu_budget_bytes: CpuBytes | None = None
+    # A pool without sessions keeps its blocks this long (or until a new pool needs its memory).
+    pool_idle_ttl_s: float = 3600.0
     log_level: str = "info"
     device: str = "auto"
     metrics_port: int | None = None
@@ -310,6 +317,8 @@ class DaemonConfig:
         _check_int("max_shm_files_per_session", self.max_shm_files_per_session, minimum=1)
         _check_int("max_registrations_per_session", self.max_registrations_per_session, minimum=1)
         _check_int("max_pools", self.max_pools, minimum=1)
+        _check_cpu_bytes("cpu_budget_bytes", self.cpu_budget_bytes)
+        _check_duration("pool_idle_ttl_s", self.pool_idle_ttl_s)
         if not 0.0 < self.max_pinned_share <= 1.0:
             raise ConfigError("max_pinned_share", f"must be a share in (0, 1], got {self.max_pinned_share!r}")
         if self.log_level not in LOG_LEVELS:
@@ -745,6 +754,8 @@ _TOP_KEYS: dict[str, _Key] = {
     "drain_timeout_s": _Key(_as_float, "on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting", "SECONDS"),
     "max_shm_files_per_session": _Key(_as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N"),
     "max_registrations_per_session": _Key(_as_int, "KV registrations (register_kv) one session may hold", "N"),
+    "cpu_budget_bytes": _Key(_as_optional_cpu_size, "all pools' CPU tiers together: bytes, or N%% of available memory ('auto' = 50%% at start); a new pool that does not fit reclaims idle pools, else NO_SPACE", "SIZE"),
+    "pool_idle_ttl_s": _Key(_as_float, "how long a pool without sessions keeps its blocks (sooner when a new pool needs its memory)", "SECONDS"),
     "max_pinned_share": _Key(_as_share, "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks", "SHARE"),
     "max_pools": _Key(_as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N"),
     "max_message_bytes": _Key(_as_size, "largest payload (block bytes: a request's frames, an inline restore's reply) accepted; the header has its own 4 MiB limit (e.g. 256MiB)", "SIZE"),
@@ -1066,7 +1077,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
     groups = {
         "server": ("server", ["socket", "socket_mode", "lease_s", "heartbeat_s", "poll_interval_s", "drain_timeout_s",
-                              "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session", "max_pools", "max_pinned_share"]),
+                              "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session", "max_pools", "max_pinned_share",
+                              "cpu_budget_bytes", "pool_idle_ttl_s"]),
         "runtime": ("runtime", ["device", "hash_algo", "log_level", "metrics_port", "metrics_host"]),
         "security": ("tcp security", ["insecure_tcp", "curve_secret_key_file", "curve_public_keys_dir"]),
     }
@@ -1182,6 +1194,18 @@ def _size_line(key: str, value: int | MemoryFraction | None, auto_comment: str) 
     return f"{key} = {json.dumps(spelled) if spelled != str(value) else value}"
 
 
+def resolve_cpu_budget_bytes(cfg: DaemonConfig, available_bytes: int | None = None) -> int:
+    """All pools' CPU tiers together, in bytes (``cpu_budget_bytes``; auto and N% of available memory now)."""
+    value = cfg.cpu_budget_bytes
+    if isinstance(value, int):
+        return value
+    if available_bytes is None:
+        available_bytes = int(psutil.virtual_memory().available)
+    if isinstance(value, MemoryFraction):
+        return value.of(available_bytes)
+    return int(available_bytes * CPU_BUDGET_AUTO_FRACTION)
+
+
 def format_config(cfg: DaemonConfig, available_bytes: int | None = None) -> str:
     """The configuration as TOML that ``--config`` reads back to an equal ``DaemonConfig``."""
     if available_bytes is None:
@@ -1203,6 +1227,9 @@ def format_config(cfg: DaemonConfig, available_bytes: int | None = None) -> str:
             lines.append('metrics_port = "off"')
         elif key == "max_message_bytes":
             lines.append(_size_line(key, value, ""))
+        elif key == "cpu_budget_bytes":
+            lines.append(_size_line(key, value, f"{CPU_BUDGET_AUTO_FRACTION:.0%} of available memory at start "
+                                                f"(now {format_gib(resolve_cpu_budget_bytes(cfg, available_bytes), decimals=1)})"))
         elif key == "socket_mode":
             lines.append(f'{key} = "{value:04o}"')
         elif value is None:

@@ -161,6 +161,7 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
     new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer, uid=ctx.peer_uid)
     entry.sessions.add(new.sid)
+    entry.idle_since_s = None
     log.info("session %s opened on pool %r by %r (lease %.1fs%s)", new.sid[:8], entry.name, f["client"], lease_s,
              f", tenant {tenant!r}" if tenant != ANONYMOUS else "")
     pool = entry.pool

@@ -21,7 +21,10 @@ Contract:
   (``tiers.host_memory``); a pool that does not fit is refused with NO_SPACE
   and nothing is created. ``progress(name, done_bytes, total_bytes)``, when
   given, is called after each pinned chunk of a new CPU tier.
-- Pools outlive sessions: the cache is the point. They go at ``close_all``.
+- Pools outlive sessions: the cache is the point. An idle one (no session,
+  ``idle()``, longest idle first) goes when a new pool needs its memory or
+  its idle time passes ``pool_idle_ttl_s`` (the server decides, ``close``);
+  all go at ``close_all``.
 - Single-threaded: only the event loop calls this module.
 """
 
@@ -72,6 +75,7 @@ class PoolEntry:
     gpu_owner: tuple[str, str] | None = None
     sessions: set[str] = field(default_factory=set)
     tenants: set[str] = field(default_factory=set)  # whose sessions opened it: who may see it in stats
+    idle_since_s: float | None = None  # monotonic time its last session ended; None while it has sessions
 
     @property
     def mode(self) -> str:
@@ -80,6 +84,11 @@ class PoolEntry:
     @property
     def block_bytes(self) -> int:
         return int(self.layout["block_bytes"])
+
+    @property
+    def cpu_bytes(self) -> int:
+        """Host memory its CPU tier holds (what the daemon's CPU budget counts)."""
+        return self.pool.cpu.capacity_blocks * self.block_bytes
 
     @property
     def capacity_blocks(self) -> int:
@@ -268,12 +277,26 @@ class PoolRegistry:
     def learn_backlog_keys(self) -> int:
         return sum(e.pool.learn_backlog_keys for e in self._pools.values())
 
+    def close(self, name: str, timeout_s: float) -> None:
+        """Drop a pool with its blocks (an idle one: the caller checks it has no session)."""
+        entry = self._pools.pop(name)
+        _close_entry(entry, timeout_s)
+
+    def idle(self) -> list[PoolEntry]:
+        """Pools without sessions, longest idle first: what may be reclaimed, in that order."""
+        return sorted((e for e in self._pools.values() if not e.sessions and e.idle_since_s is not None),
+                      key=lambda e: e.idle_since_s or 0.0)
+
     def close_all(self, timeout_s: float) -> None:
         for entry in self._pools.values():
-            try:
-                entry.pool.close(timeout_s)
-            finally:
-                entry.transfer.close(timeout_s)
-                if entry.pool.remote is not None:
-                    entry.pool.remote.close(timeout_s)
+            _close_entry(entry, timeout_s)
         self._pools.clear()
+
+
+def _close_entry(entry: PoolEntry, timeout_s: float) -> None:
+    try:
+        entry.pool.close(timeout_s)
+    finally:
+        entry.transfer.close(timeout_s)
+        if entry.pool.remote is not None:
+            entry.pool.remote.close(timeout_s)

@@ -117,6 +117,8 @@ class ServeOptions:
     max_registrations_per_session: int = 64
     max_pools: int = 128  # pools held at once; a hello that would create one more gets TOO_MANY_POOLS
     max_pinned_share: float = 0.5  # pins a session (and a tenant) may hold, as a share of the pool's blocks
+    cpu_budget_bytes: int | None = None  # all pools' CPU tiers together; None: no budget but host memory
+    pool_idle_ttl_s: float = 3600.0  # a pool without sessions keeps its blocks this long
 
 
 @dataclass(eq=False)
@@ -236,7 +238,20 @@ class Server:
             pass
 
     def _sizing_for(self, name: str) -> PoolSizing:
-        """The configured sizing of a new pool, refused (NO_SPACE, with the numbers) if the host cannot take it."""
+        """The configured sizing of a new pool, refused (NO_SPACE, with the numbers) if the host cannot take it.
+
+        Idle pools (no session), longest idle first, are reclaimed first
+        while the new one would exceed max_pools, the CPU budget or the
+        memory available; pools with sessions are never touched.
+        """
+        sizing = self.options.sizing_for(name)
+        for idle in self.pools.idle():
+            if not self._pool_would_not_fit(sizing.cpu_bytes):
+                break
+            log.info("pool %r reclaimed for pool %r: idle %.0f s, %s of CPU tier freed", idle.name, name,
+                     time.monotonic() - (idle.idle_since_s or 0.0), gib(idle.cpu_bytes))
+            self.metrics.inc("pools_reclaimed_total", reason="memory")
+            self.pools.close(idle.name, self.options.drain_timeout_s)
         if len(self.pools) >= self.options.max_pools:
             # Pools outlive their sessions (the cache is the point), so without
             # a bound every new pool name a client sends costs tiers and threads.
@@ -244,15 +259,46 @@ class Server:
             raise ProtocolError(ErrorCode.TOO_MANY_POOLS,
                                 f"this daemon holds {len(self.pools)} pools, its limit (max_pools); join an existing "
                                 "pool or ask the operator")
-        sizing = self.options.sizing_for(name)
-        existing = {e.name: e.pool.cpu_blocks * e.block_bytes for e in self.pools}
-        try:
+        existing = {e.name: e.cpu_bytes for e in self.pools}
+        try:  # the host first: a pool the machine cannot hold is refused for that, whatever the budget
             check_new_pool(name, sizing.cpu_bytes, existing)
         except HostMemoryError as exc:
             raise ProtocolError(ErrorCode.NO_SPACE, str(exc)) from None
+        budget = self.options.cpu_budget_bytes
+        if budget is not None and sum(existing.values()) + sizing.cpu_bytes > budget:
+            raise ProtocolError(ErrorCode.NO_SPACE,
+                                f"pool {name!r} needs a {gib(sizing.cpu_bytes)} ({sizing.cpu_bytes} bytes) CPU tier; "
+                                f"the daemon's CPU tiers hold {gib(sum(existing.values()))} of its {gib(budget)} "
+                                f"budget (cpu_budget_bytes) in {len(existing)} pools with sessions; end one, or ask "
+                                "the operator")
         self.notifier.status(f"allocating the CPU tier of pool {name!r}: {gib(sizing.cpu_bytes)}")
         self._status_text = ""  # the next summary goes out even if it did not change
         return sizing
+
+    def _pool_would_not_fit(self, cpu_bytes: int) -> bool:
+        """A new pool with this CPU tier would pass max_pools, the CPU budget or the memory available."""
+        if len(self.pools) >= self.options.max_pools:
+            return True
+        existing = {e.name: e.cpu_bytes for e in self.pools}
+        budget = self.options.cpu_budget_bytes
+        if budget is not None and sum(existing.values()) + cpu_bytes > budget:
+            return True
+        try:
+            check_new_pool("", cpu_bytes, existing)
+        except HostMemoryError:
+            return True
+        return False
+
+    def _close_expired_pools(self, now_s: float) -> None:
+        """Pools idle for pool_idle_ttl_s go, with their blocks."""
+        ttl_s = self.options.pool_idle_ttl_s
+        for idle in self.pools.idle():
+            if idle.idle_since_s is None or now_s - idle.idle_since_s < ttl_s:
+                break  # longest idle first: the rest are younger
+            log.info("pool %r closed: no session for %.0f s (pool_idle_ttl_s), %s of CPU tier freed",
+                     idle.name, now_s - idle.idle_since_s, gib(idle.cpu_bytes))
+            self.metrics.inc("pools_reclaimed_total", reason="idle")
+            self.pools.close(idle.name, self.options.drain_timeout_s)
 
     def _allocation_progress(self, name: str, done_bytes: int, total_bytes: int) -> None:
         # Pinning a large tier blocks the loop for seconds: keep systemd's
@@ -371,6 +417,7 @@ class Server:
             expired = self.sessions.sweep()
             if expired:
                 self.metrics.inc("lease_expiries_total", len(expired))
+            self._close_expired_pools(now_s)
         self.metrics.set("sessions", len(self.sessions))
         self.metrics.set("requests_in_flight", len(self._parked))
         self.metrics.set("learn_backlog_keys", self.pools.learn_backlog_keys())
@@ -389,7 +436,7 @@ class Server:
 
     def _post_status(self) -> None:
         """systemctl status shows this line; sent only when it changed."""
-        cpu_bytes = sum(e.pool.cpu_blocks * e.block_bytes for e in self.pools)
+        cpu_bytes = sum(e.cpu_bytes for e in self.pools)
         text = (f"serving on {self.options.endpoint}: {len(self.pools)} pools, {len(self.sessions)} sessions, "
                 f"CPU tiers {gib(cpu_bytes)}")
         if text != self._status_text:
@@ -588,6 +635,8 @@ class Server:
         # if this session still owns it.
         release_arena(self.ctx, session, unlink=True)
         entry.sessions.discard(session.sid)
+        if not entry.sessions:
+            entry.idle_since_s = time.monotonic()
         log.info(
             "session %s ended (%s): released %d pins, %d requests, %d registrations",
             session.sid[:8], reason, pins, requests, registrations,

@@ -230,18 +230,22 @@ def test_a_hello_past_max_pools_is_refused_and_existing_pools_still_join(kvtierd
     from kvtier.client.client import probe_health
 
     d = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES, max_pools=3)
-    for i in range(3):
-        Client(d.endpoint, f"p{i}", layout()).close()
-    with pytest.raises(DaemonError) as err:
-        Client(d.endpoint, "p3", layout()).close()
-    assert err.value.code == ErrorCode.TOO_MANY_POOLS and "max_pools" in str(err.value)
-    assert probe_health(d.endpoint)["pools"] == 3
-    rng = random.Random(4)
-    with Client(d.endpoint, "p1", layout()) as c:  # joining one that exists is fine
-        hs, data = [rng.randbytes(16)], rng.randbytes(BLOCK_BYTES)
-        assert c.store(hs, data) == (1, 0)
-        assert bytes(c.restore(hs).data) == data
-        assert c.stats()["daemon"]["pools_refused_total"] == 1
+    # Pools with sessions are never reclaimed (an idle one would be: test_pool_budget.py).
+    holders = [Client(d.endpoint, f"p{i}", layout()) for i in range(3)]
+    try:
+        with pytest.raises(DaemonError) as err:
+            Client(d.endpoint, "p3", layout()).close()
+        assert err.value.code == ErrorCode.TOO_MANY_POOLS and "max_pools" in str(err.value)
+        assert probe_health(d.endpoint)["pools"] == 3
+        rng = random.Random(4)
+        with Client(d.endpoint, "p1", layout()) as c:  # joining one that exists is fine
+            hs, data = [rng.randbytes(16)], rng.randbytes(BLOCK_BYTES)
+            assert c.store(hs, data) == (1, 0)
+            assert bytes(c.restore(hs).data) == data
+            assert c.stats()["daemon"]["pools_refused_total"] == 1
+    finally:
+        for h in holders:
+            h.close()
 
 
 def test_an_abstract_socket_without_curve_serves_only_the_daemons_own_user(tmp_path) -> None:  # type: ignore[no-untyped-def]

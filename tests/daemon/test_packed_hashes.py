@@ -38,7 +38,8 @@ def store_layout() -> PoolLayout:
 
 @pytest.fixture(scope="module")
 def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]
-    return kvtierd_module_factory(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES,
+    # Pins up to the whole (tiny) pool: these tests pin long prefixes; the cap has its own tests.
+    return kvtierd_module_factory(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES, max_pinned_share=1.0,
                                   max_message_bytes=8 * BLOCK_BYTES)
 
 
