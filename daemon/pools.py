@@ -88,13 +88,12 @@ class PoolEntry:
     @property
     def cpu_bytes(self) -> int:
         """Host memory its CPU tier holds (what the daemon's CPU budget counts)."""
-        return self.pool.cpu.capacity_blocks * self.block_bytes
+        return self.pool.cpu_blocks * self.block_bytes
 
     @property
     def capacity_blocks(self) -> int:
         """Blocks the pool's tiers hold (GPU + CPU): what per-client shares are shares of."""
-        pool = self.pool
-        return (pool.bm.num_blocks if pool.bm is not None else 0) + pool.cpu.capacity_blocks
+        return self.pool.gpu_blocks + self.pool.cpu_blocks
 
 
 class PoolRegistry:
