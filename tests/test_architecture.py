@@ -10,6 +10,9 @@ What the contracts say (the README's "Dependencies point one way"):
   too: ``kv_share`` imports torch inside the functions that need it).
 - ``kvtier.tools`` imports no ``daemon``; ``kvtier.integrations`` imports no
   ``daemon``.
+- Bookkeeping (``kvtier.tiers.pool`` without bytes, ``kvtier replay``) loads no
+  torch: the copy interface is ``kvtier.tiers.copy_types``, layouts are
+  imported where bytes move (checked here at run time).
 - No import cycles between the modules and subpackages of any package
   (``if TYPE_CHECKING:`` imports, which never run, are not counted).
 """
@@ -44,4 +47,19 @@ def test_client_modules_load_no_torch() -> None:
         "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_bookkeeping_loads_no_torch() -> None:
+    """The pool in bookkeeping mode and ``kvtier replay`` move no bytes, so they must not pay torch's import."""
+    code = (
+        "import sys\n"
+        "from kvtier.tools.replay.core import ReplayConfig, replay\n"
+        "from kvtier.tools.traces import load_trace\n"
+        f"r = replay(load_trace({str(REPO / 'examples' / 'traces' / 'sample.jsonl')!r}), "
+        "ReplayConfig(gpu_blocks=64, cpu_blocks=512, policy='chain'))\n"
+        "assert r.looked_up_blocks > 0\n"
+        "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.tiers.policies.base import EvictionPolicy
-from kvtier.tiers.layout import BlockLayout
+
+if TYPE_CHECKING:
+    from kvtier.tiers.layout import BlockLayout
 
 
 class CpuTierFull(RuntimeError):

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.tiers.cpu_tier import CpuEntry, CpuTier
-from kvtier.tiers.layout import BlockLayout
-from kvtier.tiers.transfer import CopyKind, Transfer, TransferEngine, TransferError
+from kvtier.tiers.copy_types import CopyKind, Transfer, TransferEngine, TransferError
 
 if TYPE_CHECKING:
+    from kvtier.tiers.layout import BlockLayout
     from kvtier.tiers.pool.counters import Counters
     from kvtier.tiers.pool.facade import TieredPool
 

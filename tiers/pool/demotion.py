@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from kvtier.tiers.block_manager import Evicted
 from kvtier.tiers.cpu_tier import CpuTierFull
 from kvtier.tiers.pool.copies import Copy, Op
-from kvtier.tiers.transfer import CopyKind
+from kvtier.tiers.copy_types import CopyKind
 
 if TYPE_CHECKING:
     from kvtier.tiers.pool.facade import TieredPool

@@ -18,7 +18,7 @@ from kvtier.tiers.cpu_tier import CpuEntry
 from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.pool.base import NoSpace, NotFound, PoolError, Tier
 from kvtier.tiers.pool.copies import Op
-from kvtier.tiers.transfer import CopyKind
+from kvtier.tiers.copy_types import CopyKind
 
 if TYPE_CHECKING:
     from kvtier.tiers.pool.facade import TieredPool

@@ -65,13 +65,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.tiers.block_manager import BlockManager
+from kvtier.tiers.copy_types import CopyKind, TransferEngine
 from kvtier.tiers.cpu_tier import CpuTier
 from kvtier.tiers.eviction import EvictionPolicy, make_policy
 from kvtier.tiers.hints import RequestHints
-from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import engine, lending, store
 from kvtier.tiers.pool.base import Borrowed, Held, PoolError, PoolSpec, Tier
 from kvtier.tiers.pool.copies import CopyScheduler, Op
@@ -80,7 +80,9 @@ from kvtier.tiers.pool.demotion import Demoter
 from kvtier.tiers.pool.learning import LEARN_CHUNK_KEYS, LearningQueue
 from kvtier.tiers.pool.pins import Pins
 from kvtier.tiers.pool.resolve import Resolver
-from kvtier.tiers.transfer import CopyKind, TransferEngine
+
+if TYPE_CHECKING:
+    from kvtier.tiers.layout import BlockLayout
 
 # Wraps the CPU tier's eviction policy as the pool is built (the daemon's
 # tenant quotas): gets the policy made from ``policy`` and the CPU tier it orders.

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 from kvtier.tiers.block_manager import NoFreeBlocks
 from kvtier.tiers.cpu_tier import CpuTierFull
-from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool.base import NoSpace, PoolError, Tier
 from kvtier.tiers.pool.copies import Copy, Op
-from kvtier.tiers.transfer import CopyKind
+from kvtier.tiers.copy_types import CopyKind
 
 if TYPE_CHECKING:
+    from kvtier.tiers.layout import BlockLayout
     from kvtier.tiers.pool.facade import TieredPool
 
 
