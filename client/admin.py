@@ -34,6 +34,7 @@ from typing import Any
 import zmq
 
 from kvtier.client.client import DaemonError, KvtierTimeout
+from kvtier.client.curve import CurveKeys
 from kvtier.client.protocol import OPS, ErrorCode, ProtocolError, decode, encode, request_header
 
 __all__ = ["DaemonUnavailable", "default_socket", "request", "resolve_endpoint"]
@@ -80,8 +81,10 @@ def _ipc_file(endpoint: str) -> str | None:
     return None
 
 
-def request(endpoint: str, op: str, *, timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S) -> dict[str, Any]:
-    """One session-less request; see the module docstring."""
+def request(endpoint: str, op: str, *, timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S,
+            curve: CurveKeys | None = None) -> dict[str, Any]:
+    """One session-less request; see the module docstring. ``curve``: this client's keys for a
+    ``tcp://`` daemon with CURVE (``CurveKeys.load(server public key, own secret key file)``)."""
     spec = OPS.get(op)
     if spec is None or spec.session != "optional":
         raise ValueError(f"{op!r} is not a session-less verb")
@@ -91,6 +94,8 @@ def request(endpoint: str, op: str, *, timeout_s: float = DEFAULT_ADMIN_TIMEOUT_
     zctx = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sock)
     try:
         sock.connect(endpoint)
         sock.send(encode(request_header(op, 1, None)))

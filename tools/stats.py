@@ -37,15 +37,29 @@ DEFAULT_TIMEOUT_S = 2.0
 # ---- fetching ---------------------------------------------------------------------------------
 
 
-def fetch_stats(endpoint: str, *, timeout_s: float, prog: str) -> dict[str, Any]:
+def fetch_stats(endpoint: str, *, timeout_s: float, prog: str, curve: Any = None) -> dict[str, Any]:
     """The ``stats`` reply, or ``SystemExit("<prog>: <why>")`` when no daemon answers."""
     from kvtier.client.admin import request
     from kvtier.client.protocol import KvtierError
 
     try:
-        return request(endpoint, "stats", timeout_s=timeout_s)
+        return request(endpoint, "stats", timeout_s=timeout_s, curve=curve)
     except KvtierError as exc:
         raise SystemExit(f"{prog}: {exc}") from None
+
+
+def curve_keys(args: argparse.Namespace, prog: str) -> Any:
+    """``--curve-server-key`` + ``--curve-secret-key-file`` as the client's keys, or None; SystemExit if one is missing."""
+    if (args.curve_server_key is None) != (args.curve_secret_key_file is None):
+        raise SystemExit(f"{prog}: CURVE needs both --curve-server-key and --curve-secret-key-file")
+    if args.curve_server_key is None:
+        return None
+    from kvtier.client.curve import CurveKeys
+
+    try:
+        return CurveKeys.load(args.curve_server_key, args.curve_secret_key_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{prog}: cannot load the CURVE keys: {exc}") from None
 
 
 def select_pool(stats: dict[str, Any], pool: str | None, *, endpoint: str, prog: str) -> dict[str, Any]:
@@ -229,6 +243,11 @@ def add_socket_arguments(p: argparse.ArgumentParser) -> None:
                         "else ${TMPDIR:-/tmp}/kvtier-<uid>/kvtierd.sock)")
     p.add_argument("--timeout", metavar="S", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds to wait for the daemon's answer (default: {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--curve-server-key", metavar="KEY", default=None,
+                   help="a tcp:// daemon's CURVE public key (Z85 text, or its key file)")
+    p.add_argument("--curve-secret-key-file", metavar="PATH", default=None,
+                   help="this client's CURVE secret key file (`kvtier keygen`; its public key must be authorised "
+                        "by the daemon: an operator key, or a tenant's to see that tenant only)")
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -250,7 +269,7 @@ def main(args: argparse.Namespace) -> int:
     from kvtier.client.admin import resolve_endpoint
 
     endpoint = resolve_endpoint(args.socket)
-    stats = fetch_stats(endpoint, timeout_s=args.timeout, prog="kvtier stats")
+    stats = fetch_stats(endpoint, timeout_s=args.timeout, prog="kvtier stats", curve=curve_keys(args, "kvtier stats"))
     stats = select_pool(stats, args.pool, endpoint=endpoint, prog="kvtier stats")
     if args.json:
         json.dump({"endpoint": endpoint, **stats}, sys.stdout, indent=2, sort_keys=True)

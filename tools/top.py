@@ -37,6 +37,7 @@ from kvtier.tools.stats import (
     DIRECTIONS,
     TIERS,
     add_socket_arguments,
+    curve_keys,
     fetch_stats,
     fmt_bytes,
     fmt_int,
@@ -223,16 +224,17 @@ def main(args: argparse.Namespace) -> int:
     if frames is not None and frames < 1:
         raise SystemExit(f"{PROG}: --count must be at least 1, got {frames}")
     endpoint = resolve_endpoint(args.socket)
+    curve = curve_keys(args, PROG)
 
     def sample() -> dict[str, Any]:
-        stats = request(endpoint, "stats", timeout_s=args.timeout)
+        stats = request(endpoint, "stats", timeout_s=args.timeout, curve=curve)
         if args.pool is not None:  # a pool gone with a daemon restart shows as "no pools yet"
             pools = stats.get("pools") or {}
             stats["pools"] = {args.pool: pools[args.pool]} if args.pool in pools else {}
         return stats
 
     # The first sample decides "no daemon" (exit 1) before the screen changes.
-    prev = select_pool(fetch_stats(endpoint, timeout_s=args.timeout, prog=PROG), args.pool,
+    prev = select_pool(fetch_stats(endpoint, timeout_s=args.timeout, prog=PROG, curve=curve), args.pool,
                        endpoint=endpoint, prog=PROG)
     prev_s = time.monotonic()
     interactive = frames is None and sys.stdout.isatty()

@@ -386,3 +386,24 @@ def test_stats_health_and_mismatches_show_a_tenant_nothing_of_other_tenants_pool
         with pytest.raises(DaemonError) as info:  # bob, who uses the pool, is told its layout
             tenant_client(tenant_daemon, keys, "bob", "bob-private")
         assert "bobs-secret-model" in str(info.value)
+
+
+def test_kvtier_stats_and_top_reach_a_curve_daemon_with_keys(curve_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    with Client(curve_daemon.endpoint, "seen-by-stats", LAYOUT, timeout_s=10.0, **curve_kwargs(keys, "carol")):
+        pass
+    cli = [sys.executable, "-m", "kvtier.tools.cli"]
+    auth = ["--curve-server-key", str(keys["server"][0]), "--curve-secret-key-file", str(keys["carol"][1])]
+    out = subprocess.run([*cli, "stats", "--socket", curve_daemon.endpoint, *auth, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "seen-by-stats" in json.loads(out.stdout)["pools"]
+    out = subprocess.run([*cli, "top", "--socket", curve_daemon.endpoint, *auth, "--once"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "seen-by-stats" in out.stdout, out.stderr
+    # Without keys the daemon never answers: a clear error, not a hang.
+    out = subprocess.run([*cli, "stats", "--socket", curve_daemon.endpoint, "--timeout", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no answer" in out.stderr
+    out = subprocess.run([*cli, "stats", "--socket", curve_daemon.endpoint, auth[0], auth[1]],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "both" in out.stderr
