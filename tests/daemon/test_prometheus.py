@@ -302,3 +302,32 @@ def test_a_taken_metrics_port_stops_the_daemon_at_start(kvtierd_factory) -> None
 
 def test_no_metrics_port_no_endpoint(kvtierd) -> None:  # type: ignore[no-untyped-def]
     assert "metrics at" not in kvtierd.log()
+
+
+def test_idle_connections_cost_a_bounded_number_of_threads_and_time_out(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    from kvtier.daemon.prometheus import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
+
+    port = free_port()
+    daemon = kvtierd_factory(metrics_port=port)
+    tasks = Path(f"/proc/{daemon.proc.pid}/task")
+    threads_before = len(list(tasks.iterdir()))
+    idle = []
+    try:
+        for _ in range(60):  # far more than the cap; each says nothing
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            idle.append(s)
+        time.sleep(0.5)
+        assert len(list(tasks.iterdir())) <= threads_before + MAX_CONNECTIONS
+        assert daemon.alive
+        # Once the silent ones time out, scrapes are served again.
+        deadline = time.monotonic() + CONNECTION_TIMEOUT_S + 10
+        while True:
+            try:
+                assert "kvtier_sessions" in scrape(port)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the endpoint never came back"
+                time.sleep(0.5)
+    finally:
+        for s in idle:
+            s.close()
