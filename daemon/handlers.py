@@ -371,6 +371,7 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     pool = entry.pool
     hashes = _keys(ctx, session, req.fields["hashes"])
     tiers = pool.lookup(hashes, hints=request_hints(req.fields["hints"], session, entry, len(hashes), ctx.metrics))
+    ctx.tenants.note_lookup(session.tenant, len(hashes), tiers)
     if req.fields["pin"] and tiers:
         _check_pins(ctx, session, entry, len(tiers))
         # Same thread, no copy in between: the pinned prefix is the one looked up.
@@ -425,6 +426,7 @@ def allocate(ctx: HandlerContext, req: Request, session: Session | None) -> Resu
     hashes = _keys(ctx, session, f["hashes"])
     op = entry.pool.allocate(session.pool_request_id(f["req"]), hashes, f["num_tokens"],
                              hints=request_hints(f["hints"], session, entry, len(hashes), ctx.metrics))
+    ctx.tenants.note_lookup(session.tenant, len(hashes), op.result["tiers"])
     session.requests.add(f["req"])
 
     def failed(_op: Op) -> None:

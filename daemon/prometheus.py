@@ -230,6 +230,18 @@ DAEMON_HELP: dict[str, str] = {
 }
 
 
+# The ``tenants`` map of ``stats`` (daemons with tenants): (key, kind, help), exported
+# as kvtier_tenant_<key>{tenant}; hit_blocks as kvtier_tenant_hit_blocks_total{tenant, tier}.
+TENANT_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("looked_up_blocks", "counter", "Blocks a tenant's counted lookups and allocations asked for, all pools."),
+    ("cpu_resident_bytes", "gauge", "Bytes of a tenant's blocks in the CPU tiers."),
+    ("cpu_resident_blocks", "gauge", "A tenant's blocks in the CPU tiers."),
+    ("cpu_quota_bytes", "gauge", "A tenant's CPU-tier quota (absent: none)."),
+    ("dropped_demotions", "counter", "A tenant's demotions dropped at its quota."),
+    ("refused_stores", "counter", "A tenant's stores refused at its quota."),
+)
+
+
 def _parse_label_key(label_key: str) -> dict[str, str]:
     # Counters.snapshot() spells labels "k=v,k2=v2"; our label values (verbs,
     # error code names) never contain "," or "=".
@@ -310,6 +322,20 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
         remote = p.get("remote")
         if isinstance(remote, Mapping):
             up.add_metric([pool_name], 1.0 if remote.get("available") else 0.0)
+
+    tenants: Mapping[str, Mapping[str, Any]] = stats.get("tenants") or {}
+    if tenants:
+        for key, kind, help_text in TENANT_METRICS:
+            fam = family(f"tenant_{key}", kind, help_text, ["tenant"])
+            for tenant in sorted(tenants):
+                value = tenants[tenant].get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    fam.add_metric([tenant], value)
+        hits = family("tenant_hit_blocks", "counter", "A tenant's looked-up blocks that hit, by the tier that held them.",
+                      ["tenant", "tier"])
+        for tenant in sorted(tenants):
+            for tier, n in sorted((tenants[tenant].get("hit_blocks") or {}).items()):
+                hits.add_metric([tenant, tier], n)
 
     daemon: dict[str, Any] = {**DAEMON_DEFAULTS, **(stats.get("daemon") or {})}
     if "sessions" not in (stats.get("daemon") or {}) and "sessions" in stats:

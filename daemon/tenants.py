@@ -115,6 +115,8 @@ class TenantRegistry:
         self.resident_blocks: Counter[str] = Counter()
         self.dropped_demotions: Counter[str] = Counter()
         self.refused_stores: Counter[str] = Counter()
+        self.looked_up_blocks: Counter[str] = Counter()  # counted lookups and allocations, all pools
+        self.hit_blocks: dict[str, Counter[str]] = {name: Counter() for name in self._tenants}  # tenant -> tier -> n
 
     @property
     def enabled(self) -> bool:
@@ -222,6 +224,15 @@ class TenantRegistry:
                 f"the GPU tier cannot take them ({pool.num_pinned()} blocks pinned by all sessions)",
             )
 
+    def note_lookup(self, tenant: str, looked_up_blocks: int, tiers: Sequence[Any]) -> None:
+        """A tenant's counted lookup or allocation: its blocks, and the tier of each hit (for per-tenant hit rates)."""
+        hits = self.hit_blocks.get(tenant)
+        if hits is None:
+            return  # the anonymous tenant: the pools' own counters say it all
+        self.looked_up_blocks[tenant] += looked_up_blocks
+        for tier in tiers:
+            hits[getattr(tier, "value", tier)] += 1
+
     def stats(self, only: str | None = None) -> dict[str, Any]:
         """Per-tenant counters (all tenants, or only ``only``); no keys, ever."""
         out: dict[str, Any] = {}
@@ -234,6 +245,8 @@ class TenantRegistry:
                 "cpu_quota_bytes": t.quota_bytes,
                 "dropped_demotions": self.dropped_demotions[name],
                 "refused_stores": self.refused_stores[name],
+                "looked_up_blocks": self.looked_up_blocks[name],
+                "hit_blocks": {tier: self.hit_blocks[name][tier] for tier in ("gpu", "cpu", "remote")},
             }
         return out
 

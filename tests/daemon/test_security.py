@@ -407,3 +407,33 @@ def test_kvtier_stats_and_top_reach_a_curve_daemon_with_keys(curve_daemon: TcpDa
     out = subprocess.run([*cli, "stats", "--socket", curve_daemon.endpoint, auth[0], auth[1]],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "both" in out.stderr
+
+
+def test_per_tenant_hits_and_quota_use_are_counted_and_exported(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.daemon.prometheus import families_from_stats
+
+    hs = [bytes([9, i]) * 8 for i in range(4)]
+    with tenant_client(tenant_daemon, keys, "alice", "tenant-metrics") as a:
+        before = a.stats()["tenants"]["alice"]
+        a.store(hs[:2], bytes(2 * BLOCK))
+        assert list(a.lookup(hs)) == ["gpu", "gpu"]
+        after = a.stats()["tenants"]["alice"]
+    assert after["looked_up_blocks"] - before["looked_up_blocks"] == 4
+    assert after["hit_blocks"]["gpu"] - before["hit_blocks"]["gpu"] == 2
+    # The operator's view as Prometheus series (what /metrics serves): one per tenant.
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    class Once:
+        def collect(self):  # type: ignore[no-untyped-def]
+            return families_from_stats({"pools": {}, "daemon": {}, "tenants": {"alice": after, "bob": after}})
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(Once())  # type: ignore[arg-type]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
+    assert samples[("kvtier_tenant_hit_blocks_total", (("tenant", "alice"), ("tier", "gpu")))] == after["hit_blocks"]["gpu"]
+    assert samples[("kvtier_tenant_looked_up_blocks_total", (("tenant", "bob"),))] == after["looked_up_blocks"]
+    assert ("kvtier_tenant_cpu_resident_bytes", (("tenant", "alice"),)) in samples
