@@ -82,7 +82,7 @@ from kvtier.client.protocol import (
     frame_nbytes,
     request_header,
 )
-from kvtier.client.shm_arena import ShmArena
+from kvtier.client.shm_arena import SHM_DIR, ShmArena
 
 __all__ = [
     "Allocation",
@@ -852,6 +852,7 @@ class Client:
         arena = ShmArena.create(num_slots, block_bytes, name_prefix=f"kvtier-{(self.sid or 'x')[:8]}")
         self._arena = arena
         try:
+            self._share_with_daemon([arena.name])
             self._call("attach_arena", self._arena_fields(), timeout_s=timeout_s)
         except BaseException:
             self._arena = None
@@ -863,6 +864,32 @@ class Client:
     @property
     def arena(self) -> ShmArena | None:
         return self._arena
+
+    def _share_with_daemon(self, shm_names: Sequence[str]) -> None:
+        """Give shared-memory files to a daemon running as another user: its group, mode 0660.
+
+        The daemon's socket file is owned by the daemon's user and group.
+        When that user is not this one, the files this client made (0600)
+        get the socket's group, which this process can give only if it is a
+        member (the documented set-up: engines in the daemon's group). Where
+        it cannot, the daemon answers ACCESS_DENIED with the file's mode.
+        """
+        if not (self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@")):
+            return  # tcp: the daemon maps no client file; abstract: the daemon serves its own user only
+        try:
+            st = os.stat(self.endpoint[len("ipc://"):])
+        except OSError:
+            return
+        if st.st_uid == os.getuid():
+            return
+        for name in shm_names:
+            path = SHM_DIR / name
+            try:
+                os.chown(path, -1, st.st_gid)
+                os.chmod(path, 0o660)
+            except OSError as exc:
+                log.warning("cannot give %s to kvtierd's group %d (%s): the daemon will refuse it; add this user "
+                            "to that group", path, st.st_gid, exc.strerror)
 
     def _arena_fields(self) -> dict[str, Any]:
         assert self._arena is not None
@@ -883,6 +910,7 @@ class Client:
         if len(dims) != len(tensors):
             raise KvtierError(f"{len(tensors)} tensors but {len(dims)} block dims")
         wire = [{"desc": kv_share.export_tensor(t), "block_dim": d} for t, d in zip(tensors, dims)]
+        self._share_with_daemon(sorted({w["desc"]["handle"]["name"] for w in wire if w["desc"].get("transport") == "shm"}))
         rh, _ = self._call("register_kv", {"name": name, "tensors": wire}, timeout_s=timeout_s)
         self._registrations[name] = _Registration(wire, list(tensors))
         return int(rh["num_blocks"])

@@ -90,7 +90,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.client.shm_arena import SHM_DIR, ShmArena, ShmArenaError, validate_arena_name
+from kvtier.client.shm_arena import SHM_DIR, ShmAccessError, ShmArena, ShmArenaError, validate_arena_name
 
 if TYPE_CHECKING:
     import torch
@@ -178,6 +178,10 @@ _EXPANDABLE_HINT = (
 
 class KvShareError(ValueError):
     """A KV tensor that cannot be shared, or a description that must not be imported."""
+
+
+class KvShareAccessError(KvShareError):
+    """The importing process may not open a tensor's shared-memory file (its mode or group)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -790,6 +794,8 @@ def _import_shm(entries: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor
                 try:
                     # attach() checks the name, refuses symlinks and requires the exact size.
                     arena = arenas[name] = ShmArena.attach(name, 1, size_bytes)
+                except ShmAccessError as exc:
+                    raise KvShareAccessError(str(exc)) from None
                 except ShmArenaError as exc:
                     raise KvShareError(str(exc)) from None
             elif arena.size_bytes != size_bytes:

@@ -109,6 +109,7 @@ class ErrorCode(IntEnum):
     FOREIGN_SESSION = 206  # the sid belongs to a session another user (ipc peer uid) opened
     IN_USE = 207  # the arena or KV file is attached by another live session
     NOT_OWNER = 208  # the arena or KV file belongs to another user than the session's
+    ACCESS_DENIED = 209  # the daemon may not open the client's shared-memory file (its mode or group)
 
     NO_SPACE = 300  # the tier cannot make room (nothing changed)
     TOO_MANY_REGISTRATIONS = 301  # the session holds max_registrations_per_session registrations

@@ -77,6 +77,22 @@ class ShmArenaError(Exception):
     """A bad name, size or slot, or a shared-memory file that cannot be made or used."""
 
 
+class ShmAccessError(ShmArenaError):
+    """The file exists but this process may not open it (its mode, owner or group)."""
+
+
+def _access_message(path: Path, exc: OSError) -> str:
+    try:
+        st = os.stat(path)
+        who = f"mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}, group gid {st.st_gid}"
+    except OSError:
+        who = "its mode unknown"
+    return (f"kvtierd (uid {os.getuid()}, gid {os.getgid()}) may not open {path} ({who}): {exc.strerror}. "
+            "A client of a daemon running as another user gives the file the daemon's group, mode 0660 "
+            "(kvtier's client does so when it is a member of the group that owns the daemon's socket)")
+
+
+
 def validate_arena_name(name: str) -> str:
     """Return ``name`` if it is an acceptable arena file name, else raise ``ShmArenaError``."""
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
@@ -167,6 +183,8 @@ class ShmArena:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise ShmArenaError(f"arena {name} does not exist in {SHM_DIR}") from exc
+        except PermissionError as exc:
+            raise ShmAccessError(_access_message(path, exc)) from exc
         except OSError as exc:
             # ELOOP from O_NOFOLLOW means the name is a symlink: refuse it.
             raise ShmArenaError(f"cannot open arena {name}: {exc.strerror}") from exc

@@ -47,7 +47,8 @@ from kvtier.client.protocol import (
     frame_nbytes,
     pack_tiers,
 )
-from kvtier.client.shm_arena import ShmArena, ShmArenaError
+from kvtier.client.kv_share import KvShareAccessError
+from kvtier.client.shm_arena import ShmAccessError, ShmArena, ShmArenaError
 from kvtier.daemon import client_memory
 from kvtier.daemon.hints import request_hints
 from kvtier.daemon.metrics import Counters
@@ -211,6 +212,8 @@ def attach_arena(ctx: HandlerContext, req: Request, session: Session | None) -> 
     _check_file_budget(ctx, session, 1)
     try:
         arena = ShmArena.attach(f["name"], f["num_slots"], f["slot_bytes"])
+    except ShmAccessError as exc:
+        raise ProtocolError(ErrorCode.ACCESS_DENIED, str(exc)) from None
     except ShmArenaError as exc:
         raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
     try:
@@ -247,6 +250,8 @@ def register_kv(ctx: HandlerContext, req: Request, session: Session | None) -> R
         for i, item in enumerate(f["tensors"]):
             try:
                 tensor, handle = ctx.kv_import(item["desc"])
+            except KvShareAccessError as exc:
+                raise ProtocolError(ErrorCode.ACCESS_DENIED, f"tensors[{i}].desc: {exc}") from None
             except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
                 raise ProtocolError(ErrorCode.INVALID_FIELD, f"tensors[{i}].desc: {exc}") from None
             tensors.append(tensor)

@@ -299,3 +299,68 @@ def test_pins_past_the_sessions_share_are_refused_and_pin_nothing(kvtierd_factor
         a.unpin(hs[:6])
         assert len(a.lookup(hs[8:12], pin=True)) == 4  # room again after unpin
     still_serving(d, "after-pins")
+
+
+# ---- the shm planes with a daemon of another user (item 8) ---------------------------------------
+
+
+def test_a_client_gives_its_shm_files_to_the_group_of_a_daemon_running_as_another_user(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import stat
+
+    import torch
+
+    from kvtier.client import kv_share
+    from kvtier.client.shm_arena import SHM_DIR
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make the socket look like another user's")
+    d = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES)
+    sock = d.endpoint[len("ipc://"):]
+    os.chown(sock, 65534, 4242)  # as if kvtierd ran as another user, in group 4242
+    try:
+        with Client(d.endpoint, "other-user", layout()) as c:
+            arena = c.open_arena(4)
+            st = os.stat(SHM_DIR / arena.name)
+            assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (4242, 0o660)
+            kv, handle = kv_share.allocate_shared_kv((8, BLOCK_BYTES // 2), torch.float16, 0)  # 8 blocks
+            c.register_kv("kv", [kv], 0)
+            st = os.stat(SHM_DIR / handle["name"])
+            assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (4242, 0o660)
+            c.store([b"g" * 16], slots=[0], reg="kv")  # and the daemon uses them
+            assert list(c.lookup([b"g" * 16])) == ["gpu"]
+    finally:
+        os.chown(sock, 0, 0)
+
+
+def test_a_file_the_daemon_may_not_open_is_access_denied_with_its_mode(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    import fcntl
+    import os
+    import struct
+
+    from kvtier.client.shm_arena import SHM_DIR, ShmArena
+
+    d = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES)
+    arena = ShmArena.create(2, BLOCK_BYTES)  # made here, never announced: nobody unlinks it but this test
+    name = arena.name
+    arena.close()
+    path = SHM_DIR / name
+    fs_ioc_getflags, fs_ioc_setflags, immutable = 0x80086601, 0x40086602, 0x10
+    fd = os.open(path, os.O_RDONLY)
+    try:  # an immutable file: nobody, root included, may open it for writing (EPERM)
+        flags = struct.unpack("i", fcntl.ioctl(fd, fs_ioc_getflags, struct.pack("i", 0)))[0]
+        fcntl.ioctl(fd, fs_ioc_setflags, struct.pack("i", flags | immutable))
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        pytest.skip(f"cannot make a /dev/shm file immutable here: {exc.strerror}")
+    try:
+        with Client(d.endpoint, "denied", layout()) as again:
+            with pytest.raises(DaemonError) as err:
+                again._call("attach_arena", {"name": name, "num_slots": 2, "slot_bytes": BLOCK_BYTES})
+            assert err.value.code == ErrorCode.ACCESS_DENIED
+            assert "mode 0600" in str(err.value) and "group" in str(err.value)
+    finally:
+        fcntl.ioctl(fd, fs_ioc_setflags, struct.pack("i", flags))
+        os.close(fd)
+        os.unlink(path)
