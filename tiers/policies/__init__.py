@@ -5,7 +5,9 @@ Layout (imports point down this list, never up):
 - ``registry``  ``make_policy(name, capacity)``, ``DEFAULT_POLICY``, ``policy_names()``,
                 the ``POLICIES``/``WRAPPERS`` tables; imports every policy module.
 - ``lru``, ``arc``, ``s3fifo``, ``chain``  one policy each; ``admit2``: the
-                ``+admit2`` admission wrapper. Each imports only ``base``.
+                ``+admit2`` admission wrapper; ``session``: the ``+session`` wrapper
+                (session-aware eviction from request hints). Each imports only ``base``
+                (and ``kvtier.tiers.hints``).
 - ``base``      the ``EvictionPolicy`` contract; ``names``: ``DEFAULT_POLICY`` (both stdlib only).
 
 This package re-exports the registry's API (loaded on first use) and the

@@ -19,6 +19,7 @@ from kvtier.tiers.policies.chain import ChainPolicy
 from kvtier.tiers.policies.lru import LRUPolicy
 from kvtier.tiers.policies.names import DEFAULT_POLICY
 from kvtier.tiers.policies.s3fifo import S3FIFOPolicy
+from kvtier.tiers.policies.session import SessionWrapper
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "WRAPPERS", "PolicyFactory", "WrapperFactory", "make_policy",
            "policy_names"]
@@ -36,6 +37,7 @@ POLICIES: dict[str, PolicyFactory] = {
 # Wrappers, named after a "+": name -> factory(wrapped policy).
 WRAPPERS: dict[str, WrapperFactory] = {
     "admit2": AdmissionWrapper,
+    "session": SessionWrapper,
 }
 
 

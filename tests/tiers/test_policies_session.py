@@ -1,0 +1,210 @@
+"""The ``+session`` wrapper (``kvtier.tiers.policies.session``): exactly the wrapped policy without
+hints, and with them: sessions ranked by expected next use, overdue ones first, tails before
+heads, ``retain_s`` and ``priority`` honoured, admission consistent with the order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.tiers.hints import RequestHints
+from kvtier.tiers.policies import make_policy
+from kvtier.tiers.policies.lru import LRUPolicy
+from kvtier.tiers.policies.session import SessionWrapper
+from tests.tiers.test_policies_chain_steps import CONFIGS, GOLDEN, Workload
+
+
+class _WrappedWorkload(Workload):
+    """The golden workload driving a wrapper: decisions from the wrapper, internals from the chain."""
+
+    def snapshot(self) -> None:
+        wrapper, self.p = self.p, self.p.inner  # type: ignore[attr-defined]
+        try:
+            # victims and len are the wrapper's: log them as Workload.snapshot would
+            self.log.append("victims " + ",".join(v.hex() for v in wrapper.victims()))
+            self.log.append(f"len {len(wrapper)} meta {len(self.p._meta)} vd {self.p._victim_density:.12g}")
+            if self.p._density is not self._density:
+                self._density = self.p._density
+                self.log.append("density " + ",".join(f"{x:.12g}" for row in self.p._density for x in row))
+        finally:
+            self.p = wrapper
+
+
+@pytest.mark.parametrize("name, seed", sorted(GOLDEN))
+def test_without_hints_chain_session_decides_as_chain(name: str, seed: int) -> None:
+    factory, capacity = CONFIGS[name]
+    assert _WrappedWorkload(SessionWrapper(factory(capacity)), capacity, seed).run(3000) == GOLDEN[name, seed]
+
+
+def test_the_registry_builds_chain_session() -> None:
+    p = make_policy("chain+session", 10)
+    assert isinstance(p, SessionWrapper) and p.inner.name == "chain"
+
+
+def k(name: str, i: int) -> bytes:
+    return f"{name}{i}".encode()
+
+
+def chain_of(name: str, n: int) -> list[bytes]:
+    return [k(name, i) for i in range(n)]
+
+
+def request(p: SessionWrapper, keys: list[bytes], session: bytes | None, at_s: float, **more: float) -> None:
+    p.record_hints(keys, RequestHints(session=session, at_s=at_s, **more))  # type: ignore[arg-type]
+    p.record_request(keys)
+
+
+def resident(p: SessionWrapper, keys: list[bytes]) -> None:
+    for key in keys:
+        p.on_insert(key)
+
+
+def test_the_slowest_stream_goes_first_tail_first() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    a, b = chain_of("a", 3), chain_of("b", 3)
+    # a comes back every 10 s, b every 50 s: b brings half the hits per block-second.
+    for t in range(0, 101, 10):
+        request(p, a, b"A", t)
+    for t in range(0, 101, 50):
+        request(p, b, b"B", t)
+    resident(p, a + b)
+    assert list(p.victims()) == b[::-1] + a[::-1]
+
+
+def test_an_overdue_stream_goes_before_one_expected_back() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    a, b, c = chain_of("a", 2), chain_of("b", 2), chain_of("c", 1)
+    for t in (0, 10, 20):
+        request(p, a, b"A", t)  # a: every 10 s, last at 20
+    for t in (0, 100, 200):
+        request(p, b, b"B", t)  # b: every 100 s, last at 200: due at 300
+    request(p, c, b"C", 210)  # time moves to 210: a is long overdue
+    resident(p, a + b)
+    assert list(p.victims()) == a[::-1] + b[::-1]
+
+
+def test_unhinted_blocks_sit_between_overdue_and_expected_streams_in_the_inner_order() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    a, b = chain_of("a", 2), chain_of("b", 2)
+    for t in (0, 10, 20):
+        request(p, a, b"A", t)
+    for t in (0, 100, 200):
+        request(p, b, b"B", t)
+    u = chain_of("u", 3)
+    p.record_request(u)  # no hints
+    resident(p, a + u + b)
+    assert list(p.victims()) == a[::-1] + u + b[::-1]
+
+
+def test_retained_blocks_go_last_and_at_most_half_the_capacity_is_retained() -> None:
+    p = SessionWrapper(LRUPolicy(8))
+    a, b, c = chain_of("a", 3), chain_of("b", 3), chain_of("c", 2)
+    request(p, a, b"A", 0, retain_s=1000)
+    request(p, b, b"B", 1)
+    resident(p, a + b)
+    assert list(p.victims())[-3:] == a[::-1]  # a retained: after every other block
+    request(p, c, b"C", 2, retain_s=1000)
+    resident(p, c)
+    # a (3) + c (2) retained > 8 // 2: the oldest retention (a) is dropped, c stays retained.
+    assert list(p.victims())[-2:] == c[::-1]
+    assert p._retained_blocks <= 4
+
+
+def test_retention_ends_at_its_time() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    a, b = chain_of("a", 2), chain_of("b", 2)
+    request(p, a, b"A", 0, retain_s=50)
+    request(p, b, b"B", 1, priority=1)
+    resident(p, a + b)
+    assert list(p.victims()) == b[::-1] + a[::-1]  # retained goes after any priority
+    request(p, chain_of("x", 1), b"X", 60)  # past a's retention: priority decides again
+    assert list(p.victims()) == a[::-1] + b[::-1]
+
+
+def test_higher_priority_goes_later() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    a, b = chain_of("a", 2), chain_of("b", 2)
+    request(p, a, b"A", 0, priority=5)
+    request(p, b, b"B", 0)
+    resident(p, a + b)
+    assert list(p.victims()) == b[::-1] + a[::-1]
+
+
+def test_a_request_diverging_inside_a_chain_forks_a_stream() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    old = chain_of("a", 4)
+    request(p, old, b"A", 0)
+    resident(p, old)
+    new = old[:2] + [k("n", 2)]  # a sub-agent from the shared prefix, or a compacted context
+    request(p, new, b"A", 5)
+    p.on_insert(new[2])
+    assert len(p._streams) == 2
+    order = list(p.victims())
+    assert sorted(order) == sorted(old + new[2:])
+    assert order.index(old[3]) < order.index(old[2]) and order.index(new[2]) < order.index(old[1])
+    request(p, old[:3], b"A", 6)  # a repeat of a prefix of the first chain: no new stream, no orphans
+    assert len(p._streams) == 2 and not p._orphans
+
+
+def test_blocks_of_a_forgotten_stream_go_first() -> None:
+    p = SessionWrapper(LRUPolicy(100), max_streams=1)
+    a, b = chain_of("a", 2), chain_of("b", 2)
+    request(p, a, b"A", 0)
+    resident(p, a)
+    request(p, b, b"B", 1)  # a's stream is forgotten: its blocks are orphans
+    resident(p, b)
+    assert list(p.victims()) == a + b[::-1]
+
+
+def test_admission_follows_the_order_when_full() -> None:
+    p = SessionWrapper(LRUPolicy(4))
+    a, b = chain_of("a", 2), chain_of("b", 3)
+    for t in range(0, 101, 10):
+        request(p, a, b"A", t)  # due soon
+    for t in range(0, 101, 50):
+        request(p, b, b"B", t)  # due later
+    resident(p, a[:1] + b[:3])  # full
+    assert p.admit(a[1])  # a outranks b, the first victim
+    assert p.admit(k("zz", 0))  # never named by a hinted request: the inner policy (LRU: all) decides
+    # b's own block deeper than its deepest resident: it would be the first victim itself
+    request(p, b + [k("b", 3)], b"B", 102)
+    assert p.admit(k("b", 3)) is False
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4), st.integers(1, 6), st.booleans()), max_size=80),
+       seed=st.integers(0, 1000))
+def test_victims_lists_every_resident_key_once(ops: list[tuple[int, int, int, bool]], seed: int) -> None:
+    rng = random.Random(seed)
+    p = SessionWrapper(LRUPolicy(12), max_streams=3)
+    resident_keys: set[bytes] = set()
+    t = 0.0
+    for kind, session, n, hinted in ops:
+        t += rng.random() * 20
+        keys = [k(f"s{session}r{rng.randrange(2)}-", i) for i in range(n)]
+        if kind <= 2:
+            if hinted:
+                request(p, keys, str(session).encode(), t, retain_s=rng.choice([0.0, 30.0]),
+                        priority=rng.choice([0, 0, 1, -1]))
+            else:
+                p.record_request(keys)
+        elif kind == 3:
+            for key in keys:
+                if key not in resident_keys and len(resident_keys) < 12 and p.admit(key):
+                    p.on_insert(key)
+                    resident_keys.add(key)
+        elif kind == 4 and resident_keys:
+            victim = next(iter(p.victims()))
+            p.on_remove(victim)
+            resident_keys.discard(victim)
+        else:
+            for key in keys:
+                p.on_remove(key)
+                resident_keys.discard(key)
+        order = list(p.victims())
+        assert len(order) == len(set(order)) and set(order) == resident_keys
+        assert p._hinted_resident == sum(1 for key in resident_keys if key in p._owner)
+        assert p._retained_blocks <= p.retained_cap_blocks
