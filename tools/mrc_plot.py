@@ -37,14 +37,30 @@ def _tokens_label(n: float) -> str:
     return f"{n:.3g}"
 
 
+def curve_name(config: dict[str, Any]) -> str:
+    """A point's curve: its policy, with the hints it ran with (``chain [session]``, ``lru [retain 60s]``).
+    Reports written before hints existed have neither field."""
+    extra = []
+    if config.get("hints", "none") != "none":
+        extra.append(config["hints"])
+    if config.get("retain_s", 0.0):
+        extra.append(f"retain {config['retain_s']:g}s")
+    return config["policy"] + (f" [{', '.join(extra)}]" if extra else "")
+
+
+def curve_names(s: dict[str, Any]) -> list[str]:
+    """A sweep's curves in the order the points were replayed (policy, then hint set)."""
+    return list(dict.fromkeys(curve_name(p["config"]) for p in s["points"]))
+
+
 def plot_sweep(report: dict[str, Any], out: str | Path, *, title: str | None = None) -> Path:
     plt = _pyplot()
     bs = report["block_size"]
     cpu = list(report["cpu_blocks"])
     xs = [m * bs for m in cpu]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    by = {(p["config"]["policy"], p["config"]["cpu_blocks"]): p for p in report["points"]}
-    for policy in report["policies"]:
+    by = {(curve_name(p["config"]), p["config"]["cpu_blocks"]): p for p in report["points"]}
+    for policy in curve_names(report):
         ys = [by[policy, m]["block_hit_rate"]["total"] for m in cpu]
         ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, label=policy)
     ax.plot(xs, [b["block_hit_rate"] for b in report["belady"]], linestyle="--", color="black", linewidth=1.2,

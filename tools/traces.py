@@ -15,6 +15,10 @@ bytes, not the file name):
   keys are the ones an engine using kvtier would send. ``input_length`` is
   ``len(token_ids)``.
 
+Both formats may carry ``session`` (an integer naming the conversation or
+agent session) and ``subagent`` (0/1), as the Claude Code traces do; the
+replay turns ``session`` into request hints (``kvtier replay --hints``).
+
 Only full blocks get a key: block i is full when ``(i+1) * block_size <=
 input_length``. A ``Request`` carries the keys of its full blocks only.
 
@@ -50,6 +54,8 @@ class Request:
     input_length: int  # prompt tokens
     output_length: int  # generated tokens (0 when unknown)
     keys: tuple[bytes, ...]  # 16-byte keys of the full blocks only
+    session: int | None = None  # the trace's session id, when it has one (agent traces)
+    subagent: bool = False  # a sub-agent's request (read for reports; policies find streams themselves)
 
     @property
     def num_blocks(self) -> int:
@@ -143,7 +149,17 @@ def _mooncake(rec: dict, block_size: int, ids: dict[int, bytes], where: str) -> 
                 raise TraceError(f"{where}: hash id {h!r} is not an integer in 0 .. 2**128-1")
             key = ids[h] = mooncake_key(h)
         keys.append(key)
-    return Request(_timestamp(rec, where), input_length, _int(rec, "output_length", where, 0), tuple(keys))
+    return Request(_timestamp(rec, where), input_length, _int(rec, "output_length", where, 0), tuple(keys),
+                   *_session(rec, where))
+
+
+def _session(rec: dict, where: str) -> tuple[int | None, bool]:
+    """The optional ``session`` (a non-negative integer) and ``subagent`` (0/1 or a bool) fields."""
+    session = _int(rec, "session", where) if rec.get("session") is not None else None
+    sub = rec.get("subagent", False)
+    if sub not in (0, 1):  # also True/False
+        raise TraceError(f"{where}: 'subagent' must be 0 or 1, got {sub!r}")
+    return session, bool(sub)
 
 
 def _tokens(rec: dict, hasher: Any, where: str) -> Request:
@@ -154,4 +170,5 @@ def _tokens(rec: dict, hasher: Any, where: str) -> Request:
         keys = hasher.hash_blocks(tokens, lora_id=rec.get("lora_id"), cache_salt=rec.get("cache_salt"))
     except (TypeError, ValueError) as exc:
         raise TraceError(f"{where}: {exc}") from None
-    return Request(_timestamp(rec, where), len(tokens), _int(rec, "output_length", where, 0), tuple(keys))
+    return Request(_timestamp(rec, where), len(tokens), _int(rec, "output_length", where, 0), tuple(keys),
+                   *_session(rec, where))

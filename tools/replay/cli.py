@@ -20,6 +20,7 @@ from kvtier.tools.replay.core import (
     DEFAULT_POLICY,
     DEFAULT_SWEEP_CPU_TOKENS,
     DEFAULT_SWEEP_POLICIES,
+    HINT_SETS,
     ReplayConfig,
     replay,
     sweep,
@@ -62,6 +63,25 @@ def _count_list(text: str) -> list[int]:
     return [count_arg(part) for part in text.split(",") if part.strip()]
 
 
+def _hint_sets(text: str) -> list[str]:
+    sets = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    bad = [h for h in sets if h not in HINT_SETS]
+    if bad or not sets:
+        raise argparse.ArgumentTypeError(f"unknown hint set {','.join(bad) or text!r} (choose from "
+                                         f"{', '.join(HINT_SETS)}, comma-separated)")
+    return sets
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--retain-s must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``replay`` subcommand to ``kvtier``'s subparsers."""
     p = subparsers.add_parser(
@@ -97,6 +117,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         "policies (--policies): the miss-ratio curve")
     p.add_argument("--policies", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help=f"policies for --sweep (default {','.join(DEFAULT_SWEEP_POLICIES)})")
+    p.add_argument("--hints", type=_hint_sets, default=["none"], metavar="SET[,SET]",
+                   help="which request hints to replay with, a list replays each (with --sweep: one curve per "
+                        "policy and set): 'none' (default) passes nothing; 'session' passes the trace's session "
+                        "field as RequestHints(session, at_s=timestamp), for policies that use it (e.g. "
+                        "chain+session); a trace without session fields then replays as with 'none'")
+    p.add_argument("--retain-s", type=_seconds, default=0.0, metavar="S",
+                   help="TTL what-if: every request also carries retain_s=S (a soft TTL in seconds, honoured by "
+                        "+session policies; default 0: none)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes for --sweep")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON ('-' for stdout)")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG (with --sweep: the miss-ratio curve)")
@@ -138,8 +166,14 @@ def main(args: argparse.Namespace) -> int:
             make_policy(name, 1)
         except ValueError as exc:
             raise SystemExit(f"kvtier replay: {exc}") from None
+    hint_sets = args.hints
+    if len(hint_sets) > 1 and not args.sweep:
+        raise SystemExit("kvtier replay: several hint sets need --sweep (one curve each; a single CPU capacity "
+                         "is fine: --sweep --cpu-tokens 4M)")
+    if args.nodes is not None and (hint_sets != ["none"] or args.retain_s):
+        raise SystemExit("kvtier replay: --nodes does not take --hints or --retain-s")
     try:
-        config = ReplayConfig(gpu_blocks, cpu_list[0], policies[0], bs, block_bytes)
+        config = ReplayConfig(gpu_blocks, cpu_list[0], policies[0], bs, block_bytes, hint_sets[0], args.retain_s)
     except ValueError as exc:
         raise SystemExit(f"kvtier replay: {exc}") from None
     try:
@@ -152,7 +186,8 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.sweep:
         report = sweep(requests, gpu_blocks=gpu_blocks, cpu_blocks=cpu_list, policies=policies, block_size=bs,
-                       block_bytes=block_bytes, jobs=max(1, args.jobs), progress=quiet_bar)
+                       block_bytes=block_bytes, jobs=max(1, args.jobs), progress=quiet_bar, hint_sets=hint_sets,
+                       retain_s=args.retain_s)
         report.update(trace=str(args.trace), seconds=round(time.perf_counter() - t0, 3), accounting=ACCOUNTING)
         text = format_sweep(report)
     else:

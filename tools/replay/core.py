@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies import DEFAULT_POLICY
 from kvtier.tools.replay.progress import progress_bar
 from kvtier.tools.traces import Request
@@ -23,9 +24,11 @@ __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_SWEEP_CPU_TOKENS",
     "DEFAULT_SWEEP_POLICIES",
+    "HINT_SETS",
     "ReplayConfig",
     "ReplayResult",
     "replay",
+    "request_hints",
     "sweep",
 ]
 
@@ -36,6 +39,10 @@ DEFAULT_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V · layers · KV heads 
 DEFAULT_SWEEP_CPU_TOKENS = (0, 250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000,
                             20_000_000)
 DEFAULT_SWEEP_POLICIES = ("lru", "arc", "s3fifo", "lru+admit2", "chain")
+
+# Hint sets a replay can pass (``--hints``): "none" passes nothing; "session" passes
+# RequestHints(session=<the trace's session id>, at_s=<timestamp in s>) with every request that has one.
+HINT_SETS = ("none", "session")
 
 ACCOUNTING = [
     "Requests are processed one at a time in trace (arrival) order.",
@@ -49,6 +56,9 @@ ACCOUNTING = [
     "blocks are allocated (truncated_requests, truncated_blocks).",
     "Block hit rate = hit blocks / looked-up blocks. Token hit rate = hit blocks * block_size / input tokens.",
     "Bytes: demotions * block_bytes GPU->CPU, restores * block_bytes CPU->GPU.",
+    "Hints (--hints session): a request with a session field carries RequestHints(session, at_s=timestamp) on "
+    "its lookup and allocation; --retain-s X adds retain_s=X to every request (at_s=timestamp even without "
+    "sessions).",
     "Bounds: infinite cache (every block seen before, prefix-stop) and Belady MIN (with bypass) for one cache of "
     "gpu_blocks + cpu_blocks.",
 ]
@@ -61,8 +71,16 @@ class ReplayConfig:
     policy: str = DEFAULT_POLICY
     block_size: int = DEFAULT_BLOCK_SIZE
     block_bytes: int = DEFAULT_BLOCK_SIZE * DEFAULT_BYTES_PER_TOKEN
+    # Which hints each request carries (HINT_SETS): "none", or "session" (the trace's session field).
+    hints: str = "none"
+    # A TTL what-if: every request carries retain_s (0: none).
+    retain_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.hints not in HINT_SETS:
+            raise ValueError(f"unknown hint set {self.hints!r}; choose from {', '.join(HINT_SETS)}")
+        if not self.retain_s >= 0.0:
+            raise ValueError(f"retain_s must be >= 0, got {self.retain_s}")
         if self.gpu_blocks < 1:
             raise ValueError(f"the GPU tier needs at least one block, got {self.gpu_blocks}")
         if self.cpu_blocks < 0:
@@ -134,6 +152,14 @@ class ReplayResult:
         }
 
 
+def request_hints(req: Request, config: ReplayConfig) -> RequestHints | None:
+    """What ``req`` tells the pool under ``config``'s hint set and TTL what-if (None: nothing)."""
+    session = str(req.session).encode() if config.hints == "session" and req.session is not None else None
+    if session is None and config.retain_s == 0.0:
+        return None
+    return RequestHints(session=session, retain_s=config.retain_s, at_s=req.timestamp / 1000.0)
+
+
 def replay(requests: Iterable[Request], config: ReplayConfig, *, progress: Any = None) -> ReplayResult:
     """Replay ``requests`` through a bookkeeping-only ``TieredPool`` (see the module docstring).
 
@@ -154,10 +180,11 @@ def replay(requests: Iterable[Request], config: ReplayConfig, *, progress: Any =
         n = len(keys)
         res.requests += 1
         res.input_tokens += req.input_length
+        hints = request_hints(req, config)
         if n <= g:
-            allocate(rid, keys, n * bs, count=True)
+            allocate(rid, keys, n * bs, count=True, hints=hints)
         else:
-            lookup(keys, count=True)
+            lookup(keys, count=True, hints=hints)
             allocate(rid, keys[:g], g * bs, count=False)
             res.truncated_requests += 1
             res.truncated_blocks += n - g
@@ -200,13 +227,16 @@ def _run_point(task: tuple[str, Any]) -> tuple[str, Any, dict[str, Any]]:
 
 def sweep(requests: Sequence[Request], *, gpu_blocks: int, cpu_blocks: Sequence[int], policies: Sequence[str],
           block_size: int = DEFAULT_BLOCK_SIZE, block_bytes: int | None = None, jobs: int = 1,
-          progress: bool | None = None) -> dict[str, Any]:
-    """Replay every (policy, CPU capacity) pair plus Belady at each total capacity: the miss-ratio curve."""
+          progress: bool | None = None, hint_sets: Sequence[str] = ("none",),
+          retain_s: float = 0.0) -> dict[str, Any]:
+    """Replay every (policy, hint set, CPU capacity) triple plus Belady at each total capacity: the
+    miss-ratio curves."""
     from kvtier.tools.belady import infinite_cache
 
     if block_bytes is None:
         block_bytes = block_size * DEFAULT_BYTES_PER_TOKEN
-    configs = [ReplayConfig(gpu_blocks, m, p, block_size, block_bytes) for p in policies for m in cpu_blocks]
+    configs = [ReplayConfig(gpu_blocks, m, p, block_size, block_bytes, h, retain_s)
+               for p in policies for h in hint_sets for m in cpu_blocks]
     tasks: list[tuple[str, Any]] = [("belady", (gpu_blocks + m, block_size)) for m in cpu_blocks]
     tasks += [("replay", c) for c in configs]
     results: dict[tuple[str, Any], dict[str, Any]] = {}
@@ -240,6 +270,8 @@ def sweep(requests: Sequence[Request], *, gpu_blocks: int, cpu_blocks: Sequence[
         "gpu_blocks": gpu_blocks,
         "cpu_blocks": list(cpu_blocks),
         "policies": list(policies),
+        "hint_sets": list(hint_sets),
+        "retain_s": retain_s,
         "block_size": block_size,
         "points": points,
         "belady": [results["belady", (gpu_blocks + m, block_size)] for m in cpu_blocks],

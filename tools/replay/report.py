@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.tiers.units import format_gib
+from kvtier.tools.mrc_plot import curve_name, curve_names
 
 __all__ = ["format_nodes", "format_result", "format_sweep"]
 
@@ -17,7 +18,7 @@ def format_result(r: dict[str, Any]) -> str:
         f"trace {r.get('trace', '')}: {r['requests']:,} requests, {r['looked_up_blocks']:,} full blocks looked up, "
         f"{r['input_tokens']:,} input tokens",
         f"GPU {c['gpu_blocks']:,} blocks ({c['gpu_blocks'] * bs:,} tokens), CPU {c['cpu_blocks']:,} blocks "
-        f"({c['cpu_blocks'] * bs:,} tokens), policy {c['policy']}, block size {bs}",
+        f"({c['cpu_blocks'] * bs:,} tokens), policy {curve_name(c)}, block size {bs}",
         "",
         f"{'':14}{'blocks':>12}{'block rate':>12}{'token rate':>12}",
     ]
@@ -47,8 +48,8 @@ def format_result(r: dict[str, Any]) -> str:
 
 def format_sweep(s: dict[str, Any]) -> str:
     bs = s["block_size"]
-    policies = s["policies"]
-    by = {(p["config"]["policy"], p["config"]["cpu_blocks"]): p for p in s["points"]}
+    policies = curve_names(s)
+    by = {(curve_name(p["config"]), p["config"]["cpu_blocks"]): p for p in s["points"]}
     width = max(12, *(len(p) + 2 for p in policies))
     lines = [
         f"trace {s.get('trace', '')}: block hit rate, GPU {s['gpu_blocks']:,} blocks "
