@@ -106,6 +106,7 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         max_pinned_share=cfg.max_pinned_share,
         cpu_budget_bytes=resolve_cpu_budget_bytes(cfg),
         pool_idle_ttl_s=cfg.pool_idle_ttl_s,
+        max_unread_reply_bytes=cfg.max_unread_reply_bytes,
         max_pools=cfg.max_pools,
         hash_algo=cfg.hash_algo,
         socket_mode=cfg.socket_mode,

@@ -284,6 +284,8 @@ class DaemonConfig:
     max_pools: int = 128  # pools the daemon holds at once (each: a CPU tier, a GPU tier in store mode, 2 threads)
     # Pins one session, and one tenant's sessions together, may hold on a pool, as a share of its blocks.
     max_pinned_share: float = 0.5
+    # Bytes of replies (block payloads) one connection has not read yet; past it its requests are refused.
+    max_unread_reply_bytes: int = 512 * MiB
     # All pools' CPU tiers together; None ("auto"): CPU_BUDGET_AUTO_FRACTION of available memory at start.
     cpu_budget_bytes: CpuBytes | None = None
     # A pool without sessions keeps its blocks this long (or until a new pool needs its memory).
@@ -318,6 +320,7 @@ class DaemonConfig:
         _check_int("max_registrations_per_session", self.max_registrations_per_session, minimum=1)
         _check_int("max_pools", self.max_pools, minimum=1)
         _check_cpu_bytes("cpu_budget_bytes", self.cpu_budget_bytes)
+        _check_int("max_unread_reply_bytes", self.max_unread_reply_bytes, minimum=MIN_MESSAGE_BYTES)
         _check_duration("pool_idle_ttl_s", self.pool_idle_ttl_s)
         if not 0.0 < self.max_pinned_share <= 1.0:
             raise ConfigError("max_pinned_share", f"must be a share in (0, 1], got {self.max_pinned_share!r}")
@@ -754,6 +757,7 @@ _TOP_KEYS: dict[str, _Key] = {
     "drain_timeout_s": _Key(_as_float, "on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting", "SECONDS"),
     "max_shm_files_per_session": _Key(_as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N"),
     "max_registrations_per_session": _Key(_as_int, "KV registrations (register_kv) one session may hold", "N"),
+    "max_unread_reply_bytes": _Key(_as_size, "bytes of block payload in replies one connection has not read yet; past it its requests get UNREAD_REPLIES (e.g. 512MiB)", "SIZE"),
     "cpu_budget_bytes": _Key(_as_optional_cpu_size, "all pools' CPU tiers together: bytes, or N%% of available memory ('auto' = 50%% at start); a new pool that does not fit reclaims idle pools, else NO_SPACE", "SIZE"),
     "pool_idle_ttl_s": _Key(_as_float, "how long a pool without sessions keeps its blocks (sooner when a new pool needs its memory)", "SECONDS"),
     "max_pinned_share": _Key(_as_share, "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks", "SHARE"),
@@ -1078,7 +1082,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     groups = {
         "server": ("server", ["socket", "socket_mode", "lease_s", "heartbeat_s", "poll_interval_s", "drain_timeout_s",
                               "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session", "max_pools", "max_pinned_share",
-                              "cpu_budget_bytes", "pool_idle_ttl_s"]),
+                              "cpu_budget_bytes", "pool_idle_ttl_s", "max_unread_reply_bytes"]),
         "runtime": ("runtime", ["device", "hash_algo", "log_level", "metrics_port", "metrics_host"]),
         "security": ("tcp security", ["insecure_tcp", "curve_secret_key_file", "curve_public_keys_dir"]),
     }
@@ -1226,6 +1230,8 @@ def format_config(cfg: DaemonConfig, available_bytes: int | None = None) -> str:
         elif key == "metrics_port" and value is None:
             lines.append('metrics_port = "off"')
         elif key == "max_message_bytes":
+            lines.append(_size_line(key, value, ""))
+        elif key == "max_unread_reply_bytes":
             lines.append(_size_line(key, value, ""))
         elif key == "cpu_budget_bytes":
             lines.append(_size_line(key, value, f"{CPU_BUDGET_AUTO_FRACTION:.0%} of available memory at start "

@@ -61,6 +61,7 @@ from kvtier.client.protocol import (
     decode_header,
     encode,
     error_reply,
+    frame_nbytes,
     ok_reply,
     recoverable_id,
     validate_request,
@@ -119,6 +120,7 @@ class ServeOptions:
     max_pinned_share: float = 0.5  # pins a session (and a tenant) may hold, as a share of the pool's blocks
     cpu_budget_bytes: int | None = None  # all pools' CPU tiers together; None: no budget but host memory
     pool_idle_ttl_s: float = 3600.0  # a pool without sessions keeps its blocks this long
+    max_unread_reply_bytes: int = 512 << 20  # payload bytes of replies one connection has not read
 
 
 @dataclass(eq=False)
@@ -212,7 +214,10 @@ class Server:
         )
         self._serial = itertools.count(1)
         self._parked: dict[int, _Parked] = {}
-        self._sending: list[tuple[zmq.MessageTracker, Callable[[], None]]] = []  # lent frames libzmq still reads
+        # Replies with payload libzmq has not sent yet: (tracker, on_sent, identity, bytes). Their
+        # buffers (lent tier memory, staging) stay alive until then: counted per connection.
+        self._sending: list[tuple[zmq.MessageTracker, Callable[[], None] | None, bytes, int]] = []
+        self._unsent_bytes: dict[bytes, int] = {}
         self._done: list[int] = []  # serials of parked requests whose op finished
         self._zctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -460,6 +465,14 @@ class Server:
             self._send_error(identity, recoverable_id(header), exc.code, exc.message)
             return
         self.metrics.inc("requests_total", op=req.op)
+        unread = self._unsent_bytes.get(identity, 0)
+        if unread >= self.options.max_unread_reply_bytes and req.op not in ("bye", "heartbeat", "health"):
+            # A client that does not read its replies would make the daemon hold their buffers without
+            # bound; the error reply is small, and the verbs that free things still go through.
+            self._send_error(identity, req.id, ErrorCode.UNREAD_REPLIES,
+                             f"this connection's unread replies hold {unread} bytes (max_unread_reply_bytes "
+                             f"{self.options.max_unread_reply_bytes}); read them, then ask again", op=req.op)
+            return
         # Who is asking (CURVE User-Id); handlers read it for this request only.
         self.ctx.peer = peer_user_id(frames[1]) if self._curve_guard is not None else None
         # ...and, on ipc, as which user (only where a session is opened or named).
@@ -561,32 +574,43 @@ class Server:
     def _send(self, identity: bytes, header: dict[str, Any], frames: list[Any],
               on_sent: Callable[[], None] | None = None) -> None:
         assert self._sock is not None
+        nbytes = sum(frame_nbytes(f) for f in frames)
         try:
             # copy=False: block bytes go out without another copy; pyzmq keeps
-            # the buffers alive until libzmq has sent them. Lent frames are
-            # tracked, to hand their memory back once libzmq let go of it.
+            # the buffers alive until libzmq has sent them. Replies with a
+            # payload are tracked: lent frames hand their memory back once
+            # libzmq let go of it, and unsent bytes count per connection.
             tracker = self._sock.send_multipart([identity, encode(header), *frames], copy=False,
-                                                track=on_sent is not None)
+                                                track=on_sent is not None or nbytes > 0)
         except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost, not the daemon
             self.metrics.inc("replies_dropped_total")
-            log.warning("reply %s to a client dropped: %s", header.get("id"), exc)
+            self._error_log.log("dropped", "reply %s to a client dropped: %s", header.get("id"), exc)
             if on_sent is not None:
                 on_sent()
             return
-        if on_sent is not None:
-            self._sending.append((tracker, on_sent))
+        if on_sent is not None or nbytes > 0:
+            self._sending.append((tracker, on_sent, identity, nbytes))
+            self._unsent_bytes[identity] = self._unsent_bytes.get(identity, 0) + nbytes
 
     def _release_sent(self) -> None:
         """Hand back the memory of lent frames libzmq is done with."""
         if not self._sending:
             return
-        still: list[tuple[zmq.MessageTracker, Callable[[], None]]] = []
-        for tracker, on_sent in self._sending:
-            if tracker.done:
+        still = []
+        for item in self._sending:
+            tracker, on_sent, identity, nbytes = item
+            if not tracker.done:
+                still.append(item)
+                continue
+            if on_sent is not None:
                 on_sent()
+            left = self._unsent_bytes.get(identity, 0) - nbytes
+            if left > 0:
+                self._unsent_bytes[identity] = left
             else:
-                still.append((tracker, on_sent))
+                self._unsent_bytes.pop(identity, None)
         self._sending = still
+        self.metrics.set("reply_bytes_unsent", sum(self._unsent_bytes.values()))
 
     def _send_ok(self, identity: bytes, req: Request, reply: Reply, started_s: float) -> None:
         elapsed_s = time.monotonic() - started_s

@@ -5,6 +5,7 @@ the daemon goes on serving everyone else."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -364,3 +365,54 @@ def test_a_file_the_daemon_may_not_open_is_access_denied_with_its_mode(kvtierd_f
         fcntl.ioctl(fd, fs_ioc_setflags, struct.pack("i", flags))
         os.close(fd)
         os.unlink(path)
+
+
+# ---- replies a client does not read (item 4) ------------------------------------------------------
+
+
+def test_a_client_that_does_not_read_its_replies_holds_a_bounded_number_of_bytes(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    import zmq
+
+    from kvtier.client.protocol import decode, encode
+
+    block = 64 * 1024
+    limit = 1 << 20
+    d = kvtierd_factory(gpu_bytes=16 * block, cpu_bytes=16 * block, max_unread_reply_bytes=limit)
+    lay = PoolLayout(model="m", block_size=4, block_bytes=block, dtype="bfloat16", num_layers=1, kv_heads=1,
+                     head_dim=8, mode="store")
+    hs = [bytes([5, i]) * 8 for i in range(8)]
+    with Client(d.endpoint, "unread", lay) as owner:
+        owner.store(hs, bytes(8 * block))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVHWM, 1)  # reads nothing, queues almost nothing
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(d.endpoint)
+        try:
+            sock.send(encode({"v": 1, "op": "hello", "id": 1, "pool": "unread", "layout": lay.to_wire()}))
+            assert sock.poll(10_000)
+            sid = decode(sock.recv())["sid"]
+            n = 300  # 512 KiB each: 150 MiB of replies if the daemon held them all
+            for i in range(n):
+                sock.send(encode({"v": 1, "op": "restore", "id": 10 + i, "sid": sid, "hashes": hs}))
+            time.sleep(2.0)
+            unsent = owner.stats()["daemon"]["reply_bytes_unsent"]
+            assert unsent <= limit + 8 * block, unsent
+            codes: dict[str, int] = {}
+            deadline = time.monotonic() + 60
+            got = 0
+            while got < n and time.monotonic() < deadline:
+                if not sock.poll(1000):
+                    continue
+                frames = sock.recv_multipart()
+                reply = decode(frames[0])
+                got += 1
+                key = "ok" if reply["ok"] else reply["error"]["name"]
+                codes[key] = codes.get(key, 0) + 1
+            assert codes.get("UNREAD_REPLIES", 0) > 0 and codes.get("ok", 0) > 0, codes
+        finally:
+            sock.close(0)
+            ctx.term()
+        assert owner.stats()["daemon"]["reply_bytes_unsent"] == 0  # all sent once read
+    still_serving(d, "after-unread")
