@@ -1,4 +1,4 @@
-"""Sharing an engine's KV-cache tensors with the daemon: data plane 3 (DESIGN.md §6).
+"""Sharing an engine's KV-cache tensors with the daemon: the "kv" data plane (docs/protocol.md, "Data planes at a glance").
 
 Contract
 ========

@@ -1,4 +1,4 @@
-"""Shared-memory staging arena: data plane 2 (DESIGN.md §6).
+"""Shared-memory staging arena: the "shm" data plane (docs/protocol.md, "Data planes at a glance").
 
 Contract
 ========

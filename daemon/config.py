@@ -40,6 +40,13 @@ Values:
 - In text sources (environment, flags) optional values take ``auto``/``off``/
   ``none``; booleans take ``1/0``, ``true/false``, ``yes/no``, ``on/off``.
 
+Adding a top-level key: a field of ``DaemonConfig`` (with its check in
+``__post_init__``) and one ``_Key`` line in ``_TOP_KEYS`` (parser and help);
+its environment variable, its flag and its ``--print-config`` line follow
+from those. Put it in ``systemd/kvtierd.toml`` too (a test loads that file
+and compares it with the defaults), in a ``build_arg_parser`` group, and in
+``docs/operating.md``.
+
 Default socket (``ipc://`` only; ``tcp://`` is used only when configured), the
 first that applies:
 

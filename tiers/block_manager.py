@@ -4,7 +4,8 @@ The manager owns N block records (ids ``0..N-1``, created at start-up) and
 decides which block slot holds which cached block. It moves no bytes: the
 tiered pool (``kvtier.tiers.pool``) turns its decisions into copies.
 
-Semantics (DESIGN §3, reference doc 000):
+Semantics (vLLM v1's automatic prefix caching, as its design doc "Automatic
+Prefix Caching" describes it, docs.vllm.ai/en/latest/design/prefix_caching.html):
 
 - A block is *cached* when it carries a hash. The index maps a hash to the
   first-inserted live copy; later copies of the same hash (duplicates) are

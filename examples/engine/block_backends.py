@@ -4,7 +4,7 @@ Contract
 ========
 
 The example engine never decides which slot holds which block. It asks a
-``BlockBackend`` (engine-managed mode, DESIGN §3):
+``BlockBackend`` (engine-managed mode, docs/protocol.md "allocate / append / free"):
 
 - ``allocate(request_id, hashes, num_tokens) -> Allocation``: the block table
   for a new request of ``num_tokens`` tokens whose FULL blocks have the chained

@@ -1,4 +1,4 @@
-"""Engine-managed mode: reference doc 000's worked example, driven through the client.
+"""Engine-managed mode: the worked example of vLLM's "Automatic Prefix Caching" design doc, driven through the client.
 
 The "engine" is this test: it registers a shared-memory KV tensor of 10
 blocks (block size 4) as the pool's GPU tier, asks the daemon for block

@@ -1,9 +1,10 @@
-"""Acceptance tests for the GPU-tier block manager (vLLM-v1 prefix caching, DESIGN §3).
+"""Acceptance tests for the GPU-tier block manager (vLLM v1's automatic prefix caching).
 
-The reference is doc 000 of /work/shared/reference (vLLM "Automatic Prefix
-Caching"): its worked example (10 blocks, block size 4, Times 1-7) and its
-"duplicated blocks" example must come out exactly, first on the bare block
-manager, then through a TieredPool that moves real bytes.
+The reference is vLLM's design doc "Automatic Prefix Caching"
+(docs.vllm.ai/en/latest/design/prefix_caching.html): its worked example (10
+blocks, block size 4, Times 1-7) and its "duplicated blocks" example must
+come out exactly, first on the bare block manager, then through a TieredPool
+that moves real bytes.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def hasher() -> BlockHasher:
     return BlockHasher(BS)
 
 
-# ---- the worked example of reference doc 000 -----------------------------------------------
+# ---- the worked example of vLLM's "Automatic Prefix Caching" design doc ---------------------
 
 
 class WorkedExample:
@@ -384,7 +385,7 @@ def test_reused_block_loses_its_old_hash(hasher: BlockHasher) -> None:
     check_invariants(bm)
 
 
-# ---- duplicated blocks (reference doc 000) ---------------------------------------------------
+# ---- duplicated blocks (the same design doc) --------------------------------------------------
 
 
 def test_duplicated_blocks_reference_example(hasher: BlockHasher) -> None:

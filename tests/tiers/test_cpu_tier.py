@@ -1,4 +1,4 @@
-"""The CPU tier (DESIGN §4): LRU over evictable entries, fail-fast reserve, commit/abort."""
+"""The CPU tier (tiers/cpu_tier.py): LRU over evictable entries, fail-fast reserve, commit/abort."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TieredPool (DESIGN §3-§5) with real bytes: a GPU tier stand-in on the CPU, a CPU
+"""TieredPool (docs/tiers-api.md) with real bytes: a GPU tier stand-in on the CPU, a CPU
 tier slab, and the ThreadTransferEngine moving bytes between them.
 
 The "engine" in these tests computes a block by writing ``content(hash)`` (bytes

@@ -1,4 +1,4 @@
-"""Transfer engines (DESIGN §5): completion, order per priority class, failures, close.
+"""Transfer engines (tiers/copy_types.py, tiers/transfer.py): completion, order per priority class, failures, close.
 
 ThreadTransferEngine runs everywhere; the CUDA engine test is marked ``cuda``
 and skips on a machine without a GPU.
