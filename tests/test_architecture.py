@@ -63,3 +63,21 @@ def test_bookkeeping_loads_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_both_remote_stores_implement_the_protocol_the_pool_uses() -> None:
+    import inspect
+
+    from kvtier.tiers.remote_store import RemoteStore
+    from kvtier.tiers.remote_tier import RemoteTier
+    from kvtier.tools.replay.nodes import SimulatedRemoteTier
+
+    wanted = {name for name, _ in inspect.getmembers(RemoteStore) if not name.startswith("_")}
+    assert wanted == {"available", "exists_prefix", "fetch", "write_back", "stats", "close"}
+    for impl in (RemoteTier, SimulatedRemoteTier):
+        missing = {name for name in wanted if not hasattr(impl, name)}
+        assert not missing, f"{impl.__name__} lacks {missing}"
+        for name in wanted - {"available"}:
+            want = [p for p in inspect.signature(getattr(RemoteStore, name)).parameters if p != "self"]
+            have = list(inspect.signature(getattr(impl, name)).parameters)
+            assert all(p in have for p in want), (impl.__name__, name, want, have)

@@ -83,6 +83,7 @@ from kvtier.tiers.pool.resolve import Resolver
 
 if TYPE_CHECKING:
     from kvtier.tiers.layout import BlockLayout
+    from kvtier.tiers.remote_store import RemoteStore
 
 # Wraps the CPU tier's eviction policy as the pool is built (the daemon's
 # tenant quotas): gets the policy made from ``policy`` and the CPU tier it orders.
@@ -110,7 +111,7 @@ class TieredPool:
         cpu_storage: BlockLayout | None = None,
         enable_caching: bool = True,
         clean_ahead_blocks: int = 64,
-        remote: Any = None,
+        remote: RemoteStore | None = None,
         defer_learning: bool = False,
         policy_wrapper: PolicyWrapper | None = None,
     ) -> None:
@@ -132,7 +133,7 @@ class TieredPool:
         self.cpu = CpuTier(cpu_blocks, make_policy(policy, cpu_blocks), cpu_storage if data else None)
         if policy_wrapper is not None:
             self.cpu.policy = policy_wrapper(self.cpu.policy, self.cpu)
-        self.remote = remote  # kvtier.tiers.remote_tier.RemoteTier or None
+        self.remote = remote  # kvtier.tiers.remote_store.RemoteStore (RemoteTier, replay's stand-in) or None
         self.bm: BlockManager | None = None
         self.gpu: BlockLayout | None = None
         self.counters = Counters()

@@ -105,7 +105,7 @@ _PRESENT = object()  # what the stand-in's fetch returns for a present block (th
 class SimulatedRemoteTier:
     """A bookkeeping stand-in for ``kvtier.tiers.remote_tier.RemoteTier``: keys only, no bytes.
 
-    Contract (the part of ``RemoteTier`` the pool uses):
+    Contract (``kvtier.tiers.remote_store.RemoteStore``, as a replay needs it):
 
     - ``capacity_blocks``: how many keys it holds at most (None: unbounded;
       0: holds nothing). When a write would exceed it, the least recently
@@ -199,6 +199,13 @@ class SimulatedRemoteTier:
         s.update(used_blocks=len(self._keys), capacity_blocks=self.capacity_blocks, available=True,
                  mode="simulated")
         return s
+
+    @property
+    def available(self) -> bool:
+        return True  # in-process: never unreachable
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        return True  # nothing queued: writes are synchronous
 
 
 # ---- node assignment -------------------------------------------------------------------
