@@ -123,6 +123,21 @@ class ServeOptions:
     max_unread_reply_bytes: int = 512 << 20  # payload bytes of replies one connection has not read
 
 
+
+def _free_closed_pools() -> None:
+    """Collect the pools just closed, and the tier memory they hold, now.
+
+    A pool's parts refer to each other (the pool to its resolver, pins and
+    scheduler, and back), so dropping it leaves a cycle that only the cyclic
+    collector frees, and its tiers' memory with it: 1,000 hellos with idle
+    pools reclaimed grew the daemon by 444 MB before this. A full collection
+    on the loop, once per reclaim, is the price (pool creation itself takes
+    longer: it allocates the new tier).
+    """
+    t0 = time.perf_counter()
+    gc.collect()
+    log.debug("collected closed pools in %.1f ms", (time.perf_counter() - t0) * 1e3)
+
 @dataclass(eq=False)
 class _Parked:
     identity: bytes
@@ -250,6 +265,7 @@ class Server:
         memory available; pools with sessions are never touched.
         """
         sizing = self.options.sizing_for(name)
+        closed = 0
         for idle in self.pools.idle():
             if not self._pool_would_not_fit(sizing.cpu_bytes):
                 break
@@ -257,6 +273,9 @@ class Server:
                      time.monotonic() - (idle.idle_since_s or 0.0), gib(idle.cpu_bytes))
             self.metrics.inc("pools_reclaimed_total", reason="memory")
             self.pools.close(idle.name, self.options.drain_timeout_s)
+            closed += 1
+        if closed:
+            _free_closed_pools()
         if len(self.pools) >= self.options.max_pools:
             # Pools outlive their sessions (the cache is the point), so without
             # a bound every new pool name a client sends costs tiers and threads.
@@ -304,6 +323,7 @@ class Server:
                      idle.name, now_s - idle.idle_since_s, gib(idle.cpu_bytes))
             self.metrics.inc("pools_reclaimed_total", reason="idle")
             self.pools.close(idle.name, self.options.drain_timeout_s)
+            _free_closed_pools()
 
     def _allocation_progress(self, name: str, done_bytes: int, total_bytes: int) -> None:
         # Pinning a large tier blocks the loop for seconds: keep systemd's

@@ -72,3 +72,28 @@ def test_max_pools_reclaims_an_idle_pool_before_refusing(kvtierd_factory) -> Non
             with pytest.raises(DaemonError) as err:  # a and c are live: nothing to reclaim
                 Client(d.endpoint, "d", layout("d"))
             assert err.value.code == ErrorCode.TOO_MANY_POOLS
+
+
+def test_a_thousand_hellos_with_distinct_layouts_stay_within_the_budget(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    """Every new pool name costs a pool; without a session it is reclaimed when the next one needs room."""
+    import psutil
+
+    mib = 1 << 20
+    d = kvtierd_factory(cpu_bytes=mib, gpu_bytes=mib, cpu_budget_bytes=16 * mib)
+    proc = psutil.Process(d.proc.pid)
+    with Client(d.endpoint, "steady", layout("steady")) as steady:
+        steady.store([b"k" * 16], bytes(BLOCK))
+        rss_before = proc.memory_info().rss
+        threads_before = proc.num_threads()
+        for i in range(1000):
+            lay = PoolLayout(model=f"m{i}", block_size=4, block_bytes=BLOCK * (1 + i % 4), dtype="bfloat16",
+                             num_layers=1, kv_heads=1, head_dim=8, mode="store")
+            Client(d.endpoint, f"pool-{i}", lay).close()
+            if i % 100 == 0:
+                assert list(steady.lookup([b"k" * 16])) == ["gpu"]  # the others keep being served
+        st = steady.stats()
+        assert len(st["pools"]) <= 16  # the budget's worth of 1 MiB CPU tiers
+        assert st["daemon"]["pools_reclaimed_total"]["reason=memory"] >= 1000 - 16
+        # 16 MiB of CPU tiers and 16 MiB of store-mode GPU tiers (host memory here), plus a stated overhead.
+        assert proc.memory_info().rss - rss_before < 32 * mib + 64 * mib
+        assert proc.num_threads() <= threads_before + 2 * 16  # two copy threads a pool
