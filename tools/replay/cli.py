@@ -118,7 +118,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--policies", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help=f"policies for --sweep (default {','.join(DEFAULT_SWEEP_POLICIES)})")
     p.add_argument("--hints", type=_hint_sets, default=["none"], metavar="SET[,SET]",
-                   help="which request hints to replay with, a list replays each (with --sweep: one curve per "
+                   help="which request hints to replay with; a comma-separated list needs --sweep (one curve per "
                         "policy and set): 'none' (default) passes nothing; 'session' passes the trace's session "
                         "field as RequestHints(session, at_s=timestamp), for policies that use it (e.g. "
                         "chain+session); a trace without session fields then replays as with 'none'")
