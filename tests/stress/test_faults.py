@@ -72,7 +72,10 @@ def stored_chain(c: Client, key: str, n: int) -> list[bytes]:
 
 def test_sigkilled_client_releases_pins_requests_registrations_arena_and_all_capacity(start_daemon) -> None:  # type: ignore[no-untyped-def]
     lease_s = 1.0
-    daemon = start_daemon(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES, lease_s=lease_s)
+    # The crasher pins most of this tiny pool on purpose (what a crash must give back); the pin cap
+    # (max_pinned_share, tested in tests/daemon/test_client_limits.py) would refuse that.
+    daemon = start_daemon(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES, lease_s=lease_s,
+                          max_pinned_share=1.0)
     crasher, held = spawn_crasher("hold", daemon)
     try:
         assert os.path.exists(held["arena"])
