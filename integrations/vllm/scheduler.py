@@ -16,9 +16,11 @@ scheduler never waits on a round trip:
 - ``get_num_new_matched_tokens`` answers from that lookup: ``None`` ("ask me
   again") while it is in flight, then the tokens kvtierd holds beyond vLLM's
   own hit, block-aligned and always leaving the last prompt token to compute.
-  Asked for the first time, it may wait for the lookup, at most
+  Asked for the first time while the engine is idle (the last step
+  scheduled no tokens), it may wait for the lookup, at most
   ``lookup_wait_ms`` per scheduler step in all: a lookup takes ~1.5 ms, and
-  answering at once would cost the request a whole engine step. Repeated
+  answering at once would cost the request a whole (empty) engine step.
+  With requests running it never waits: their next step goes first. Repeated
   calls for a waiting request cost a dict lookup.
 - ``update_state_after_alloc`` turns an answer into a load (keys + vLLM block
   ids) for the next ``build_connector_meta``; pins of blocks not loaded go.
@@ -91,6 +93,8 @@ class SchedulerSide:
         self.kv_cache_manager: KVCacheManager | None = None
         self._wait_per_step_s = settings.lookup_wait_ms / 1e3
         self._wait_left_s = self._wait_per_step_s  # refilled by build_connector_meta (once a step)
+        self._engine_busy = False  # the last step scheduled tokens: a wait would delay running requests
+        self.waited_s = 0.0  # of calls_s, time spent waiting for lookups (bench/vllm.py reads it)
         self.calls_s = 0.0  # time spent in get_num_new_matched_tokens (bench/vllm.py reads it)
         self.calls = 0
 
@@ -142,10 +146,12 @@ class SchedulerSide:
             if t.lookup is None:  # resumed after preemption, or never announced
                 self._start_lookup(t)
             assert t.lookup is not None
-            if not t.lookup.done() and not t.asked and self._wait_left_s > 0:
+            if not t.lookup.done() and not t.asked and self._wait_left_s > 0 and not self._engine_busy:
                 w0 = time.monotonic()
                 concurrent.futures.wait([t.lookup], timeout=self._wait_left_s)
-                self._wait_left_s -= time.monotonic() - w0
+                waited = time.monotonic() - w0
+                self._wait_left_s -= waited
+                self.waited_s += waited
             t.asked = True
             if not t.lookup.done():
                 return None, False
@@ -180,7 +186,8 @@ class SchedulerSide:
     def build_connector_meta(self, out: SchedulerOutput) -> KvtierMetadata:
         meta = KvtierMetadata(loads=self._loads)
         self._loads = []
-        self._wait_left_s = self._wait_per_step_s
+        self.begin_step()
+        self._engine_busy = bool(out.num_scheduled_tokens)
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -200,6 +207,14 @@ class SchedulerSide:
                                                  t.hints))
                 t.stored_blocks = full
         return meta
+
+    def begin_step(self) -> None:
+        """A new scheduler step: its budget for waiting on lookups starts afresh.
+
+        vLLM ends every step with ``build_connector_meta``, which calls this;
+        a driver without vLLM's scheduler (bench/vllm.py) calls it per step.
+        """
+        self._wait_left_s = self._wait_per_step_s
 
     def _block_ids(self, req_id: str) -> list[int]:
         assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
