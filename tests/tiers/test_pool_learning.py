@@ -107,3 +107,18 @@ def test_a_lookup_repeated_with_nothing_between_is_one_request() -> None:
     pool.lookup(other)
     pool.lookup(h)
     assert pool.cpu.policy.now == 4
+
+
+def test_a_stores_hints_alone_count_as_owed_learning_until_recorded() -> None:
+    """A server learns only while learn_backlog_keys > 0: hints queued without a request must count."""
+    from kvtier.tiers.hints import RequestHints
+    from kvtier.tiers.pool import PoolSpec, TieredPool
+
+    p = TieredPool(PoolSpec("h", 4, 64), cpu_blocks=8, policy="lru+session", transfer=None, data=False,
+                   clean_ahead_blocks=0, defer_learning=True)
+    p.attach_gpu(num_blocks=4)
+    keys = [bytes([7, i]) * 8 for i in range(3)]
+    p.store(keys, None, [0, 1, 2], hints=RequestHints(session=b"s", retain_s=60.0, at_s=1.0))
+    assert p.learn_backlog_keys == 3
+    assert p.learn()
+    assert p.learn_backlog_keys == 0

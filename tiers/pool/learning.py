@@ -61,6 +61,7 @@ class LearningQueue:
             return
         if self.defer:
             self.queue.append((hashes, hints, False))
+            self.backlog_keys += len(hashes)  # a server learns only while something is owed
         else:
             self.cpu.policy.record_hints(hashes, hints)
 
@@ -76,6 +77,7 @@ class LearningQueue:
                     policy.record_hints(hashes, hints)
                     if not is_request:
                         self.queue.popleft()
+                        self.backlog_keys -= len(hashes)
                         continue
                     self.queue[0] = (hashes, None, True)  # hints recorded once, even if the steps pause
                 if should_yield is None:

@@ -1,0 +1,38 @@
+"""Hints through a live kvtierd reach a session-aware CPU-tier policy and change what it keeps."""
+
+from __future__ import annotations
+
+from kvtier.client.client import Client, PoolLayout
+from kvtier.client.protocol import Hints
+
+BLOCK = 1024
+
+
+def layout() -> PoolLayout:
+    return PoolLayout(model="m", block_size=4, block_bytes=BLOCK, dtype="bfloat16", num_layers=1, kv_heads=1,
+                      head_dim=8, mode="store")
+
+
+def chain(tag: int, n: int) -> list[bytes]:
+    return [bytes([tag, i]) * 8 for i in range(n)]
+
+
+def run(daemon, pool: str, retain: bool) -> tuple[list[str], list[str]]:  # type: ignore[no-untyped-def]
+    """Store a chain R (retained or not), then a chain U, then fillers that overflow the CPU tier; R's and U's tiers."""
+    r, u = chain(1, 2), chain(2, 2)
+    with Client(daemon.endpoint, pool, layout()) as c:
+        c.store(r, bytes(2 * BLOCK), hints=Hints(session="r", retain_s=600.0) if retain else None)
+        c.store(u, bytes(2 * BLOCK))
+        for tag in range(10, 18):  # 16 more blocks through a 2-block GPU tier and an 8-block CPU tier
+            c.store(chain(tag, 2), bytes(2 * BLOCK))
+        return list(c.lookup(r)), list(c.lookup(u))
+
+
+def test_a_retained_chain_outlives_an_older_unhinted_one_under_lru_session(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    d = kvtierd_factory(gpu_bytes=2 * BLOCK, cpu_bytes=8 * BLOCK, policy="lru+session", clean_ahead_blocks=0)
+    kept, lost = run(d, "with-hint", retain=True)
+    assert kept == ["cpu", "cpu"], kept  # retained: evicted after every unhinted block
+    assert lost == [], lost
+    # The same traffic without the hint: plain LRU order, R (older) goes first.
+    kept, _ = run(d, "without-hint", retain=False)
+    assert kept == [], kept
