@@ -617,26 +617,23 @@ _UNSET = {"auto", "off", "none", ""}
 Coerce = Callable[[object, bool], object]
 
 
-def _as_float(value: object, text: bool) -> float:
+def _as_number(value: object, text: bool, what: str) -> float:
     if text and isinstance(value, str):
         try:
             return float(value)
         except ValueError:
-            raise ValueError(f"must be a number of seconds, got {value!r}") from None
+            raise ValueError(f"must be {what}, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"must be a number of seconds, got {type(value).__name__} {value!r}")
+        raise ValueError(f"must be {what}, got {type(value).__name__} {value!r}")
     return float(value)
+
+
+def _as_float(value: object, text: bool) -> float:
+    return _as_number(value, text, "a number of seconds")
 
 
 def _as_share(value: object, text: bool) -> float:
-    if text and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"must be a number in (0, 1], got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"must be a number in (0, 1], got {type(value).__name__} {value!r}")
-    return float(value)
+    return _as_number(value, text, "a number in (0, 1]")
 
 
 def _as_optional_float(value: object, text: bool) -> float | None:
