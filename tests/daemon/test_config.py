@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kvtier.daemon.config as config_mod
 from kvtier.tiers.eviction import DEFAULT_POLICY
 from kvtier.daemon.config import (
     ConfigError,
@@ -84,12 +83,12 @@ def test_default_socket_prefers_xdg_runtime_dir() -> None:
 
 
 def test_default_socket_ignores_relative_xdg_and_uses_run_user(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config_mod.Path, "is_dir", lambda self: str(self) == "/run/user/4242")
+    monkeypatch.setattr(Path, "is_dir", lambda self: str(self) == "/run/user/4242")
     assert default_socket({"XDG_RUNTIME_DIR": "relative/dir"}, uid=4242) == "ipc:///run/user/4242/kvtier/kvtierd.sock"
 
 
 def test_default_socket_falls_back_to_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config_mod.Path, "is_dir", lambda self: False)
+    monkeypatch.setattr(Path, "is_dir", lambda self: False)
     assert default_socket({}, uid=77) == "ipc:///tmp/kvtier-77/kvtierd.sock"
     assert default_socket({"TMPDIR": "/scratch"}, uid=77) == "ipc:///scratch/kvtier-77/kvtierd.sock"
     assert default_socket({"TMPDIR": "rel"}, uid=77) == "ipc:///tmp/kvtier-77/kvtierd.sock"

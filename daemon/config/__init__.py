@@ -1,0 +1,125 @@
+"""kvtierd configuration: one frozen tree, four sources, every mistake named by its key.
+
+Contract
+========
+
+``load_config(argv, environ)`` returns a validated, frozen ``DaemonConfig``
+or raises ``ConfigError(key, message)``. Nothing else in kvtier reads the
+environment or config files: the daemon's ``main()`` calls this once and hands
+the result down.
+
+Sources, lowest precedence first (a later source overrides single keys of an
+earlier one, it does not replace whole tables):
+
+1. embedded defaults (the dataclass defaults below): enough to run with no
+   file, no environment and no flags;
+2. a TOML file: ``--config PATH``, else ``$KVTIER_CONFIG``; none by default.
+   See ``systemd/kvtierd.toml`` for every key;
+3. ``KVTIER_*`` environment variables: ``KVTIER_<KEY>`` for top-level keys
+   (``KVTIER_SOCKET``, ``KVTIER_LEASE_S``, ...), ``KVTIER_GPU_BYTES``,
+   ``KVTIER_CPU_BYTES``, ``KVTIER_POLICY``, ``KVTIER_CLEAN_AHEAD_BLOCKS`` for
+   the ``[default_pool]`` table, and ``KVTIER_POOLS__<POOL>__<KEY>`` for one
+   pool, where ``<POOL>`` is the pool name with every character other than
+   ``A-Z a-z 0-9`` written as ``_``, compared case-insensitively
+   (``llama-8b/tp0`` -> ``KVTIER_POOLS__LLAMA_8B_TP0__CPU_BYTES``). An empty
+   variable counts as unset; an unknown ``KVTIER_*`` variable is an error;
+4. command-line flags (``build_arg_parser()``; ``kvtierd --help``).
+
+Values:
+
+- Byte sizes are ints or strings: ``"8GiB"``, ``"512 MiB"``, ``"0.5TiB"``,
+  ``"1.5GB"`` (KB/MB/GB/TB are powers of 1000; K/M/G/T and KiB/MiB/GiB/TiB
+  powers of 1024; fractions of a byte round down). ``cpu_bytes`` also takes
+  ``"30%"``: that share of the host's *available* memory, measured when the
+  pool is created. ``"auto"`` (or leaving the key out) means auto-size:
+  CPU tier = 25 % of available memory, at most 64 GiB; GPU tier (store mode) =
+  1 GiB of device memory on CUDA, 256 MiB of host memory standing in for it
+  without CUDA. ``PoolSettings.resolve_cpu_bytes`` / ``resolve_gpu_bytes``
+  turn these into bytes.
+- Durations are seconds (``*_s`` keys), floats or ints.
+- In text sources (environment, flags) optional values take ``auto``/``off``/
+  ``none``; booleans take ``1/0``, ``true/false``, ``yes/no``, ``on/off``.
+
+Adding a top-level key: a field of ``DaemonConfig`` (with its check in
+``__post_init__``) and one ``_Key`` line in ``_TOP_KEYS`` (parser and help);
+its environment variable, its flag and its ``--print-config`` line follow
+from those. Put it in ``systemd/kvtierd.toml`` too (a test loads that file
+and compares it with the defaults), in a ``build_arg_parser`` group, and in
+``docs/operating.md``.
+
+Default socket (``ipc://`` only; ``tcp://`` is used only when configured), the
+first that applies:
+
+1. ``ipc://$XDG_RUNTIME_DIR/kvtier/kvtierd.sock`` when ``XDG_RUNTIME_DIR`` is
+   set to an absolute path;
+2. ``ipc:///run/user/<uid>/kvtier/kvtierd.sock`` when ``/run/user/<uid>`` is a
+   directory;
+3. ``ipc://${TMPDIR:-/tmp}/kvtier-<uid>/kvtierd.sock``.
+
+The daemon creates the socket's directory (mode 0700, 0710 when the socket's
+group may connect) and the socket file (``socket_mode``: 0600, or 0660 for
+the group; never anything for others); this module only names them. CURVE
+keys apply to ``tcp://`` sockets only.
+
+Tenants (``[tenants.<name>]`` tables, in the file only: secrets and key maps
+stay out of the environment and the command line) are ``TenantConfig``:
+``public_key`` (CURVE, Z85) and/or ``token`` (hashed to ``token_sha256`` on
+loading; ``--print-config`` prints the hash), and ``cpu_quota_bytes``. With
+two or more tenants ``hash_algo`` defaults to ``sha256`` unless a source sets
+it (tenants who do not trust each other must not share a non-cryptographic
+hash); ``kvtier.daemon.tenants`` says what the daemon does with them.
+
+Validation (all raise ``ConfigError`` naming the dotted key, e.g. ``lease_s``,
+``default_pool.cpu_bytes``, ``pools."llama-8b/tp0".policy``): unknown keys
+(with a did-you-mean), wrong types, negative sizes, non-positive durations,
+sockets other than ``ipc://<absolute path or @abstract>`` and
+``tcp://<host>:<port>``, ``tcp://`` without ``insecure_tcp = true`` and
+without both CURVE key settings, CURVE key files that do not exist, unknown
+eviction policies (asked of ``kvtier.tiers.eviction.make_policy``), unknown
+hash algorithms, log levels and devices, socket modes with bits for others,
+tenants without an identity, with malformed keys or short tokens, and keys,
+tokens or namespace tags shared by two tenants.
+
+For ``main()``: ``load_config_or_exit(argv)`` does the CLI policy: on a
+``ConfigError`` it prints ``kvtierd: config error: <key>: <message>`` to
+stderr and exits 2 (``exit_on_config_error``); with ``--print-config`` it
+prints the effective configuration as TOML (loadable as a config file) and
+exits 0. Bad flags themselves are argparse's: usage on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+from kvtier.client.admin import default_socket
+from kvtier.daemon.config.cli import build_arg_parser, exit_on_config_error, load_config, load_config_or_exit
+from kvtier.daemon.config.errors import ConfigError
+from kvtier.daemon.config.render import format_config
+from kvtier.daemon.config.schema import (
+    DaemonConfig,
+    PoolDefaults,
+    PoolOverrides,
+    PoolSettings,
+    TenantConfig,
+    pool_key,
+    resolve_cpu_budget_bytes,
+)
+from kvtier.daemon.config.units import MemoryFraction, parse_byte_size
+from kvtier.tiers.units import format_byte_size  # noqa: F401 - tests import it from here
+
+__all__ = [
+    "ConfigError",
+    "DaemonConfig",
+    "MemoryFraction",
+    "PoolDefaults",
+    "PoolOverrides",
+    "PoolSettings",
+    "TenantConfig",
+    "build_arg_parser",
+    "default_socket",
+    "exit_on_config_error",
+    "format_config",
+    "load_config",
+    "load_config_or_exit",
+    "parse_byte_size",
+    "pool_key",
+    "resolve_cpu_budget_bytes",
+]

@@ -1,0 +1,186 @@
+"""kvtierd's command line: flags, ``--help``, and loading the configuration for ``main()``.
+
+Contract
+========
+
+- ``build_arg_parser()``: every key's flag (``--lease-s``, ``--cpu-bytes``,
+  ``--pool NAME KEY=VALUE``), grouped for ``--help``; unset flags are absent
+  from the namespace.
+- ``load_config(argv, environ)``: defaults < file < environment < flags, a
+  validated ``DaemonConfig`` or ``ConfigError``.
+- ``load_config_or_exit(argv)``: ``main()``'s policy: a ``ConfigError`` is
+  printed (``exit_on_config_error``) and exits 2; ``--print-config`` prints
+  the configuration and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NoReturn, TextIO
+
+from kvtier.daemon.config.errors import ConfigError
+from kvtier.daemon.config.render import format_config
+from kvtier.daemon.config.schema import (
+    _POOL_KEYS,
+    _TOP_KEYS,
+    CPU_AUTO_CAP_BYTES,
+    CPU_AUTO_FRACTION,
+    GPU_AUTO_BYTES_CUDA,
+    GPU_AUTO_BYTES_HOST,
+    DaemonConfig,
+)
+from kvtier.daemon.config.sources import _ENV_CONFIG, _apply_environ, _apply_file, _apply_flags, _build, _flag, _Layers
+from kvtier.tiers.units import format_byte_size
+
+CONFIG_EXIT_CODE = 2
+
+
+_EPILOG = f"""\
+configuration sources, later ones override single keys of earlier ones:
+  built-in defaults < TOML file (--config, or $KVTIER_CONFIG) < KVTIER_* environment < flags
+
+environment variables:
+  KVTIER_<KEY>                  a top-level key, e.g. KVTIER_SOCKET, KVTIER_LEASE_S
+  KVTIER_GPU_BYTES, KVTIER_CPU_BYTES, KVTIER_POLICY, KVTIER_CLEAN_AHEAD_BLOCKS
+                                the [default_pool] table
+  KVTIER_POOLS__<POOL>__<KEY>   one pool; POOL is the pool name with every
+                                non-alphanumeric character written as '_'
+                                (llama-8b/tp0 -> KVTIER_POOLS__LLAMA_8B_TP0__CPU_BYTES)
+  empty variables count as unset; unknown KVTIER_* variables are an error.
+
+sizes: 4096, 512MiB, 8GiB, 0.5TiB, 1.5GB (KB/MB/GB = 1000^n, K/KiB.. = 1024^n);
+cpu sizes also N% of available memory. 'auto' picks: CPU tier
+{CPU_AUTO_FRACTION:.0%} of available memory (at most {format_byte_size(CPU_AUTO_CAP_BYTES)}), GPU tier
+{format_byte_size(GPU_AUTO_BYTES_CUDA)} on CUDA ({format_byte_size(GPU_AUTO_BYTES_HOST)} of host memory without CUDA).
+
+default socket: ipc://$XDG_RUNTIME_DIR/kvtier/kvtierd.sock, else
+/run/user/<uid>/kvtier/kvtierd.sock, else ${{TMPDIR:-/tmp}}/kvtier-<uid>/kvtierd.sock.
+
+exit status: 0 ok, 2 bad configuration or flags.
+"""
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """kvtierd's flags. Unset flags are absent from the namespace (they override nothing)."""
+    parser = argparse.ArgumentParser(
+        prog="kvtierd",
+        description="kvtier daemon: a two-tier (GPU + pinned CPU) KV-cache block store for LLM\n"
+        "inference engines, served over ZMQ. Runs in the foreground and logs to stderr.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    defaults = DaemonConfig(socket="ipc:///default")
+    general = parser.add_argument_group("configuration")
+    general.add_argument("--config", metavar="PATH", help="TOML config file (default: $KVTIER_CONFIG, else none)")
+    general.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective configuration as TOML (usable as a --config file) and exit",
+    )
+    try:
+        from importlib.metadata import version
+
+        kvtier_version = version("kvtier")
+    except Exception:  # noqa: BLE001 - a source checkout without metadata still has --help
+        kvtier_version = "unknown"
+    general.add_argument("--version", action="version", version=f"kvtierd (kvtier) {kvtier_version}")
+
+    groups = {
+        "server": ("server", ["socket", "socket_mode", "lease_s", "heartbeat_s", "poll_interval_s", "drain_timeout_s",
+                              "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session", "max_pools", "max_pinned_share",
+                              "cpu_budget_bytes", "pool_idle_ttl_s", "max_unread_reply_bytes"]),
+        "runtime": ("runtime", ["device", "hash_algo", "log_level", "metrics_port", "metrics_host"]),
+        "security": ("tcp security", ["insecure_tcp", "curve_secret_key_file", "curve_public_keys_dir"]),
+    }
+    for title, keys in groups.values():
+        group = parser.add_argument_group(title)
+        for key in keys:
+            spec = _TOP_KEYS[key]
+            default = getattr(defaults, key)
+            shown = default
+            if key == "socket":
+                shown = "see below"
+            elif key == "max_message_bytes":
+                shown = format_byte_size(default)
+            elif key == "socket_mode":
+                shown = f"{default:04o}"
+            elif default is None:
+                shown = {"heartbeat_s": "auto", "metrics_port": "off"}.get(key, "none")
+            if key == "insecure_tcp":
+                group.add_argument(
+                    _flag(key), dest=key, action=argparse.BooleanOptionalAction, help=f"{spec.help} (default: no)"
+                )
+                continue
+            group.add_argument(_flag(key), dest=key, metavar=spec.metavar, help=f"{spec.help} (default: {shown})")
+
+    pools = parser.add_argument_group(
+        "pools",
+        "sizes and policy for every pool ([default_pool]); --pool overrides one pool by name",
+    )
+    for key, spec in _POOL_KEYS.items():
+        default = getattr(defaults.default_pool, key)
+        shown = "auto" if default is None else default
+        pools.add_argument(
+            _flag(key), dest=f"default_pool.{key}", metavar=spec.metavar, help=f"{spec.help} (default: {shown})"
+        )
+    pools.add_argument(
+        "--pool",
+        dest="pool_settings",
+        nargs=2,
+        action="append",
+        metavar=("NAME", "KEY=VALUE"),
+        help=f"set one key of pool NAME, e.g. --pool llama-8b/tp0 cpu_bytes=32GiB (keys: {', '.join(_POOL_KEYS)}); repeatable",
+    )
+    return parser
+
+
+def _load(argv: Sequence[str] | None, environ: Mapping[str, str] | None) -> tuple[DaemonConfig, argparse.Namespace]:
+    environ = os.environ if environ is None else environ
+    ns = build_arg_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    layers = _Layers()
+    config_path = getattr(ns, "config", None) or environ.get(_ENV_CONFIG) or None
+    if config_path:
+        _apply_file(layers, Path(config_path))
+    _apply_environ(layers, environ)
+    _apply_flags(layers, ns)
+    return _build(layers, environ), ns
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    """The effective configuration from defaults, file, environment and flags.
+
+    ``argv`` excludes the program name (``None`` = ``sys.argv[1:]``);
+    ``environ`` defaults to ``os.environ``. Raises ``ConfigError``; bad flags
+    exit 2 through argparse. ``--print-config`` is accepted and ignored here
+    (``load_config_or_exit`` acts on it).
+    """
+    return _load(argv, environ)[0]
+
+
+def exit_on_config_error(err: ConfigError, stderr: TextIO | None = None) -> NoReturn:
+    """Print ``kvtierd: config error: <key>: <message>`` and exit with status 2."""
+    print(f"kvtierd: config error: {err.key}: {err.message}", file=stderr or sys.stderr, flush=True)
+    raise SystemExit(CONFIG_EXIT_CODE)
+
+
+def load_config_or_exit(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> DaemonConfig:
+    """``main()``'s entry: load, or exit 2 on a config error, or print and exit 0 for --print-config."""
+    try:
+        cfg, ns = _load(argv, environ)
+    except ConfigError as err:
+        exit_on_config_error(err, stderr)
+    if getattr(ns, "print_config", False):
+        print(format_config(cfg), end="", file=stdout or sys.stdout, flush=True)
+        raise SystemExit(0)
+    return cfg

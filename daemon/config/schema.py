@@ -1,0 +1,547 @@
+"""The configuration tree: frozen dataclasses that check themselves, and the key declarations.
+
+Contract
+========
+
+- ``DaemonConfig`` (top-level keys and the ``default_pool``, ``pools`` and
+  ``tenants`` tables), ``PoolDefaults``, ``PoolOverrides``, ``PoolSettings``
+  (one pool's effective settings) and ``TenantConfig``. Constructing one
+  validates it (a ``DaemonConfig`` built by hand is checked as a loaded one
+  is) and raises ``ConfigError`` naming the key relative to its table.
+- ``_TOP_KEYS`` and ``_POOL_KEYS``: how each key is read from text sources
+  (its converter), its help and metavar; ``sources``, ``cli`` and ``render``
+  derive environment names, flags and ``--print-config`` from them.
+- ``pool_key``/``tenant_key`` spell a table's dotted key for messages;
+  ``env_pool_name`` spells a pool name inside ``KVTIER_POOLS__<POOL>__<KEY>``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+import psutil
+
+from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
+from kvtier.daemon.config.errors import ConfigError
+from kvtier.daemon.config.units import (
+    Coerce,
+    CpuBytes,
+    MemoryFraction,
+    _as_bool,
+    _as_device,
+    _as_float,
+    _as_int,
+    _as_log_level,
+    _as_lower_str,
+    _as_mode,
+    _as_optional_cpu_size,
+    _as_optional_float,
+    _as_optional_path,
+    _as_optional_port,
+    _as_optional_size,
+    _as_optional_url,
+    _as_share,
+    _as_size,
+    _as_str,
+    _is_int,
+)
+from kvtier.tiers.eviction import DEFAULT_POLICY  # no torch: config stays fast to load
+from kvtier.tiers.units import GiB, KiB, MiB
+
+CPU_AUTO_FRACTION = 0.25
+CPU_AUTO_CAP_BYTES = 64 * GiB
+# The daemon's CPU budget ("auto"): half of what is available at start leaves
+# the other half to the engines (their processes, vLLM's own CPU KV cache).
+CPU_BUDGET_AUTO_FRACTION = 0.5
+GPU_AUTO_BYTES_CUDA = 1 * GiB
+GPU_AUTO_BYTES_HOST = 256 * MiB
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MIN_MESSAGE_BYTES = 4 * KiB
+# sun_path is 108 bytes on Linux, one of them the terminating NUL.
+MAX_IPC_PATH_BYTES = 107
+ENV_PREFIX = "KVTIER_"
+
+
+@dataclass(frozen=True)
+class PoolDefaults:
+    """Settings of every pool that has no override (``[default_pool]``). ``None`` sizes auto-size."""
+
+    gpu_bytes: int | None = None
+    cpu_bytes: CpuBytes | None = None
+    policy: str = DEFAULT_POLICY
+    clean_ahead_blocks: int = 64
+    remote_url: str | None = None  # Redis/Valkey remote tier below the CPU tier; None: none
+
+    def __post_init__(self) -> None:
+        _check_gpu_bytes("gpu_bytes", self.gpu_bytes)
+        _check_cpu_bytes("cpu_bytes", self.cpu_bytes)
+        _check_policy("policy", self.policy)
+        _check_int("clean_ahead_blocks", self.clean_ahead_blocks, minimum=0)
+        _check_remote_url("remote_url", self.remote_url)
+
+
+@dataclass(frozen=True)
+class PoolOverrides:
+    """Per-pool settings (``[pools."<name>"]``); ``None`` keeps the ``default_pool`` value."""
+
+    gpu_bytes: int | None = None
+    cpu_bytes: CpuBytes | None = None
+    policy: str | None = None
+    clean_ahead_blocks: int | None = None
+    remote_url: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_gpu_bytes("gpu_bytes", self.gpu_bytes)
+        _check_cpu_bytes("cpu_bytes", self.cpu_bytes)
+        if self.policy is not None:
+            _check_policy("policy", self.policy)
+        if self.clean_ahead_blocks is not None:
+            _check_int("clean_ahead_blocks", self.clean_ahead_blocks, minimum=0)
+        _check_remote_url("remote_url", self.remote_url)
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """The effective settings of one pool: ``default_pool`` with that pool's overrides applied."""
+
+    name: str
+    gpu_bytes: int | None
+    cpu_bytes: CpuBytes | None
+    policy: str
+    clean_ahead_blocks: int
+    remote_url: str | None = None
+
+    def resolve_cpu_bytes(self, available_bytes: int | None = None) -> int:
+        """CPU-tier bytes for this pool; ``available_bytes`` defaults to psutil's available memory now."""
+        if isinstance(self.cpu_bytes, int):
+            return self.cpu_bytes
+        if available_bytes is None:
+            available_bytes = int(psutil.virtual_memory().available)
+        if isinstance(self.cpu_bytes, MemoryFraction):
+            return self.cpu_bytes.of(available_bytes)
+        return min(int(available_bytes * CPU_AUTO_FRACTION), CPU_AUTO_CAP_BYTES)
+
+    def resolve_gpu_bytes(self, *, on_cuda: bool) -> int:
+        """GPU-tier bytes for a store-mode pool (engine mode uses the engine's tensors instead)."""
+        if self.gpu_bytes is not None:
+            return self.gpu_bytes
+        return GPU_AUTO_BYTES_CUDA if on_cuda else GPU_AUTO_BYTES_HOST
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant (``[tenants.<name>]``, TOML only): how its sessions are recognised, and its quota.
+
+    A session belongs to the tenant whose ``public_key`` (CURVE, Z85, 40
+    characters) its connection authenticated with, or whose token it sent in
+    ``hello``. Tokens are kept as ``token_sha256`` (hex SHA-256 of the token):
+    a file may give ``token = "..."`` in clear, which is hashed on loading, so
+    the loaded configuration neither holds nor prints it. ``cpu_quota_bytes``
+    (None = no quota) caps the tenant's resident CPU-tier bytes over all pools.
+    """
+
+    public_key: str | None = None
+    token_sha256: str | None = None
+    cpu_quota_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.public_key is not None:
+            _check_z85_key("public_key", self.public_key)
+        if self.token_sha256 is not None and not (
+            isinstance(self.token_sha256, str) and re.fullmatch(r"[0-9a-f]{64}", self.token_sha256)
+        ):
+            raise ConfigError("token_sha256", "must be 64 lower-case hex digits (sha256 of the token)")
+        if self.public_key is None and self.token_sha256 is None:
+            raise ConfigError("public_key", "a tenant needs a public_key (CURVE) or a token (or both)")
+        if self.cpu_quota_bytes is not None:
+            _check_int("cpu_quota_bytes", self.cpu_quota_bytes, minimum=0)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything kvtierd is configured with. Constructing one validates it."""
+
+    socket: str = field(default_factory=lambda: default_socket(os.environ))
+    lease_s: float = 10.0
+    heartbeat_s: float | None = None
+    poll_interval_s: float = 0.05
+    drain_timeout_s: float = 10.0
+    max_message_bytes: int = 256 * MiB
+    # Shared-memory files a session may map (arena and KV registrations: one
+    # descriptor each) and KV registrations it may hold; the daemon-wide total
+    # of mapped files is capped below RLIMIT_NOFILE as well (daemon.handlers).
+    max_shm_files_per_session: int = 1024
+    max_registrations_per_session: int = 64
+    max_pools: int = 128  # pools the daemon holds at once (each: a CPU tier, a GPU tier in store mode, 2 threads)
+    # Pins one session, and one tenant's sessions together, may hold on a pool, as a share of its blocks.
+    max_pinned_share: float = 0.5
+    # Bytes of replies (block payloads) one connection has not read yet; past it its requests are refused.
+    max_unread_reply_bytes: int = 512 * MiB
+    # All pools' CPU tiers together; None ("auto"): CPU_BUDGET_AUTO_FRACTION of available memory at start.
+    cpu_budget_bytes: CpuBytes | None = None
+    # A pool without sessions keeps its blocks this long (or until a new pool needs its memory).
+    pool_idle_ttl_s: float = 3600.0
+    log_level: str = "info"
+    device: str = "auto"
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    insecure_tcp: bool = False
+    curve_secret_key_file: Path | None = None
+    curve_public_keys_dir: Path | None = None
+    socket_mode: int = 0o600
+    hash_algo: str = "xxh3_128"
+    default_pool: PoolDefaults = field(default_factory=PoolDefaults)
+    pools: Mapping[str, PoolOverrides] = field(default_factory=dict, hash=False)
+    tenants: Mapping[str, TenantConfig] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        _check_duration("lease_s", self.lease_s)
+        if self.heartbeat_s is not None:
+            _check_duration("heartbeat_s", self.heartbeat_s)
+            if self.heartbeat_s >= self.lease_s:
+                raise ConfigError(
+                    "heartbeat_s",
+                    f"must be shorter than lease_s ({self.lease_s:g} s), got {self.heartbeat_s:g} s; "
+                    "a client heartbeating slower than the lease loses its pins",
+                )
+        _check_duration("poll_interval_s", self.poll_interval_s)
+        _check_duration("drain_timeout_s", self.drain_timeout_s, allow_zero=True)
+        _check_int("max_message_bytes", self.max_message_bytes, minimum=MIN_MESSAGE_BYTES)
+        _check_int("max_shm_files_per_session", self.max_shm_files_per_session, minimum=1)
+        _check_int("max_registrations_per_session", self.max_registrations_per_session, minimum=1)
+        _check_int("max_pools", self.max_pools, minimum=1)
+        _check_cpu_bytes("cpu_budget_bytes", self.cpu_budget_bytes)
+        _check_int("max_unread_reply_bytes", self.max_unread_reply_bytes, minimum=MIN_MESSAGE_BYTES)
+        _check_duration("pool_idle_ttl_s", self.pool_idle_ttl_s)
+        if not 0.0 < self.max_pinned_share <= 1.0:
+            raise ConfigError("max_pinned_share", f"must be a share in (0, 1], got {self.max_pinned_share!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        _check_device("device", self.device)
+        if self.metrics_port is not None:
+            _check_int("metrics_port", self.metrics_port, minimum=1, maximum=65535)
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ConfigError("metrics_host", f"must be a host name or address, got {self.metrics_host!r}")
+        if not isinstance(self.insecure_tcp, bool):
+            raise ConfigError("insecure_tcp", f"must be true or false, got {self.insecure_tcp!r}")
+        _check_hash_algo("hash_algo", self.hash_algo)
+        _check_socket_mode("socket_mode", self.socket_mode)
+        _check_socket(self)
+        if not isinstance(self.default_pool, PoolDefaults):
+            raise ConfigError("default_pool", "must be a PoolDefaults")
+        pools = dict(self.pools)
+        env_keys: dict[str, str] = {}
+        for name, overrides in pools.items():
+            key = pool_key(name)
+            if not isinstance(name, str) or not name:
+                raise ConfigError(key, "pool names must be non-empty strings")
+            if not isinstance(overrides, PoolOverrides):
+                raise ConfigError(key, "must be a PoolOverrides")
+            other = env_keys.setdefault(env_pool_name(name), name)
+            if other != name:
+                raise ConfigError(
+                    key,
+                    f"pool names {other!r} and {name!r} are the same pool in the environment "
+                    f"(KVTIER_POOLS__{env_pool_name(name)}__...); rename one",
+                )
+        # Frozen all the way down: nobody edits the pools table after loading.
+        object.__setattr__(self, "pools", MappingProxyType(pools))
+        object.__setattr__(self, "tenants", MappingProxyType(_check_tenants(self.tenants)))
+
+    @property
+    def is_tcp(self) -> bool:
+        return self.socket.startswith("tcp://")
+
+    @property
+    def ipc_path(self) -> Path | None:
+        """The socket file for an ``ipc://`` endpoint; None for tcp and abstract sockets."""
+        if self.socket.startswith("ipc://") and not self.socket.startswith("ipc://@"):
+            return Path(self.socket[len("ipc://") :])
+        return None
+
+    @property
+    def recommended_heartbeat_s(self) -> float:
+        """What hello tells clients: ``heartbeat_s`` if set, else a third of the lease."""
+        return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3.0
+
+    def pool_settings(self, name: str) -> PoolSettings:
+        """Effective settings for pool ``name``: exact name first, then its environment spelling."""
+        overrides = self.pools.get(name)
+        if overrides is None:
+            wanted = env_pool_name(name)
+            overrides = next((o for n, o in self.pools.items() if env_pool_name(n) == wanted), PoolOverrides())
+        d = self.default_pool
+        return PoolSettings(
+            name=name,
+            gpu_bytes=overrides.gpu_bytes if overrides.gpu_bytes is not None else d.gpu_bytes,
+            cpu_bytes=overrides.cpu_bytes if overrides.cpu_bytes is not None else d.cpu_bytes,
+            policy=overrides.policy if overrides.policy is not None else d.policy,
+            clean_ahead_blocks=(
+                overrides.clean_ahead_blocks if overrides.clean_ahead_blocks is not None else d.clean_ahead_blocks
+            ),
+            remote_url=overrides.remote_url if overrides.remote_url is not None else d.remote_url,
+        )
+
+
+def env_pool_name(name: str) -> str:
+    """How pool ``name`` is spelled inside ``KVTIER_POOLS__<NAME>__<KEY>``."""
+    return re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def pool_key(name: object) -> str:
+    """The dotted key of a pool's table, TOML-quoted when needed: ``pools."llama-8b/tp0"``."""
+    if isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        return f"pools.{name}"
+    return f"pools.{json.dumps(name) if isinstance(name, str) else repr(name)}"
+
+
+def resolve_cpu_budget_bytes(cfg: DaemonConfig, available_bytes: int | None = None) -> int:
+    """All pools' CPU tiers together, in bytes (``cpu_budget_bytes``; auto and N% of available memory now)."""
+    value = cfg.cpu_budget_bytes
+    if isinstance(value, int):
+        return value
+    if available_bytes is None:
+        available_bytes = int(psutil.virtual_memory().available)
+    if isinstance(value, MemoryFraction):
+        return value.of(available_bytes)
+    return int(available_bytes * CPU_BUDGET_AUTO_FRACTION)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks (used by the dataclasses, so a DaemonConfig built by hand is checked too)
+
+
+def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    if not _is_int(value):
+        raise ConfigError(key, f"must be an integer, got {value!r}")
+    assert isinstance(value, int)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise ConfigError(key, f"must be {bound}, got {value}")
+
+
+def _check_duration(key: str, value: object, *, allow_zero: bool = False) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)) or not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number of seconds, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {value!r}")
+
+
+def _check_gpu_bytes(key: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, MemoryFraction):
+        raise ConfigError(key, "a percentage is only accepted for cpu_bytes; give gpu_bytes in bytes")
+    if not _is_int(value):
+        raise ConfigError(key, f"must be a byte size, got {value!r}")
+    assert isinstance(value, int)
+    if value < 0:
+        raise ConfigError(key, f"must not be negative, got {value}")
+
+
+def _check_cpu_bytes(key: str, value: object) -> None:
+    if isinstance(value, MemoryFraction):
+        return
+    _check_gpu_bytes(key, value)
+
+
+def _check_policy(key: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, f"must be a policy name such as 'lru', got {value!r}")
+    try:
+        from kvtier.tiers.eviction import make_policy
+    except ImportError:
+        # Without the tiers package nothing can build a pool anyway; the pool
+        # constructor would report the name then.
+        return
+    try:
+        make_policy(value, 1)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
+
+
+def _check_hash_algo(key: str, value: object) -> None:
+    try:
+        from kvtier.client.hashing import HASH_ALGOS
+    except ImportError:
+        HASH_ALGOS = ("xxh3_128", "sha256")  # noqa: N806 - mirrors the constant it stands in for
+    if value not in HASH_ALGOS:
+        raise ConfigError(key, f"must be one of {', '.join(HASH_ALGOS)}, got {value!r}")
+
+
+def _check_socket_mode(key: str, value: object) -> None:
+    # Read and write for the owner (connecting needs write permission), at
+    # most the same for the group, never anything for others.
+    if not _is_int(value) or value & ~0o660 or value & 0o600 != 0o600:  # type: ignore[operator]
+        shown = f"{value:04o}" if _is_int(value) else repr(value)
+        raise ConfigError(key, f"must be 0600, 0620, 0640 or 0660 (owner rw, optionally the group), got {shown}")
+
+
+TENANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MIN_TOKEN_CHARS = 16
+_Z85_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
+def _check_z85_key(key: str, value: object) -> None:
+    if not (isinstance(value, str) and len(value) == 40 and set(value) <= _Z85_CHARS):
+        raise ConfigError(key, f"must be a CURVE public key: 40 Z85 characters (kvtier keygen writes them), got {value!r:.60}")
+
+
+def tenant_key(name: object) -> str:
+    return pool_key(name).replace("pools.", "tenants.", 1)
+
+
+def _check_tenants(tenants: Mapping[str, TenantConfig]) -> dict[str, TenantConfig]:
+    from kvtier.daemon.tenants import tenant_tag  # light: hashlib only
+
+    out = dict(tenants)
+    keys: dict[str, str] = {}
+    tokens: dict[str, str] = {}
+    tags: dict[bytes, str] = {}
+    for name, tenant in out.items():
+        key = tenant_key(name)
+        if not isinstance(name, str) or not TENANT_NAME_RE.fullmatch(name):
+            raise ConfigError(key, "tenant names are 1-64 of A-Z a-z 0-9 _ . - (starting with a letter or digit)")
+        if not isinstance(tenant, TenantConfig):
+            raise ConfigError(key, "must be a TenantConfig")
+        if tenant.public_key is not None:
+            other = keys.setdefault(tenant.public_key, name)
+            if other != name:
+                raise ConfigError(f"{key}.public_key", f"is also tenant {other!r}'s key; one key, one tenant")
+        if tenant.token_sha256 is not None:
+            other = tokens.setdefault(tenant.token_sha256, name)
+            if other != name:
+                raise ConfigError(f"{key}.token", f"is also tenant {other!r}'s token; one token, one tenant")
+        other = tags.setdefault(tenant_tag(name), name)
+        if other != name:
+            raise ConfigError(key, f"tenants {other!r} and {name!r} hash to the same block namespace tag; rename one")
+    return out
+
+
+def _check_device(key: str, value: object) -> None:
+    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda:(0|[1-9][0-9]*)", value):
+        raise ConfigError(key, f"must be 'auto', 'cpu' or 'cuda:N', got {value!r}")
+
+
+def _check_socket(cfg: DaemonConfig) -> None:
+    url = cfg.socket
+    if not isinstance(url, str):
+        raise ConfigError("socket", f"must be an ipc:// or tcp:// URL, got {url!r}")
+    if url.startswith("ipc://"):
+        path = url[len("ipc://") :]
+        if path.startswith("@"):
+            if len(path) < 2:
+                raise ConfigError("socket", "an abstract ipc socket needs a name after '@'")
+        elif not os.path.isabs(path):
+            raise ConfigError("socket", f"ipc socket path must be absolute, got {path!r}")
+        elif path.endswith("/"):
+            raise ConfigError("socket", f"ipc socket path names a directory: {path!r}")
+        if len(path.encode()) > MAX_IPC_PATH_BYTES:
+            raise ConfigError(
+                "socket",
+                f"ipc socket path is {len(path.encode())} bytes, the limit is {MAX_IPC_PATH_BYTES}; choose a shorter path",
+            )
+        return
+    if url.startswith("tcp://"):
+        match = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9*._-]+):([0-9]{1,5})", url)
+        if not match or not 1 <= int(match.group(2)) <= 65535:
+            raise ConfigError("socket", f"must look like tcp://HOST:PORT with PORT in 1..65535, got {url!r}")
+        has_curve = cfg.curve_secret_key_file is not None or cfg.curve_public_keys_dir is not None
+        if has_curve:
+            _check_curve(cfg)
+        elif not cfg.insecure_tcp:
+            raise ConfigError(
+                "socket",
+                f"{url} is reachable from the network and would be unauthenticated; configure "
+                "curve_secret_key_file and curve_public_keys_dir, or set insecure_tcp = true "
+                "(only on a network you trust)",
+            )
+        return
+    raise ConfigError("socket", f"must start with ipc:// or tcp://, got {url!r}")
+
+
+def _check_curve(cfg: DaemonConfig) -> None:
+    # Presence here; the daemon reads the key file (and refuses a bad one,
+    # exit 2) and the directory of client keys when it starts.
+    secret, public_dir = cfg.curve_secret_key_file, cfg.curve_public_keys_dir
+    if secret is None:
+        raise ConfigError("curve_secret_key_file", "is required together with curve_public_keys_dir")
+    if public_dir is None:
+        raise ConfigError("curve_public_keys_dir", "is required together with curve_secret_key_file")
+    if not Path(secret).is_file():
+        raise ConfigError("curve_secret_key_file", f"{secret} does not exist or is not a file")
+    if not Path(public_dir).is_dir():
+        raise ConfigError("curve_public_keys_dir", f"{public_dir} does not exist or is not a directory")
+
+
+REMOTE_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys", "redis+cluster", "rediss+cluster",
+                  "valkey+cluster", "valkeys+cluster")
+
+
+def _check_remote_url(key: str, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or value.split("://", 1)[0].lower() not in REMOTE_SCHEMES or "://" not in value:
+        raise ConfigError(key, f"must be a URL with one of the schemes {', '.join(REMOTE_SCHEMES)}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Key declarations
+
+
+@dataclass(frozen=True)
+class _Key:
+    coerce: Coerce
+    help: str
+    metavar: str
+
+
+_TOP_KEYS: dict[str, _Key] = {
+    "socket": _Key(_as_str, "ZMQ endpoint to bind: ipc:///path or ipc://@abstract; tcp://HOST:PORT only with CURVE keys or --insecure-tcp", "URL"),
+    "lease_s": _Key(_as_float, "seconds a session's pins and registrations survive without a heartbeat", "SECONDS"),
+    "heartbeat_s": _Key(_as_optional_float, "heartbeat interval recommended to clients in hello ('auto' = lease_s / 3)", "SECONDS"),
+    "poll_interval_s": _Key(_as_float, "longest the event loop sleeps before polling copies in flight", "SECONDS"),
+    "drain_timeout_s": _Key(_as_float, "on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting", "SECONDS"),
+    "max_shm_files_per_session": _Key(_as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N"),
+    "max_registrations_per_session": _Key(_as_int, "KV registrations (register_kv) one session may hold", "N"),
+    "max_unread_reply_bytes": _Key(_as_size, "bytes of block payload in replies one connection has not read yet; past it its requests get UNREAD_REPLIES (e.g. 512MiB)", "SIZE"),
+    "cpu_budget_bytes": _Key(_as_optional_cpu_size, "all pools' CPU tiers together: bytes, or N%% of available memory ('auto' = 50%% at start); a new pool that does not fit reclaims idle pools, else NO_SPACE", "SIZE"),
+    "pool_idle_ttl_s": _Key(_as_float, "how long a pool without sessions keeps its blocks (sooner when a new pool needs its memory)", "SECONDS"),
+    "max_pinned_share": _Key(_as_share, "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks", "SHARE"),
+    "max_pools": _Key(_as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N"),
+    "max_message_bytes": _Key(_as_size, "largest payload (block bytes: a request's frames, an inline restore's reply) accepted; the header has its own 4 MiB limit (e.g. 256MiB)", "SIZE"),
+    "log_level": _Key(_as_log_level, "one of debug, info, warning, error, critical", "LEVEL"),
+    "device": _Key(_as_device, "'auto' (CUDA if available), 'cpu', or 'cuda:N'", "DEVICE"),
+    "metrics_port": _Key(_as_optional_port, "Prometheus endpoint port ('off' = no endpoint)", "PORT"),
+    "metrics_host": _Key(_as_str, "address the Prometheus endpoint binds", "HOST"),
+    "insecure_tcp": _Key(_as_bool, "allow a tcp:// socket without CURVE authentication", "BOOL"),
+    "curve_secret_key_file": _Key(_as_optional_path, "the daemon's CURVE secret key file (tcp://)", "FILE"),
+    "curve_public_keys_dir": _Key(_as_optional_path, "directory of authorised client CURVE public keys (tcp://)", "DIR"),
+    "socket_mode": _Key(_as_mode, "file mode of the ipc socket: 0600, or 0660 to let the socket's group connect", "MODE"),
+    "hash_algo": _Key(
+        _as_lower_str, "block hash algorithm pools must use: xxh3_128 or sha256 (default sha256 with 2+ tenants)", "ALGO"
+    ),
+}
+_POOL_KEYS: dict[str, _Key] = {
+    "gpu_bytes": _Key(_as_optional_size, "GPU tier size of a store-mode pool ('auto' = 1GiB on CUDA, 256MiB without)", "SIZE"),
+    "cpu_bytes": _Key(_as_optional_cpu_size, "CPU tier size: bytes, or N%% of available memory ('auto' = 25%%, at most 64GiB)", "SIZE"),
+    "policy": _Key(_as_lower_str, "CPU-tier eviction policy (e.g. lru)", "NAME"),
+    "clean_ahead_blocks": _Key(_as_int, "free GPU blocks kept already demoted ahead of allocation", "N"),
+    "remote_url": _Key(
+        _as_optional_url,
+        "remote tier below the CPU tier: redis://HOST:PORT/DB or redis+cluster://HOST:PORT[,...] ('off' = none)",
+        "URL",
+    ),
+}
+# [tenants.<name>]: file only. Tokens and key-to-tenant maps are not for the
+# environment or the command line, where other users' `ps` can read them.
+_TENANT_KEYS = ("public_key", "token", "token_sha256", "cpu_quota_bytes")
+_TABLES = ("default_pool", "pools", "tenants")
