@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
+from kvtier.daemon.tenant_ids import TAG_BYTES, tenant_tag
 
 from kvtier.tiers.eviction import EvictionPolicy  # stdlib only: no torch
 
@@ -62,17 +63,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ANONYMOUS = ""
-TAG_BYTES = 2
 TENANT_USER_PREFIX = "tenant:"
 KEY_USER_PREFIX = "key:"
-_TAG_PERSON = b"kvtier-tenant"
 _NS_PERSON = b"kvtier-ns"
 UNAUTHORIZED_MESSAGE = "this daemon serves tenants: authenticate with a tenant's CURVE key or token"
-
-
-def tenant_tag(name: str) -> bytes:
-    """The 2-byte prefix of every key in tenant ``name``'s namespace."""
-    return hashlib.blake2b(name.encode(), digest_size=TAG_BYTES, person=_TAG_PERSON).digest()
 
 
 def user_id_for_key(z85_key: str, tenant_by_key: Mapping[str, str]) -> str:

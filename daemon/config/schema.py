@@ -52,6 +52,7 @@ from kvtier.daemon.config.units import (
     _as_str,
     _is_int,
 )
+from kvtier.daemon.tenant_ids import tenant_tag
 from kvtier.tiers.eviction import DEFAULT_POLICY  # no torch: config stays fast to load
 from kvtier.tiers.units import GiB, KiB, MiB
 
@@ -400,8 +401,6 @@ def tenant_key(name: object) -> str:
 
 
 def _check_tenants(tenants: Mapping[str, TenantConfig]) -> dict[str, TenantConfig]:
-    from kvtier.daemon.tenants import tenant_tag  # light: hashlib only
-
     out = dict(tenants)
     keys: dict[str, str] = {}
     tokens: dict[str, str] = {}
