@@ -1,59 +1,30 @@
-"""Sharing an engine's KV-cache tensors with the daemon: the "kv" data plane (docs/protocol.md, "Data planes at a glance").
+"""Sharing an engine's KV-cache tensors with the daemon: the engine's half of the "kv" data plane.
 
 Contract
 ========
 
-The engine registers its KV tensors once (``register_kv``); from then on the
-daemon copies blocks straight between the engine's slots and its tiers. This
-module is both halves of that registration:
+The engine registers its KV tensors once (``Client.register_kv``); from then
+on the daemon copies blocks straight between the engine's slots and its
+tiers (docs/protocol.md, "Data planes at a glance"). This module is the
+engine's side of that registration:
 
-- engine side: ``allocate_shared_kv`` (CPU-only machines: KV tensors that live
-  in ``/dev/shm``), ``share_kv_in_place`` (CPU-only machines: move KV tensors
-  that an engine already allocated into ``/dev/shm``, every view following), and ``export_kv(tensors, block_dims) -> description`` for
-  a whole layout or ``export_tensor(tensor) -> description`` for one tensor
-  (the wire form of ``register_kv``: one ``{desc, block_dim}`` per tensor);
-- daemon side: ``import_kv(desc) -> (tensors, block_dims, closer)`` or
-  ``import_tensor(desc) -> (tensor, closer)``, after the same validation
-  (``validate_kv_description`` / ``validate_tensor_description``); the daemon
-  then builds ``kvtier.tiers.layout.BlockLayout(tensors, block_dims)``.
+- ``allocate_shared_kv(shape, dtype, block_dim) -> (tensor, shm handle)``
+  (CPU-only machines): a zeroed KV tensor that lives in ``/dev/shm``;
+- ``share_kv_in_place(tensors) -> names`` (CPU-only machines): move KV
+  tensors an engine already allocated into ``/dev/shm``, every view
+  following;
+- ``export_kv(tensors, block_dims) -> description`` for a whole layout, or
+  ``export_tensor(tensor) -> description`` for one tensor (the wire form of
+  ``register_kv``: one ``{desc, block_dim}`` per tensor);
+- ``unlink_shared_kv(tensor_or_handle)``: remove a shared KV file's name now.
 
-A description is plain data (str, int, bool, bytes, lists, dicts), so it
-travels in msgpack as is. A layout::
-
-    {"version": 1,
-     "transport": "shm" | "cuda_ipc",
-     "num_blocks": N,
-     "tensors": [{"dtype": "float16",           # a name in SUPPORTED_DTYPES
-                  "shape": [...], "stride": [...],   # strides in elements, >= 0
-                  "storage_offset": int,        # elements from the start of the handle's memory
-                  "block_dim": int,             # 0 <= block_dim < len(shape); shape[block_dim] == N
-                  "handle": {...}}, ...]}
-
-One tensor (``export_tensor``) is one entry without ``block_dim``, with the
-header beside it: ``{"version": 1, "transport": ..., "dtype": ..., "shape":
-..., "stride": ..., "storage_offset": ..., "handle": {...}}``; block counts
-are then checked by ``BlockLayout``.
-
-``handle`` by transport:
-
-- ``{"kind": "shm", "name": "kvtier-kv-...", "size_bytes": int}``: a
-  ``/dev/shm`` file; offsets count from the file's first byte.
-- ``{"kind": "cuda_ipc", "device": int, "device_uuid": str | None,
-  "ipc_handle": bytes, "storage_size_bytes": int, "storage_offset_bytes": int,
-  "ref_counter_handle": bytes, "ref_counter_offset": int, "event_handle":
-  bytes, "event_sync_required": bool}``: what ``torch.UntypedStorage.
-  _share_cuda_()`` returns for the tensor's storage (see
-  ``torch/multiprocessing/reductions.py``); offsets count from the start of
-  that storage. Tensors that share a storage carry equal handles and are
-  opened once.
-
-Validation happens entirely before anything is mapped: unknown keys, unknown
-dtypes, block_dim out of range, tensors disagreeing on ``num_blocks``, a
-block stride of 0, negative strides or offsets, any view whose last element
-lies beyond the shared memory it names, malformed handles, and too many
-tensors or dimensions all raise ``KvShareError`` (a ``ValueError``). The daemon also checks that
-a shm file has exactly the declared size and, on CUDA, that the declared
-storage lies inside the allocation the IPC handle opened.
+Each raises ``KvShareError`` (a ``ValueError``) for a tensor it cannot share,
+and ``export_*`` return descriptions already validated. The description's
+format and validation live in ``kvtier.client.kv_description`` (shared with
+the daemon); the daemon's half, which maps a description, is
+``kvtier.daemon.kv_import``. ``cuda_device_uuid`` and ``libcuda`` are the
+GPU facts both halves must read alike (the UUID a handle carries; the CUDA
+driver library).
 
 CUDA IPC shares only memory from ``cudaMalloc``. PyTorch's expandable-segments
 allocator (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and any other
@@ -80,281 +51,53 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import math
 import os
 import secrets
-import math
-import re
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.client.shm_arena import SHM_DIR, ShmAccessError, ShmArena, ShmArenaError, validate_arena_name
+from kvtier.client.kv_description import (
+    CUDA_IPC_HANDLE_BYTES,
+    DESCRIPTION_VERSION,
+    EXPANDABLE_HINT,
+    MAX_DIMS,
+    SUPPORTED_DTYPES,
+    KvShareError,
+    handle_is_expandable_segment,
+    is_int,
+    validate_kv_description,
+    validate_shm_handle,
+    validate_tensor_description,
+)
+from kvtier.client.shm_arena import SHM_DIR, ShmArena, ShmArenaError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DESCRIPTION_VERSION",
     "SUPPORTED_DTYPES",
-    "KvImport",
     "KvShareError",
     "allocate_shared_kv",
-    "share_kv_in_place",
+    "cuda_device_uuid",
     "export_kv",
     "export_tensor",
-    "import_kv",
-    "import_tensor",
+    "libcuda",
+    "share_kv_in_place",
     "unlink_shared_kv",
-    "validate_kv_description",
-    "validate_tensor_description",
 ]
 
-DESCRIPTION_VERSION = 1
 DEFAULT_NAME_PREFIX = "kvtier-kv"
-
-# Element sizes by dtype name; names are torch's attribute names. Validation
-# needs only these numbers, so the daemon can refuse a description before it
-# imports torch or maps anything.
-SUPPORTED_DTYPES: Mapping[str, int] = {
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2fnuz": 1,
-}
-
-MAX_TENSORS = 4096
-MAX_DIMS = 8
-# Far above any real KV cache, low enough that shape arithmetic stays exact.
-MAX_EXTENT = 2**62
-
-_TOP_KEYS = {"version", "transport", "num_blocks", "tensors"}
-_TENSOR_KEYS = {"dtype", "shape", "stride", "storage_offset", "block_dim", "handle"}
-_SINGLE_KEYS = {"version", "transport", "dtype", "shape", "stride", "storage_offset", "handle"}
-_SHM_KEYS = {"kind", "name", "size_bytes"}
-_CUDA_KEYS = {
-    "kind",
-    "device",
-    "device_uuid",
-    "ipc_handle",
-    "storage_size_bytes",
-    "storage_offset_bytes",
-    "ref_counter_handle",
-    "ref_counter_offset",
-    "event_handle",
-    "event_sync_required",
-}
-# torch names its IPC reference-counter files "/torch_<pid>_<random>_<n>"
-# (at::NewProcessWideShmHandle); the daemon writes into that file when it
-# releases a storage, so nothing else may be named here.
-_REF_COUNTER_RE = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
-# torch::CUDA_IPC_REF_COUNTER_FILE_SIZE: counters per reference-counter file.
-_REF_COUNTER_SLOTS = 10000
-_CUDA_IPC_HANDLE_BYTES = 64
-# torch >= 2.5 prefixes the handle with a version byte and a type byte.
+# torch >= 2.5 prefixes a CUDA IPC handle with a version byte and a type byte;
+# "c" is cudaMalloc memory, the only kind kvtier shares.
 _SHAREABLE_CUDA_MALLOC = ord("c")
-_SHAREABLE_EXPANDABLE_SEGMENT = ord("e")
-
-_EXPANDABLE_HINT = (
-    "CUDA IPC can only share memory from cudaMalloc. This KV tensor lives in memory from PyTorch's "
-    "expandable-segments allocator (or another cuMemCreate/VMM allocator, or the cudaMallocAsync "
-    "backend), which it cannot share. "
-    "Allocate the KV cache with expandable segments off: start the engine with "
-    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, or call "
-    "torch.cuda.memory._set_allocator_settings('expandable_segments:False') before allocating the KV "
-    "cache (and back to True afterwards if you want it for everything else)."
-)
-
-
-class KvShareError(ValueError):
-    """A KV tensor that cannot be shared, or a description that must not be imported."""
-
-
-class KvShareAccessError(KvShareError):
-    """The importing process may not open a tensor's shared-memory file (its mode or group)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Validation (no torch needed)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int(value: object, what: str, *, minimum: int = 0, maximum: int = MAX_EXTENT) -> int:
-    if not _is_int(value):
-        raise KvShareError(f"{what} must be an integer, got {value!r}")
-    assert isinstance(value, int)
-    if not minimum <= value <= maximum:
-        raise KvShareError(f"{what} must be in [{minimum}, {maximum}], got {value}")
-    return value
-
-
-def _exact_keys(obj: object, keys: set[str], what: str, optional: frozenset[str] = frozenset()) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise KvShareError(f"{what} must be a map, got {type(obj).__name__}")
-    unknown = set(obj) - keys
-    missing = keys - optional - set(obj)
-    if unknown:
-        raise KvShareError(f"{what} has unknown keys {sorted(map(str, unknown))}")
-    if missing:
-        raise KvShareError(f"{what} is missing {sorted(missing)}")
-    return obj
-
-
-def _bytes(value: object, what: str, *, min_len: int, max_len: int) -> bytes:
-    if not isinstance(value, bytes):
-        raise KvShareError(f"{what} must be bytes, got {type(value).__name__}")
-    if not min_len <= len(value) <= max_len:
-        raise KvShareError(f"{what} must be {min_len}..{max_len} bytes, got {len(value)}")
-    return value
-
-
-def _check_shm_handle(handle: object, what: str) -> dict[str, Any]:
-    h = _exact_keys(handle, _SHM_KEYS, what)
-    try:
-        validate_arena_name(h["name"])
-    except ShmArenaError as exc:
-        raise KvShareError(f"{what}.name: {exc}") from None
-    _int(h["size_bytes"], f"{what}.size_bytes", minimum=1)
-    return h
-
-
-def _check_cuda_handle(handle: object, what: str) -> dict[str, Any]:
-    h = _exact_keys(handle, _CUDA_KEYS, what, optional=frozenset({"device_uuid"}))
-    _int(h["device"], f"{what}.device", maximum=1023)
-    uuid = h.get("device_uuid")
-    if uuid is not None and not (isinstance(uuid, str) and 0 < len(uuid) <= 128):
-        raise KvShareError(f"{what}.device_uuid must be a short string or nil")
-    ipc = _bytes(h["ipc_handle"], f"{what}.ipc_handle", min_len=_CUDA_IPC_HANDLE_BYTES, max_len=512)
-    if _handle_is_expandable_segment(ipc):
-        raise KvShareError(f"{what}: {_EXPANDABLE_HINT}")
-    _int(h["storage_size_bytes"], f"{what}.storage_size_bytes", minimum=1)
-    _int(h["storage_offset_bytes"], f"{what}.storage_offset_bytes")
-    counter = _bytes(h["ref_counter_handle"], f"{what}.ref_counter_handle", min_len=1, max_len=128)
-    if not _REF_COUNTER_RE.fullmatch(counter):
-        raise KvShareError(f"{what}.ref_counter_handle is not a torch IPC reference-counter name")
-    _int(h["ref_counter_offset"], f"{what}.ref_counter_offset", maximum=_REF_COUNTER_SLOTS - 1)
-    _bytes(h["event_handle"], f"{what}.event_handle", min_len=_CUDA_IPC_HANDLE_BYTES, max_len=_CUDA_IPC_HANDLE_BYTES)
-    if not isinstance(h["event_sync_required"], bool):
-        raise KvShareError(f"{what}.event_sync_required must be a bool")
-    return h
-
-
-def _handle_is_expandable_segment(ipc_handle: bytes) -> bool:
-    # A bare 64-byte handle is the pre-2.5 cudaIpcMemHandle_t; longer ones
-    # start with a version byte then the type byte.
-    return len(ipc_handle) > _CUDA_IPC_HANDLE_BYTES and ipc_handle[1] == _SHAREABLE_EXPANDABLE_SEGMENT
-
-
-def _storage_bytes(handle: Mapping[str, Any]) -> int:
-    return int(handle["size_bytes"] if handle["kind"] == "shm" else handle["storage_size_bytes"])
-
-
-def _check_header(d: Mapping[str, Any], what: str) -> str:
-    if d["version"] != DESCRIPTION_VERSION:
-        raise KvShareError(f"{what} version {d['version']!r} is not supported (this side speaks {DESCRIPTION_VERSION})")
-    transport = d["transport"]
-    if transport not in ("shm", "cuda_ipc"):
-        raise KvShareError(f"unknown transport {transport!r}; expected 'shm' or 'cuda_ipc'")
-    return str(transport)
-
-
-def _check_entry(t: Mapping[str, Any], what: str, transport: str) -> tuple[list[int], list[int], tuple[int, str | None] | None]:
-    """Checks one tensor's dtype, geometry, handle and bounds; returns (sizes, strides, cuda device)."""
-    dtype = t["dtype"]
-    if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
-        raise KvShareError(f"{what}.dtype {dtype!r} is not one of {', '.join(SUPPORTED_DTYPES)}")
-    itemsize = SUPPORTED_DTYPES[dtype]
-    shape, stride = t["shape"], t["stride"]
-    if not isinstance(shape, list) or not isinstance(stride, list):
-        raise KvShareError(f"{what}.shape and .stride must be lists")
-    if not 1 <= len(shape) <= MAX_DIMS:
-        raise KvShareError(f"{what}.shape must have 1..{MAX_DIMS} dimensions, got {len(shape)}")
-    if len(stride) != len(shape):
-        raise KvShareError(f"{what}.stride has {len(stride)} entries for {len(shape)} dimensions")
-    sizes = [_int(s, f"{what}.shape[{k}]", minimum=1) for k, s in enumerate(shape)]
-    strides = [_int(s, f"{what}.stride[{k}]") for k, s in enumerate(stride)]
-    offset = _int(t["storage_offset"], f"{what}.storage_offset")
-    if math.prod(sizes) > MAX_EXTENT:
-        raise KvShareError(f"{what} is implausibly large")
-    handle = t["handle"]
-    kind = handle.get("kind") if isinstance(handle, dict) else None
-    if kind != transport:
-        raise KvShareError(f"{what}.handle.kind {kind!r} does not match transport {transport!r}")
-    device: tuple[int, str | None] | None = None
-    if transport == "shm":
-        _check_shm_handle(handle, f"{what}.handle")
-    else:
-        h = _check_cuda_handle(handle, f"{what}.handle")
-        device = (h["device"], h.get("device_uuid"))
-    # The highest element any index can reach must lie inside the memory the
-    # handle names: no view may reach past it.
-    last_element = offset + sum((n - 1) * s for n, s in zip(sizes, strides))
-    end_bytes = (last_element + 1) * itemsize
-    if end_bytes > _storage_bytes(handle):
-        raise KvShareError(
-            f"{what} reaches byte {end_bytes} but its shared memory is {_storage_bytes(handle)} bytes "
-            f"(shape {sizes}, stride {strides}, storage_offset {offset}, {dtype})"
-        )
-    return sizes, strides, device
-
-
-def validate_kv_description(desc: object) -> dict[str, Any]:
-    """Check a layout description completely (see the module docstring); returns it, unchanged.
-
-    Needs no torch and maps nothing, so the daemon can refuse a hostile
-    description before it touches any memory.
-    """
-    d = _exact_keys(desc, _TOP_KEYS, "description")
-    transport = _check_header(d, "description")
-    num_blocks = _int(d["num_blocks"], "num_blocks", minimum=1)
-    tensors = d["tensors"]
-    if not isinstance(tensors, list) or not tensors:
-        raise KvShareError("tensors must be a non-empty list")
-    if len(tensors) > MAX_TENSORS:
-        raise KvShareError(f"at most {MAX_TENSORS} tensors, got {len(tensors)}")
-    devices: set[tuple[int, str | None]] = set()
-    for i, entry in enumerate(tensors):
-        what = f"tensors[{i}]"
-        t = _exact_keys(entry, _TENSOR_KEYS, what)
-        sizes, strides, device = _check_entry(t, what, transport)
-        block_dim = _int(t["block_dim"], f"{what}.block_dim", maximum=len(sizes) - 1)
-        if sizes[block_dim] != num_blocks:
-            raise KvShareError(
-                f"{what}.shape[{block_dim}] = {sizes[block_dim]} blocks, but num_blocks is {num_blocks}"
-            )
-        if num_blocks > 1 and strides[block_dim] == 0:
-            raise KvShareError(f"{what}: a block stride of 0 would make every block the same memory")
-        if device is not None:
-            devices.add(device)
-    if len(devices) > 1:
-        raise KvShareError(f"all tensors must be on one GPU, got devices {sorted(devices, key=str)}")
-    return d
-
-
-def validate_tensor_description(desc: object) -> dict[str, Any]:
-    """Check a one-tensor description (``export_tensor``'s); returns it, unchanged. No torch, no mapping."""
-    d = _exact_keys(desc, _SINGLE_KEYS, "tensor description")
-    transport = _check_header(d, "tensor description")
-    _check_entry(d, "tensor", transport)
-    return d
 
 
 # --------------------------------------------------------------------------------------------
 # CPU-only transport: KV tensors in /dev/shm
-
 
 @dataclass(frozen=True)
 class _SharedFile:
@@ -419,7 +162,7 @@ def allocate_shared_kv(
     sizes = [int(s) for s in shape]
     if not sizes or any(s < 1 for s in sizes) or len(sizes) > MAX_DIMS:
         raise KvShareError(f"shape must have 1..{MAX_DIMS} positive sizes, got {list(shape)}")
-    if not _is_int(block_dim) or not -len(sizes) <= block_dim < len(sizes):
+    if not is_int(block_dim) or not -len(sizes) <= block_dim < len(sizes):
         raise KvShareError(f"block_dim {block_dim!r} out of range for a {len(sizes)}-d tensor")
     torch_dtype = _dtype(dtype)
     itemsize = SUPPORTED_DTYPES[_dtype_name(torch_dtype)]
@@ -509,7 +252,7 @@ def _entry_of(storage: torch.UntypedStorage) -> _SharedFile | None:
 def unlink_shared_kv(tensor_or_handle: torch.Tensor | Mapping[str, Any]) -> None:
     """Remove the ``/dev/shm`` name of a shared KV tensor now (mappings stay valid). Idempotent."""
     if isinstance(tensor_or_handle, Mapping):
-        name = _check_shm_handle(dict(tensor_or_handle), "handle")["name"]
+        name = validate_shm_handle(dict(tensor_or_handle), "handle")["name"]
     else:
         entry = _SHARED.get(tensor_or_handle.untyped_storage().data_ptr())
         if entry is None:
@@ -537,7 +280,8 @@ def _export_shm(t: torch.Tensor) -> tuple[dict[str, Any], int]:
 
 
 @functools.cache
-def _libcuda() -> ctypes.CDLL | None:
+def libcuda() -> ctypes.CDLL | None:
+    """The CUDA driver library (loaded once), or None where there is none; the daemon's bounds check uses it too."""
     try:
         return ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -549,7 +293,7 @@ _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 
 def _legacy_ipc_capable(ptr: int) -> bool | None:
     """Whether cudaIpcGetMemHandle can share ``ptr`` (False for VMM memory); None when unknown."""
-    lib = _libcuda()
+    lib = libcuda()
     if lib is None or not hasattr(lib, "cuPointerGetAttribute"):
         return None
     fn = lib.cuPointerGetAttribute
@@ -561,21 +305,12 @@ def _legacy_ipc_capable(ptr: int) -> bool | None:
     return bool(value.value)
 
 
-def _address_range(ptr: int) -> tuple[int, int] | None:
-    """(base, size) of the device allocation containing ``ptr``; None when the driver cannot say."""
-    lib = _libcuda()
-    fn = getattr(lib, "cuMemGetAddressRange_v2", None) if lib is not None else None
-    if fn is None:
-        return None
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    fn.restype = ctypes.c_int
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
-        return None
-    return int(base.value), int(size.value)
+def cuda_device_uuid(index: int) -> str | None:
+    """The UUID of this process's GPU ``index`` as handles carry it (``device_uuid``); None when torch has none.
 
-
-def _device_uuid(index: int) -> str | None:
+    The daemon matches the engine's GPU by this string (``kv_import``), since
+    the two processes may number GPUs differently (CUDA_VISIBLE_DEVICES).
+    """
     import torch
 
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
@@ -586,7 +321,7 @@ def _share_cuda_storage(t: torch.Tensor) -> dict[str, Any]:
     storage = t.untyped_storage()
     capable = _legacy_ipc_capable(storage.data_ptr())
     if capable is False:
-        raise KvShareError(_EXPANDABLE_HINT)
+        raise KvShareError(EXPANDABLE_HINT)
     try:
         (
             device,
@@ -600,49 +335,30 @@ def _share_cuda_storage(t: torch.Tensor) -> dict[str, Any]:
         ) = storage._share_cuda_()
     except RuntimeError as exc:
         if "expandable" in str(exc).lower():
-            raise KvShareError(_EXPANDABLE_HINT) from exc
+            raise KvShareError(EXPANDABLE_HINT) from exc
         raise KvShareError(f"CUDA IPC cannot share this KV tensor: {exc}") from exc
     if ipc_handle is None:
         raise KvShareError("CUDA IPC cannot share an empty storage")
     ipc_handle = bytes(ipc_handle)
-    if _handle_is_expandable_segment(ipc_handle):
-        raise KvShareError(_EXPANDABLE_HINT)
-    if len(ipc_handle) > _CUDA_IPC_HANDLE_BYTES and ipc_handle[1] != _SHAREABLE_CUDA_MALLOC:
+    if handle_is_expandable_segment(ipc_handle):
+        raise KvShareError(EXPANDABLE_HINT)
+    if len(ipc_handle) > CUDA_IPC_HANDLE_BYTES and ipc_handle[1] != _SHAREABLE_CUDA_MALLOC:
         raise KvShareError(f"unknown CUDA shareable handle type {ipc_handle[1:2]!r}; kvtier understands cudaMalloc handles")
     return {
         "kind": "cuda_ipc",
         "device": int(device),
-        "device_uuid": _device_uuid(int(device)),
+        "device_uuid": cuda_device_uuid(int(device)),
         "ipc_handle": ipc_handle,
         "storage_size_bytes": int(storage_size_bytes),
         "storage_offset_bytes": int(storage_offset_bytes),
         "ref_counter_handle": bytes(ref_counter_handle),
         "ref_counter_offset": int(ref_counter_offset),
-        "event_handle": bytes(event_handle) if event_handle is not None else bytes(_CUDA_IPC_HANDLE_BYTES),
+        "event_handle": bytes(event_handle) if event_handle is not None else bytes(CUDA_IPC_HANDLE_BYTES),
         "event_sync_required": bool(event_sync_required),
     }
 
-
-def _local_cuda_device(handle: Mapping[str, Any]) -> int:
-    """The daemon's index of the engine's GPU: matched by UUID, since CUDA_VISIBLE_DEVICES may differ."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise KvShareError("the engine registered CUDA tensors, but this process has no CUDA device")
-    uuid = handle.get("device_uuid")
-    if uuid is None:
-        index = int(handle["device"])
-        if index >= torch.cuda.device_count():
-            raise KvShareError(f"engine GPU {index} is not visible here")
-        return index
-    for index in range(torch.cuda.device_count()):
-        if _device_uuid(index) == uuid:
-            return index
-    raise KvShareError(f"the engine's GPU {uuid} is not visible to this process (check CUDA_VISIBLE_DEVICES)")
-
-
 # --------------------------------------------------------------------------------------------
-# Export and import
+# Export
 
 
 def _transport_of(tensors: Sequence[torch.Tensor]) -> str:
@@ -696,7 +412,7 @@ def export_kv(tensors: Sequence[torch.Tensor], block_dims: Sequence[int]) -> dic
     shared_storages: dict[int, dict[str, Any]] = {}
     num_blocks: int | None = None
     for i, (t, block_dim) in enumerate(zip(tensors, block_dims)):
-        if not _is_int(block_dim) or not -t.dim() <= block_dim < t.dim():
+        if not is_int(block_dim) or not -t.dim() <= block_dim < t.dim():
             raise KvShareError(f"block_dims[{i}] = {block_dim!r} out of range for a {t.dim()}-d tensor")
         block_dim %= t.dim()
         if num_blocks is None:
@@ -712,164 +428,8 @@ def export_tensor(tensor: torch.Tensor) -> dict[str, Any]:
     """Describe one KV tensor (the ``desc`` of one ``register_kv`` entry; block_dim travels beside it).
 
     Same rules as ``export_kv``. Each call shares the tensor's storage anew;
-    the daemon opens each description once (``import_tensor``).
+    the daemon opens each description once (``kvtier.daemon.kv_import.import_tensor``).
     """
     transport = _transport_of([tensor])
     desc = {"version": DESCRIPTION_VERSION, "transport": transport, **_entry(tensor, transport, {})}
     return validate_tensor_description(desc)
-
-
-class KvImport:
-    """The daemon's hold on imported KV memory. Call it (or ``close()``) when the registration ends.
-
-    Closing drops this object's references; the memory is released once the
-    caller has dropped the tensors and every layout built on them too.
-    """
-
-    def __init__(self, transport: str, keepalive: list[object], nbytes: int) -> None:
-        self.transport = transport
-        self.nbytes = nbytes
-        # The shared-memory files mapped (one descriptor each while open):
-        # (inode, owner uid) per file, for the daemon's ownership checks and caps.
-        self.files: list[tuple[tuple[int, int], int]] = [
-            (obj.inode, obj.file_uid) for obj in keepalive
-            if isinstance(obj, ShmArena) and obj.inode is not None and obj.file_uid is not None
-        ]
-        self._keepalive: list[object] = keepalive
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for obj in self._keepalive:
-            if isinstance(obj, ShmArena):
-                obj.close()
-        self._keepalive.clear()
-
-    def __call__(self) -> None:
-        self.close()
-
-
-def import_kv(desc: object) -> tuple[list[torch.Tensor], list[int], KvImport]:
-    """Map a layout description's memory and rebuild the engine's tensors (daemon side).
-
-    Returns ``(tensors, block_dims, closer)`` ready for
-    ``BlockLayout(tensors, block_dims)``. Raises ``KvShareError`` for anything
-    malformed, out of bounds or unmappable; nothing stays mapped on failure.
-    """
-    d = validate_kv_description(desc)
-    tensors, closer = _import_entries(d["transport"], d["tensors"])
-    return tensors, [e["block_dim"] for e in d["tensors"]], closer
-
-
-def import_tensor(desc: object) -> tuple[torch.Tensor, KvImport]:
-    """Map one ``export_tensor`` description (daemon side): ``(tensor, closer)``. Raises ``KvShareError``."""
-    d = validate_tensor_description(desc)
-    tensors, closer = _import_entries(d["transport"], [d])
-    return tensors[0], closer
-
-
-def _import_entries(transport: str, entries: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor], KvImport]:
-    if transport == "shm":
-        return _import_shm(entries)
-    return _import_cuda(entries)
-
-
-def _import_shm(entries: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor], KvImport]:
-    import torch
-
-    arenas: dict[str, ShmArena] = {}
-    tensors: list[torch.Tensor] = []
-    try:
-        for entry in entries:
-            handle = entry["handle"]
-            name, size_bytes = handle["name"], handle["size_bytes"]
-            arena = arenas.get(name)
-            if arena is None:
-                try:
-                    # attach() checks the name, refuses symlinks and requires the exact size.
-                    arena = arenas[name] = ShmArena.attach(name, 1, size_bytes)
-                except ShmAccessError as exc:
-                    raise KvShareAccessError(str(exc)) from None
-                except ShmArenaError as exc:
-                    raise KvShareError(str(exc)) from None
-            elif arena.size_bytes != size_bytes:
-                raise KvShareError(f"shm file {name} is described with two sizes")
-            dtype = _dtype(entry["dtype"])
-            itemsize = SUPPORTED_DTYPES[entry["dtype"]]
-            flat = torch.frombuffer(arena.buffer, dtype=dtype, count=size_bytes // itemsize)
-            tensors.append(torch.as_strided(flat, entry["shape"], entry["stride"], entry["storage_offset"]))
-    except BaseException:
-        tensors.clear()
-        for arena in arenas.values():
-            arena.close()
-        raise
-    nbytes = sum(a.size_bytes for a in arenas.values())
-    return tensors, KvImport("shm", list(arenas.values()), nbytes)
-
-
-def _import_cuda(entries: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor], KvImport]:
-    import torch
-
-    storages: dict[tuple[bytes, int], tuple[Mapping[str, Any], torch.UntypedStorage]] = {}
-    tensors: list[torch.Tensor] = []
-    device = _local_cuda_device(entries[0]["handle"])
-    # _new_shared_cuda does not initialise CUDA itself (reductions.py calls _lazy_init too).
-    torch.cuda.init()
-    try:
-        for i, entry in enumerate(entries):
-            h = entry["handle"]
-            key = (h["ipc_handle"], h["storage_offset_bytes"])
-            if key in storages:
-                opened, storage = storages[key]
-                if opened != h:
-                    raise KvShareError(f"tensors[{i}] names an opened storage with different details")
-            else:
-                try:
-                    with torch.cuda.device(device):
-                        storage = torch.UntypedStorage._new_shared_cuda(
-                            device,
-                            h["ipc_handle"],
-                            h["storage_size_bytes"],
-                            h["storage_offset_bytes"],
-                            h["ref_counter_handle"],
-                            h["ref_counter_offset"],
-                            h["event_handle"],
-                            h["event_sync_required"],
-                        )
-                except RuntimeError as exc:
-                    raise KvShareError(f"cannot open the engine's CUDA memory (tensors[{i}]): {exc}") from exc
-                storages[key] = (h, storage)
-                with torch.cuda.device(device):
-                    _check_inside_allocation(storage, h, f"tensors[{i}]")
-            t = torch.empty(0, dtype=_dtype(entry["dtype"]), device=f"cuda:{device}")
-            t.set_(storage, entry["storage_offset"], entry["shape"], entry["stride"])
-            tensors.append(t)
-    except BaseException:
-        # Dropping the storages releases their IPC references in the engine.
-        tensors.clear()
-        storages.clear()
-        raise
-    nbytes = sum(int(h["storage_size_bytes"]) for h, _ in storages.values())
-    keepalive: list[object] = [s for _, s in storages.values()]
-    return tensors, KvImport("cuda_ipc", keepalive, nbytes)
-
-
-def _check_inside_allocation(storage: torch.UntypedStorage, handle: Mapping[str, Any], what: str) -> None:
-    # The engine states storage_size_bytes; a lie would let the daemon touch
-    # memory past the allocation and fault. The driver knows the real extent.
-    ptr = storage.data_ptr()
-    extent = _address_range(ptr)
-    if extent is None:
-        return
-    base, size = extent
-    if ptr + int(handle["storage_size_bytes"]) > base + size:
-        raise KvShareError(
-            f"{what}: the described storage ({handle['storage_size_bytes']} bytes) runs past the end of the "
-            f"shared CUDA allocation ({base + size - ptr} bytes available)"
-        )

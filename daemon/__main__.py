@@ -52,9 +52,9 @@ def _resolve_device(device: str) -> str:
 
 
 def _import_kv_tensor(desc: dict[str, Any]) -> tuple[Any, Closeable]:
-    from kvtier.client import kv_share
+    from kvtier.daemon import kv_import
 
-    return kv_share.import_tensor(desc)
+    return kv_import.import_tensor(desc)
 
 
 def curve_from_config(cfg: DaemonConfig) -> CurveOptions | None:

@@ -47,10 +47,10 @@ from kvtier.client.protocol import (
     frame_nbytes,
     pack_tiers,
 )
-from kvtier.client.kv_share import KvShareAccessError
 from kvtier.client.shm_arena import ShmAccessError, ShmArena, ShmArenaError
 from kvtier.daemon import client_memory
 from kvtier.daemon.hints import request_hints
+from kvtier.daemon.kv_import import KvShareAccessError
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.daemon.sessions import Closeable, Registration, Session, SessionTable

@@ -39,6 +39,7 @@ def daemon_available() -> bool:
         import kvtier.client.client  # noqa: F401
         import kvtier.client.kv_share  # noqa: F401
         import kvtier.daemon.__main__  # noqa: F401
+        import kvtier.daemon.kv_import  # noqa: F401  (imported lazily by kvtierd: checked here)
     except Exception:  # anything: a half-written module counts as absent
         return False
     return True

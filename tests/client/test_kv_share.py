@@ -16,19 +16,17 @@ import msgpack
 import pytest
 import torch
 
+from kvtier.client.kv_description import validate_kv_description, validate_tensor_description
 from kvtier.client.kv_share import (
     SUPPORTED_DTYPES,
     KvShareError,
     allocate_shared_kv,
     export_kv,
     export_tensor,
-    import_kv,
-    import_tensor,
     unlink_shared_kv,
-    validate_kv_description,
-    validate_tensor_description,
 )
 from kvtier.client.shm_arena import SHM_DIR
+from kvtier.daemon.kv_import import import_kv, import_tensor
 
 NUM_BLOCKS = 6
 
