@@ -39,11 +39,8 @@ Results are printed as tables and written as JSON (default
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
-import os
-import platform
 import random
 import re
 import socket
@@ -55,21 +52,14 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
 
+from report import git, loadavg, machine_info, memory_facts, progress, table, write_json, yes
+
 REPO = Path(__file__).resolve().parent.parent
 
 TARGET_OPS_PER_S = 500_000
 TARGET_REF_RATIO = 1.0
 TARGET_BYTES_PER_BLOCK = 250
 TARGET_TRANSFER_RATIO = 0.80  # for 2 MiB blocks
-
-
-def progress(msg: str, *, end: str = "\n") -> None:
-    """A status line on stderr; ``end=""`` overwrites it in place on a terminal."""
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r\x1b[K[bench] {msg}{end}")
-    else:
-        sys.stderr.write(f"[bench] {msg}\n")
-    sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------
@@ -544,17 +534,6 @@ def bench_transfer(args) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def table(headers: list[str], rows: list[list[str]], title: str) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    lines = [title, fmt(headers), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
-    return "\n".join(lines)
-
-
-def yes(b: bool) -> str:
-    return "yes" if b else "NO"
-
-
 def report(res: dict) -> str:
     parts = []
     ops = res.get("ops")
@@ -622,24 +601,12 @@ def report(res: dict) -> str:
     return "\n".join(parts)
 
 
-def machine_info() -> dict:
-    def git(*a: str) -> str | None:
-        try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        except Exception:
-            return None
-
-    info = dict(
-        hostname=socket.gethostname(), platform=platform.platform(), machine=platform.machine(),
-        processor=platform.processor(), cpu_count=os.cpu_count(),
-        cpu_affinity=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        python=sys.version.split()[0], implementation=platform.python_implementation(),
-        timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        git_commit=git("rev-parse", "--short", "HEAD"),
-        # others edit concurrently: say whether the measured block manager differs from HEAD
-        block_manager_dirty=bool(git("status", "--porcelain", "--", "tiers/block_manager.py")),
-        loadavg_at_start=os.getloadavg() if hasattr(os, "getloadavg") else None,
-    )
+def tiers_machine_info() -> dict:
+    """The shared machine facts, the processor and whether the block manager differs from HEAD, then
+    torch and its CUDA device (section 3 depends on them)."""
+    # others edit concurrently: say whether the measured block manager differs from HEAD
+    info = machine_info(processor=True,
+                        block_manager_dirty=bool(git("status", "--porcelain", "--", "tiers/block_manager.py")))
     try:
         import torch
 
@@ -649,12 +616,7 @@ def machine_info() -> dict:
             info["cuda_device"] = torch.cuda.get_device_name()
     except Exception as exc:  # torch missing is not fatal for sections 1 and 2
         info["torch"] = f"unavailable: {exc}"
-    try:
-        import psutil
-
-        info["memory_total"] = psutil.virtual_memory().total
-    except Exception:
-        pass
+    info.update(memory_facts())
     return info
 
 
@@ -709,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown sections: {sorted(unknown)}")
 
     t_start = time.perf_counter()
-    res: dict = {"machine": machine_info(), "quick": q, "args": {k: (str(v) if isinstance(v, Path) else v)
+    res: dict = {"machine": tiers_machine_info(), "quick": q, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                                  for k, v in vars(args).items() if not k.startswith("_")}}
     if "ops" in sections:
         res["ops"] = bench_ops(args)
@@ -722,15 +684,12 @@ def main(argv: list[str] | None = None) -> int:
             res["transfer"] = {"skipped": True, "reason": f"error: {type(exc).__name__}: {exc}"}
             print(f"GPU transfer section failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     res["wall_s"] = time.perf_counter() - t_start
-    res["machine"]["loadavg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    res["machine"]["loadavg_at_end"] = loadavg()
 
     print(report(res))
     path = args.json if args.json is not None else (None if q else default_json_path())
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=2) + "\n")
-        print(f"\nwrote {path.relative_to(REPO) if path.resolve().is_relative_to(REPO) else path} "
-              f"({res['wall_s']:.0f}s)")
+        write_json(res, path, wall_s=res["wall_s"])
     return 0
 
 
