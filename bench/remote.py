@@ -41,13 +41,10 @@ Results are printed as tables and written as JSON (default
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib.util
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,6 +56,8 @@ import redis
 import xxhash
 
 from kvtier.tiers.remote_tier import RemoteTier
+
+from report import git, utc_now, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_OVERHEAD = 0.15
@@ -262,7 +261,7 @@ def _env(url: str, own_server: bool) -> dict[str, Any]:
     except AttributeError:
         hiredis = False
     return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
@@ -271,8 +270,7 @@ def _env(url: str, own_server: bool) -> dict[str, Any]:
         "server": version,
         "server_started_by_bench": own_server,
         "transport": "loopback TCP",
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip(),
+        "git": git("rev-parse", "--short", "HEAD") or "",
     }
 
 
@@ -333,9 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "pool_lookup_error" in lookup:
         print(f"pool lookup skipped: {lookup['pool_lookup_error']}")
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"\nwrote {json_path}")
+        write_json(result, json_path)
     return 0
 
 
