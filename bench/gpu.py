@@ -40,9 +40,7 @@ direction. Results: a table on stdout, JSON in ``--out`` as
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib.util
-import json
 import platform
 import random
 import re
@@ -52,6 +50,8 @@ import threading
 import time
 import types
 from pathlib import Path
+
+from report import progress, utc_now, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"contig-2MiB": 0.80, "layers32-kv32KiB": 0.50, "layers32-kv64KiB": 0.50}
@@ -81,8 +81,8 @@ def _import_kvtier() -> None:
 
 
 def say(msg: str) -> None:
-    sys.stderr.write(f"[bench/gpu] {msg}\n")
-    sys.stderr.flush()
+    """A progress line on stderr (stdout carries the tables)."""
+    progress(msg, tag="bench/gpu")
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [TARGET_BATCH] if args.quick else [16, TARGET_BATCH]
     layouts = ["contig-2MiB", "layers32-kv32KiB"] if args.quick else list(TARGETS)
     result: dict = {
-        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "when": utc_now(),
         "device": props.name, "sms": props.multi_processor_count, "host": platform.node(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": getattr(cp, "__version__", None),
         "methods": methods, "blocks": args.blocks, "reps": args.reps,
@@ -328,10 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "ratio": best["ratio"], "met": best["ratio"] >= TARGETS[name]}
 
     print_tables(result)
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu-{re.sub(r'[^A-Za-z0-9._-]+', '-', props.name).strip('-')}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"\nJSON: {path}")
+    write_json(result, path, indent=1)
     return 0
 
 
