@@ -11,14 +11,14 @@ the result down.
 Sources, lowest precedence first (a later source overrides single keys of an
 earlier one, it does not replace whole tables):
 
-1. embedded defaults (the dataclass defaults below): enough to run with no
+1. embedded defaults (the dataclass defaults in ``schema``): enough to run with no
    file, no environment and no flags;
 2. a TOML file: ``--config PATH``, else ``$KVTIER_CONFIG``; none by default.
    See ``systemd/kvtierd.toml`` for every key;
 3. ``KVTIER_*`` environment variables: ``KVTIER_<KEY>`` for top-level keys
-   (``KVTIER_SOCKET``, ``KVTIER_LEASE_S``, ...), ``KVTIER_GPU_BYTES``,
-   ``KVTIER_CPU_BYTES``, ``KVTIER_POLICY``, ``KVTIER_CLEAN_AHEAD_BLOCKS`` for
-   the ``[default_pool]`` table, and ``KVTIER_POOLS__<POOL>__<KEY>`` for one
+   (``KVTIER_SOCKET``, ``KVTIER_LEASE_S``, ...) and for the keys of the
+   ``[default_pool]`` table (``KVTIER_GPU_BYTES``, ``KVTIER_CPU_BYTES``,
+   ...), and ``KVTIER_POOLS__<POOL>__<KEY>`` for one
    pool, where ``<POOL>`` is the pool name with every character other than
    ``A-Z a-z 0-9`` written as ``_``, compared case-insensitively
    (``llama-8b/tp0`` -> ``KVTIER_POOLS__LLAMA_8B_TP0__CPU_BYTES``). An empty
@@ -40,12 +40,25 @@ Values:
 - In text sources (environment, flags) optional values take ``auto``/``off``/
   ``none``; booleans take ``1/0``, ``true/false``, ``yes/no``, ``on/off``.
 
-Adding a top-level key: a field of ``DaemonConfig`` (with its check in
-``__post_init__``) and one ``_Key`` line in ``_TOP_KEYS`` (parser and help);
-its environment variable, its flag and its ``--print-config`` line follow
-from those. Put it in ``systemd/kvtierd.toml`` too (a test loads that file
-and compares it with the defaults), in a ``build_arg_parser`` group, and in
-``docs/operating.md``.
+Adding a top-level key: one field of ``DaemonConfig``,
+``name: type = field(default=..., metadata=key(reader, help, metavar,
+group=..., rank=..., check=...))`` (``schema.key``): the reader of its raw
+value (``units._as_*``), its check, its ``--help`` text, section and place
+there, and how an unset value is spelled. Its environment variable, its flag,
+its ``--help`` default, its ``--print-config`` line and its did-you-mean
+follow from that field. A key of the pool tables is a field of
+``PoolDefaults`` declared the same way, with its name and type repeated in
+``PoolOverrides`` and ``PoolSettings`` (the module does not import when they
+differ). Put the key in ``systemd/kvtierd.toml`` too (a test loads that file
+and compares it with the defaults), and in ``docs/operating.md``.
+
+Modules: ``units`` (value grammar: byte sizes, shares, seconds; the ``_as_*``
+readers), ``schema`` (the dataclasses, their checks, the key declarations),
+``sources`` (file, environment and flags layered into a ``DaemonConfig``),
+``cli`` (flags, ``load_config``, the exit policy), ``render``
+(``--print-config``), ``errors`` (``ConfigError``). Import from this package.
+Inside it dependencies point one way: ``errors`` <- ``units`` <- ``schema``
+<- ``sources``, ``render`` <- ``cli``.
 
 Default socket (``ipc://`` only; ``tcp://`` is used only when configured), the
 first that applies:

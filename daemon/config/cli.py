@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn, TextIO
@@ -25,18 +26,35 @@ from typing import NoReturn, TextIO
 from kvtier.daemon.config.errors import ConfigError
 from kvtier.daemon.config.render import format_config
 from kvtier.daemon.config.schema import (
-    _POOL_KEYS,
-    _TOP_KEYS,
     CPU_AUTO_CAP_BYTES,
     CPU_AUTO_FRACTION,
     GPU_AUTO_BYTES_CUDA,
     GPU_AUTO_BYTES_HOST,
+    POOL_KEYS,
+    POOLS,
+    TOP_KEYS,
     DaemonConfig,
+    Key,
+    env_name,
+    flag_name,
 )
-from kvtier.daemon.config.sources import _ENV_CONFIG, _apply_environ, _apply_file, _apply_flags, _build, _flag, _Layers
+from kvtier.daemon.config.sources import ENV_CONFIG, _apply_environ, _apply_file, _apply_flags, _build, _Layers
 from kvtier.tiers.units import format_byte_size
 
 CONFIG_EXIT_CODE = 2
+_DESCRIPTION_COLUMN = 32  # where the epilog's explanations start
+
+_GROUP_DESCRIPTIONS = {POOLS: "sizes and policy for every pool ([default_pool]); --pool overrides one pool by name"}
+
+
+def _env_lines(names: list[str], description: str) -> str:
+    """``names`` wrapped at 80 columns, ``description`` in the epilog's column after them (below if no room)."""
+    lines = textwrap.wrap(", ".join(names), width=80, initial_indent="  ", subsequent_indent="  ")
+    if len(lines[-1]) < _DESCRIPTION_COLUMN:
+        lines[-1] = lines[-1].ljust(_DESCRIPTION_COLUMN) + description
+    else:
+        lines.append(" " * _DESCRIPTION_COLUMN + description)
+    return "\n".join(lines)
 
 
 _EPILOG = f"""\
@@ -45,8 +63,7 @@ configuration sources, later ones override single keys of earlier ones:
 
 environment variables:
   KVTIER_<KEY>                  a top-level key, e.g. KVTIER_SOCKET, KVTIER_LEASE_S
-  KVTIER_GPU_BYTES, KVTIER_CPU_BYTES, KVTIER_POLICY, KVTIER_CLEAN_AHEAD_BLOCKS
-                                the [default_pool] table
+{_env_lines([env_name(k) for k in POOL_KEYS], "the [default_pool] table")}
   KVTIER_POOLS__<POOL>__<KEY>   one pool; POOL is the pool name with every
                                 non-alphanumeric character written as '_'
                                 (llama-8b/tp0 -> KVTIER_POOLS__LLAMA_8B_TP0__CPU_BYTES)
@@ -64,8 +81,29 @@ exit status: 0 ok, 2 bad configuration or flags.
 """
 
 
+def _shown_default(spec: Key, default: object) -> str:
+    """``--help``'s "(default: ...)", spelled as the key's values are written."""
+    if spec.shown_default is not None:
+        return spec.shown_default
+    if default is None:
+        return spec.unset
+    if spec.is_switch:
+        return "yes" if default else "no"
+    if spec.is_size:
+        return format_byte_size(default)  # type: ignore[arg-type]
+    if spec.is_mode:
+        return f"{default:04o}"
+    return str(default)
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
-    """kvtierd's flags. Unset flags are absent from the namespace (they override nothing)."""
+    """kvtierd's flags. Unset flags are absent from the namespace (they override nothing).
+
+    One flag per key of ``TOP_KEYS`` (dest: the key) and of ``POOL_KEYS``
+    (dest: ``default_pool.<key>``, setting the ``[default_pool]`` table), in
+    ``--help`` sections by the key's group and rank; ``--pool NAME KEY=VALUE``
+    sets one pool's key.
+    """
     parser = argparse.ArgumentParser(
         prog="kvtierd",
         description="kvtier daemon: a two-tier (GPU + pinned CPU) KV-cache block store for LLM\n"
@@ -90,51 +128,26 @@ def build_arg_parser() -> argparse.ArgumentParser:
         kvtier_version = "unknown"
     general.add_argument("--version", action="version", version=f"kvtierd (kvtier) {kvtier_version}")
 
-    groups = {
-        "server": ("server", ["socket", "socket_mode", "lease_s", "heartbeat_s", "poll_interval_s", "drain_timeout_s",
-                              "max_message_bytes", "max_shm_files_per_session", "max_registrations_per_session", "max_pools", "max_pinned_share",
-                              "cpu_budget_bytes", "pool_idle_ttl_s", "max_unread_reply_bytes"]),
-        "runtime": ("runtime", ["device", "hash_algo", "log_level", "metrics_port", "metrics_host"]),
-        "security": ("tcp security", ["insecure_tcp", "curve_secret_key_file", "curve_public_keys_dir"]),
-    }
-    for title, keys in groups.values():
-        group = parser.add_argument_group(title)
-        for key in keys:
-            spec = _TOP_KEYS[key]
-            default = getattr(defaults, key)
-            shown = default
-            if key == "socket":
-                shown = "see below"
-            elif key == "max_message_bytes":
-                shown = format_byte_size(default)
-            elif key == "socket_mode":
-                shown = f"{default:04o}"
-            elif default is None:
-                shown = {"heartbeat_s": "auto", "metrics_port": "off"}.get(key, "none")
-            if key == "insecure_tcp":
-                group.add_argument(
-                    _flag(key), dest=key, action=argparse.BooleanOptionalAction, help=f"{spec.help} (default: no)"
-                )
-                continue
-            group.add_argument(_flag(key), dest=key, metavar=spec.metavar, help=f"{spec.help} (default: {shown})")
-
-    pools = parser.add_argument_group(
-        "pools",
-        "sizes and policy for every pool ([default_pool]); --pool overrides one pool by name",
-    )
-    for key, spec in _POOL_KEYS.items():
-        default = getattr(defaults.default_pool, key)
-        shown = "auto" if default is None else default
-        pools.add_argument(
-            _flag(key), dest=f"default_pool.{key}", metavar=spec.metavar, help=f"{spec.help} (default: {shown})"
-        )
-    pools.add_argument(
+    # Sections in the order of their first key; in a section, flags by rank (ties: field order).
+    declared = [(name, name, spec, getattr(defaults, name)) for name, spec in TOP_KEYS.items()]
+    declared += [
+        (name, f"default_pool.{name}", spec, getattr(defaults.default_pool, name)) for name, spec in POOL_KEYS.items()
+    ]
+    titles = list(dict.fromkeys(spec.group for _, _, spec, _ in declared))
+    sections = {title: parser.add_argument_group(title, _GROUP_DESCRIPTIONS.get(title)) for title in titles}
+    for name, dest, spec, default in sorted(declared, key=lambda d: (titles.index(d[2].group), d[2].rank)):
+        section, help_text = sections[spec.group], f"{spec.help} (default: {_shown_default(spec, default)})"
+        if spec.is_switch:
+            section.add_argument(flag_name(name), dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            section.add_argument(flag_name(name), dest=dest, metavar=spec.metavar, help=help_text)
+    sections[POOLS].add_argument(
         "--pool",
         dest="pool_settings",
         nargs=2,
         action="append",
         metavar=("NAME", "KEY=VALUE"),
-        help=f"set one key of pool NAME, e.g. --pool llama-8b/tp0 cpu_bytes=32GiB (keys: {', '.join(_POOL_KEYS)}); repeatable",
+        help=f"set one key of pool NAME, e.g. --pool llama-8b/tp0 cpu_bytes=32GiB (keys: {', '.join(POOL_KEYS)}); repeatable",
     )
     return parser
 
@@ -143,7 +156,7 @@ def _load(argv: Sequence[str] | None, environ: Mapping[str, str] | None) -> tupl
     environ = os.environ if environ is None else environ
     ns = build_arg_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     layers = _Layers()
-    config_path = getattr(ns, "config", None) or environ.get(_ENV_CONFIG) or None
+    config_path = getattr(ns, "config", None) or environ.get(ENV_CONFIG) or None
     if config_path:
         _apply_file(layers, Path(config_path))
     _apply_environ(layers, environ)

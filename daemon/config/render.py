@@ -14,20 +14,9 @@ import json
 
 import psutil
 
-from kvtier.daemon.config.schema import (
-    _TABLES,
-    CPU_AUTO_CAP_BYTES,
-    CPU_AUTO_FRACTION,
-    CPU_BUDGET_AUTO_FRACTION,
-    GPU_AUTO_BYTES_CUDA,
-    GPU_AUTO_BYTES_HOST,
-    DaemonConfig,
-    PoolDefaults,
-    PoolOverrides,
-    resolve_cpu_budget_bytes,
-)
+from kvtier.daemon.config.schema import POOL_KEYS, TOP_KEYS, DaemonConfig, Key, PoolDefaults, PoolOverrides
 from kvtier.daemon.config.units import MemoryFraction
-from kvtier.tiers.units import format_byte_size, format_gib
+from kvtier.tiers.units import format_byte_size
 
 
 def _toml_value(value: object) -> str:
@@ -35,63 +24,48 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, MemoryFraction):
-        return json.dumps(str(value))
     return json.dumps(str(value))
 
 
-def _size_line(key: str, value: int | MemoryFraction | None, auto_comment: str) -> str:
-    if value is None:
-        return f'{key} = "auto"  # {auto_comment}'
+def _size_line(key: str, value: int | MemoryFraction) -> str:
     if isinstance(value, MemoryFraction):
         return f"{key} = {_toml_value(value)}  # of available memory when the pool is created"
     spelled = format_byte_size(value)
     return f"{key} = {json.dumps(spelled) if spelled != str(value) else value}"
 
 
+def _key_line(name: str, spec: Key, value: object, cfg: DaemonConfig, available_bytes: int) -> str | None:
+    """``name = value`` as the key's declaration spells it; None for an unset key spelled "none"."""
+    if value is None:
+        if spec.unset == "none":
+            return None
+        note = spec.auto_note(cfg, available_bytes) if spec.auto_note is not None else ""
+        return f'{name} = "{spec.unset}"' + (f"  # {note}" if note else "")
+    if spec.is_size:
+        return _size_line(name, value)  # type: ignore[arg-type]
+    if spec.is_mode:
+        return f'{name} = "{value:04o}"'
+    return f"{name} = {_toml_value(value)}"
+
+
 def format_config(cfg: DaemonConfig, available_bytes: int | None = None) -> str:
     """The configuration as TOML that ``--config`` reads back to an equal ``DaemonConfig``."""
     if available_bytes is None:
         available_bytes = int(psutil.virtual_memory().available)
-    auto_cpu_bytes = min(int(available_bytes * CPU_AUTO_FRACTION), CPU_AUTO_CAP_BYTES)
-    auto_cpu = (
-        f"{CPU_AUTO_FRACTION:.0%} of available memory, at most {format_byte_size(CPU_AUTO_CAP_BYTES)} "
-        f"(now {format_gib(auto_cpu_bytes, decimals=1)})"
-    )
-    auto_gpu = f"{format_byte_size(GPU_AUTO_BYTES_CUDA)} on CUDA, {format_byte_size(GPU_AUTO_BYTES_HOST)} without"
     lines = ["# kvtierd effective configuration (kvtierd --print-config)"]
-    for f in dataclasses.fields(cfg):
-        key, value = f.name, getattr(cfg, f.name)
-        if key in _TABLES:
-            continue
-        if key == "heartbeat_s" and value is None:
-            lines.append(f'heartbeat_s = "auto"  # lease_s / 3 = {cfg.recommended_heartbeat_s:g} s')
-        elif key == "metrics_port" and value is None:
-            lines.append('metrics_port = "off"')
-        elif key == "max_message_bytes":
-            lines.append(_size_line(key, value, ""))
-        elif key == "max_unread_reply_bytes":
-            lines.append(_size_line(key, value, ""))
-        elif key == "cpu_budget_bytes":
-            lines.append(_size_line(key, value, f"{CPU_BUDGET_AUTO_FRACTION:.0%} of available memory at start "
-                                                f"(now {format_gib(resolve_cpu_budget_bytes(cfg, available_bytes), decimals=1)})"))
-        elif key == "socket_mode":
-            lines.append(f'{key} = "{value:04o}"')
-        elif value is None:
-            lines.append(f"# {key} is not set")
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
+    for name, spec in TOP_KEYS.items():
+        line = _key_line(name, spec, getattr(cfg, name), cfg, available_bytes)
+        lines.append(line if line is not None else f"# {name} is not set")
 
     def pool_lines(table: PoolDefaults | PoolOverrides) -> list[str]:
         out = []
-        for f in dataclasses.fields(table):
-            value = getattr(table, f.name)
-            if f.name in ("gpu_bytes", "cpu_bytes"):
-                if value is None and isinstance(table, PoolOverrides):
-                    continue
-                out.append(_size_line(f.name, value, auto_gpu if f.name == "gpu_bytes" else auto_cpu))
-            elif value is not None:
-                out.append(f"{f.name} = {_toml_value(value)}")
+        for name, spec in POOL_KEYS.items():
+            value = getattr(table, name)
+            if value is None and isinstance(table, PoolOverrides):
+                continue  # not overridden: the [default_pool] value applies
+            line = _key_line(name, spec, value, cfg, available_bytes)
+            if line is not None:
+                out.append(line)
         return out
 
     lines += ["", "[default_pool]", *pool_lines(cfg.default_pool)]
@@ -104,5 +78,5 @@ def format_config(cfg: DaemonConfig, available_bytes: int | None = None) -> str:
             value = getattr(tenant, f.name)
             if value is None:
                 continue
-            lines.append(_size_line(f.name, value, "") if f.name == "cpu_quota_bytes" else f"{f.name} = {json.dumps(value)}")
+            lines.append(_size_line(f.name, value) if f.name == "cpu_quota_bytes" else f"{f.name} = {json.dumps(value)}")
     return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""The configuration tree: frozen dataclasses that check themselves, and the key declarations.
+"""The configuration tree: frozen dataclasses that check themselves, each key declared once.
 
 Contract
 ========
@@ -8,23 +8,33 @@ Contract
   (one pool's effective settings) and ``TenantConfig``. Constructing one
   validates it (a ``DaemonConfig`` built by hand is checked as a loaded one
   is) and raises ``ConfigError`` naming the key relative to its table.
-- ``_TOP_KEYS`` and ``_POOL_KEYS``: how each key is read from text sources
-  (its converter), its help and metavar; ``sources``, ``cli`` and ``render``
-  derive environment names, flags and ``--print-config`` from them.
+- A key is a dataclass field whose metadata is ``key(...)``: a ``Key`` with
+  the reader of its raw value (``units._as_*``), its check, its ``--help``
+  text, metavar and group, and how "unset" is spelled. ``DaemonConfig``'s
+  fields declare the top-level keys, ``PoolDefaults``' the keys of a pool
+  table; ``TOP_KEYS`` and ``POOL_KEYS`` collect them in field order, and
+  ``sources``, ``cli`` and ``render`` derive environment names, flags and
+  ``--print-config`` lines from them. ``PoolOverrides`` and ``PoolSettings``
+  repeat the pool keys' names and types only (importing this module fails
+  when they drift apart).
 - ``pool_key``/``tenant_key`` spell a table's dotted key for messages;
-  ``env_pool_name`` spells a pool name inside ``KVTIER_POOLS__<POOL>__<KEY>``.
+  ``env_pool_name`` spells a pool name inside ``KVTIER_POOLS__<POOL>__<KEY>``;
+  ``env_name``/``flag_name`` spell a key's environment variable and flag.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import psutil
 
@@ -54,7 +64,7 @@ from kvtier.daemon.config.units import (
 )
 from kvtier.daemon.tenant_ids import tenant_tag
 from kvtier.tiers.eviction import DEFAULT_POLICY  # no torch: config stays fast to load
-from kvtier.tiers.units import GiB, KiB, MiB
+from kvtier.tiers.units import GiB, KiB, MiB, format_byte_size, format_gib
 
 CPU_AUTO_FRACTION = 0.25
 CPU_AUTO_CAP_BYTES = 64 * GiB
@@ -71,253 +81,114 @@ MAX_IPC_PATH_BYTES = 107
 ENV_PREFIX = "KVTIER_"
 
 
-@dataclass(frozen=True)
-class PoolDefaults:
-    """Settings of every pool that has no override (``[default_pool]``). ``None`` sizes auto-size."""
-
-    gpu_bytes: int | None = None
-    cpu_bytes: CpuBytes | None = None
-    policy: str = DEFAULT_POLICY
-    clean_ahead_blocks: int = 64
-    remote_url: str | None = None  # Redis/Valkey remote tier below the CPU tier; None: none
-
-    def __post_init__(self) -> None:
-        _check_gpu_bytes("gpu_bytes", self.gpu_bytes)
-        _check_cpu_bytes("cpu_bytes", self.cpu_bytes)
-        _check_policy("policy", self.policy)
-        _check_int("clean_ahead_blocks", self.clean_ahead_blocks, minimum=0)
-        _check_remote_url("remote_url", self.remote_url)
+# --------------------------------------------------------------------------------------------
+# Declaring a key
 
 
-@dataclass(frozen=True)
-class PoolOverrides:
-    """Per-pool settings (``[pools."<name>"]``); ``None`` keeps the ``default_pool`` value."""
+Check = Callable[[str, Any], None]
+# What an "auto" value comes to on this host now, for --print-config's comment.
+AutoNote = Callable[["DaemonConfig", int], str]
 
-    gpu_bytes: int | None = None
-    cpu_bytes: CpuBytes | None = None
-    policy: str | None = None
-    clean_ahead_blocks: int | None = None
-    remote_url: str | None = None
+# --help sections, in the order of their first key.
+SERVER = "server"
+RUNTIME = "runtime"
+TCP_SECURITY = "tcp security"
+POOLS = "pools"
 
-    def __post_init__(self) -> None:
-        _check_gpu_bytes("gpu_bytes", self.gpu_bytes)
-        _check_cpu_bytes("cpu_bytes", self.cpu_bytes)
-        if self.policy is not None:
-            _check_policy("policy", self.policy)
-        if self.clean_ahead_blocks is not None:
-            _check_int("clean_ahead_blocks", self.clean_ahead_blocks, minimum=0)
-        _check_remote_url("remote_url", self.remote_url)
+_SIZE_READERS: frozenset[Coerce] = frozenset({_as_size, _as_optional_size, _as_optional_cpu_size})
+_KEY_METADATA = "kvtier.config.key"
 
 
 @dataclass(frozen=True)
-class PoolSettings:
-    """The effective settings of one pool: ``default_pool`` with that pool's overrides applied."""
+class Key:
+    """Everything about one key besides its field's name, type and default.
 
-    name: str
-    gpu_bytes: int | None
-    cpu_bytes: CpuBytes | None
-    policy: str
-    clean_ahead_blocks: int
-    remote_url: str | None = None
-
-    def resolve_cpu_bytes(self, available_bytes: int | None = None) -> int:
-        """CPU-tier bytes for this pool; ``available_bytes`` defaults to psutil's available memory now."""
-        if isinstance(self.cpu_bytes, int):
-            return self.cpu_bytes
-        if available_bytes is None:
-            available_bytes = int(psutil.virtual_memory().available)
-        if isinstance(self.cpu_bytes, MemoryFraction):
-            return self.cpu_bytes.of(available_bytes)
-        return min(int(available_bytes * CPU_AUTO_FRACTION), CPU_AUTO_CAP_BYTES)
-
-    def resolve_gpu_bytes(self, *, on_cuda: bool) -> int:
-        """GPU-tier bytes for a store-mode pool (engine mode uses the engine's tensors instead)."""
-        if self.gpu_bytes is not None:
-            return self.gpu_bytes
-        return GPU_AUTO_BYTES_CUDA if on_cuda else GPU_AUTO_BYTES_HOST
-
-
-@dataclass(frozen=True)
-class TenantConfig:
-    """One tenant (``[tenants.<name>]``, TOML only): how its sessions are recognised, and its quota.
-
-    A session belongs to the tenant whose ``public_key`` (CURVE, Z85, 40
-    characters) its connection authenticated with, or whose token it sent in
-    ``hello``. Tokens are kept as ``token_sha256`` (hex SHA-256 of the token):
-    a file may give ``token = "..."`` in clear, which is hashed on loading, so
-    the loaded configuration neither holds nor prints it. ``cpu_quota_bytes``
-    (None = no quota) caps the tenant's resident CPU-tier bytes over all pools.
+    ``coerce`` reads a raw value (``text``: a string from the environment or a
+    flag; else a TOML value); ``check`` (None: any value of the right type)
+    validates the field's value and names the key it is given; ``help`` is
+    argparse text (``%`` written ``%%``); ``rank`` orders the flags of one
+    ``group`` in ``--help`` (ties: field order); ``unset`` is how ``--help``
+    and ``--print-config`` spell None ("none": ``--print-config`` leaves
+    the key out); ``shown_default`` replaces ``--help``'s default when the
+    field's default says nothing (computed at run time); ``auto_note`` is
+    ``--print-config``'s comment on an unset value.
     """
 
-    public_key: str | None = None
-    token_sha256: str | None = None
-    cpu_quota_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.public_key is not None:
-            _check_z85_key("public_key", self.public_key)
-        if self.token_sha256 is not None and not (
-            isinstance(self.token_sha256, str) and re.fullmatch(r"[0-9a-f]{64}", self.token_sha256)
-        ):
-            raise ConfigError("token_sha256", "must be 64 lower-case hex digits (sha256 of the token)")
-        if self.public_key is None and self.token_sha256 is None:
-            raise ConfigError("public_key", "a tenant needs a public_key (CURVE) or a token (or both)")
-        if self.cpu_quota_bytes is not None:
-            _check_int("cpu_quota_bytes", self.cpu_quota_bytes, minimum=0)
-
-
-@dataclass(frozen=True)
-class DaemonConfig:
-    """Everything kvtierd is configured with. Constructing one validates it."""
-
-    socket: str = field(default_factory=lambda: default_socket(os.environ))
-    lease_s: float = 10.0
-    heartbeat_s: float | None = None
-    poll_interval_s: float = 0.05
-    drain_timeout_s: float = 10.0
-    max_message_bytes: int = 256 * MiB
-    # Shared-memory files a session may map (arena and KV registrations: one
-    # descriptor each) and KV registrations it may hold; the daemon-wide total
-    # of mapped files is capped below RLIMIT_NOFILE as well (daemon.handlers).
-    max_shm_files_per_session: int = 1024
-    max_registrations_per_session: int = 64
-    max_pools: int = 128  # pools the daemon holds at once (each: a CPU tier, a GPU tier in store mode, 2 threads)
-    # Pins one session, and one tenant's sessions together, may hold on a pool, as a share of its blocks.
-    max_pinned_share: float = 0.5
-    # Bytes of replies (block payloads) one connection has not read yet; past it its requests are refused.
-    max_unread_reply_bytes: int = 512 * MiB
-    # All pools' CPU tiers together; None ("auto"): CPU_BUDGET_AUTO_FRACTION of available memory at start.
-    cpu_budget_bytes: CpuBytes | None = None
-    # A pool without sessions keeps its blocks this long (or until a new pool needs its memory).
-    pool_idle_ttl_s: float = 3600.0
-    log_level: str = "info"
-    device: str = "auto"
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    insecure_tcp: bool = False
-    curve_secret_key_file: Path | None = None
-    curve_public_keys_dir: Path | None = None
-    socket_mode: int = 0o600
-    hash_algo: str = "xxh3_128"
-    default_pool: PoolDefaults = field(default_factory=PoolDefaults)
-    pools: Mapping[str, PoolOverrides] = field(default_factory=dict, hash=False)
-    tenants: Mapping[str, TenantConfig] = field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        _check_duration("lease_s", self.lease_s)
-        if self.heartbeat_s is not None:
-            _check_duration("heartbeat_s", self.heartbeat_s)
-            if self.heartbeat_s >= self.lease_s:
-                raise ConfigError(
-                    "heartbeat_s",
-                    f"must be shorter than lease_s ({self.lease_s:g} s), got {self.heartbeat_s:g} s; "
-                    "a client heartbeating slower than the lease loses its pins",
-                )
-        _check_duration("poll_interval_s", self.poll_interval_s)
-        _check_duration("drain_timeout_s", self.drain_timeout_s, allow_zero=True)
-        _check_int("max_message_bytes", self.max_message_bytes, minimum=MIN_MESSAGE_BYTES)
-        _check_int("max_shm_files_per_session", self.max_shm_files_per_session, minimum=1)
-        _check_int("max_registrations_per_session", self.max_registrations_per_session, minimum=1)
-        _check_int("max_pools", self.max_pools, minimum=1)
-        _check_cpu_bytes("cpu_budget_bytes", self.cpu_budget_bytes)
-        _check_int("max_unread_reply_bytes", self.max_unread_reply_bytes, minimum=MIN_MESSAGE_BYTES)
-        _check_duration("pool_idle_ttl_s", self.pool_idle_ttl_s)
-        if not 0.0 < self.max_pinned_share <= 1.0:
-            raise ConfigError("max_pinned_share", f"must be a share in (0, 1], got {self.max_pinned_share!r}")
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        _check_device("device", self.device)
-        if self.metrics_port is not None:
-            _check_int("metrics_port", self.metrics_port, minimum=1, maximum=65535)
-        if not isinstance(self.metrics_host, str) or not self.metrics_host:
-            raise ConfigError("metrics_host", f"must be a host name or address, got {self.metrics_host!r}")
-        if not isinstance(self.insecure_tcp, bool):
-            raise ConfigError("insecure_tcp", f"must be true or false, got {self.insecure_tcp!r}")
-        _check_hash_algo("hash_algo", self.hash_algo)
-        _check_socket_mode("socket_mode", self.socket_mode)
-        _check_socket(self)
-        if not isinstance(self.default_pool, PoolDefaults):
-            raise ConfigError("default_pool", "must be a PoolDefaults")
-        pools = dict(self.pools)
-        env_keys: dict[str, str] = {}
-        for name, overrides in pools.items():
-            key = pool_key(name)
-            if not isinstance(name, str) or not name:
-                raise ConfigError(key, "pool names must be non-empty strings")
-            if not isinstance(overrides, PoolOverrides):
-                raise ConfigError(key, "must be a PoolOverrides")
-            other = env_keys.setdefault(env_pool_name(name), name)
-            if other != name:
-                raise ConfigError(
-                    key,
-                    f"pool names {other!r} and {name!r} are the same pool in the environment "
-                    f"(KVTIER_POOLS__{env_pool_name(name)}__...); rename one",
-                )
-        # Frozen all the way down: nobody edits the pools table after loading.
-        object.__setattr__(self, "pools", MappingProxyType(pools))
-        object.__setattr__(self, "tenants", MappingProxyType(_check_tenants(self.tenants)))
+    coerce: Coerce
+    help: str
+    metavar: str
+    group: str
+    check: Check | None = None
+    rank: int = 0
+    unset: str = "none"
+    shown_default: str | None = None
+    auto_note: AutoNote | None = None
 
     @property
-    def is_tcp(self) -> bool:
-        return self.socket.startswith("tcp://")
+    def is_size(self) -> bool:
+        return self.coerce in _SIZE_READERS
 
     @property
-    def ipc_path(self) -> Path | None:
-        """The socket file for an ``ipc://`` endpoint; None for tcp and abstract sockets."""
-        if self.socket.startswith("ipc://") and not self.socket.startswith("ipc://@"):
-            return Path(self.socket[len("ipc://") :])
-        return None
+    def is_mode(self) -> bool:
+        return self.coerce is _as_mode
 
     @property
-    def recommended_heartbeat_s(self) -> float:
-        """What hello tells clients: ``heartbeat_s`` if set, else a third of the lease."""
-        return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3.0
-
-    def pool_settings(self, name: str) -> PoolSettings:
-        """Effective settings for pool ``name``: exact name first, then its environment spelling."""
-        overrides = self.pools.get(name)
-        if overrides is None:
-            wanted = env_pool_name(name)
-            overrides = next((o for n, o in self.pools.items() if env_pool_name(n) == wanted), PoolOverrides())
-        d = self.default_pool
-        return PoolSettings(
-            name=name,
-            gpu_bytes=overrides.gpu_bytes if overrides.gpu_bytes is not None else d.gpu_bytes,
-            cpu_bytes=overrides.cpu_bytes if overrides.cpu_bytes is not None else d.cpu_bytes,
-            policy=overrides.policy if overrides.policy is not None else d.policy,
-            clean_ahead_blocks=(
-                overrides.clean_ahead_blocks if overrides.clean_ahead_blocks is not None else d.clean_ahead_blocks
-            ),
-            remote_url=overrides.remote_url if overrides.remote_url is not None else d.remote_url,
-        )
+    def is_switch(self) -> bool:
+        return self.coerce is _as_bool
 
 
-def env_pool_name(name: str) -> str:
-    """How pool ``name`` is spelled inside ``KVTIER_POOLS__<NAME>__<KEY>``."""
-    return re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+def key(
+    coerce: Coerce,
+    help: str,  # noqa: A002 - argparse's word for it
+    metavar: str,
+    *,
+    group: str,
+    check: Check | None = None,
+    rank: int = 0,
+    unset: str = "none",
+    shown_default: str | None = None,
+    auto_note: AutoNote | None = None,
+) -> Mapping[str, Key]:
+    """A field's ``metadata`` declaring it a key: ``field(default=..., metadata=key(...))``."""
+    spec = Key(coerce=coerce, help=help, metavar=metavar, group=group, check=check, rank=rank, unset=unset,
+               shown_default=shown_default, auto_note=auto_note)
+    return MappingProxyType({_KEY_METADATA: spec})
 
 
-def pool_key(name: object) -> str:
-    """The dotted key of a pool's table, TOML-quoted when needed: ``pools."llama-8b/tp0"``."""
-    if isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]+", name):
-        return f"pools.{name}"
-    return f"pools.{json.dumps(name) if isinstance(name, str) else repr(name)}"
+def keys_of(cls: type) -> dict[str, Key]:
+    """The keys a dataclass declares, by field name, in field order."""
+    return {f.name: f.metadata[_KEY_METADATA] for f in dataclasses.fields(cls) if _KEY_METADATA in f.metadata}
 
 
-def resolve_cpu_budget_bytes(cfg: DaemonConfig, available_bytes: int | None = None) -> int:
-    """All pools' CPU tiers together, in bytes (``cpu_budget_bytes``; auto and N% of available memory now)."""
-    value = cfg.cpu_budget_bytes
-    if isinstance(value, int):
-        return value
-    if available_bytes is None:
-        available_bytes = int(psutil.virtual_memory().available)
-    if isinstance(value, MemoryFraction):
-        return value.of(available_bytes)
-    return int(available_bytes * CPU_BUDGET_AUTO_FRACTION)
+def _check_keys(obj: object, keys: Mapping[str, Key], *, skip_none: bool = False) -> None:
+    for name, spec in keys.items():
+        value = getattr(obj, name)
+        if spec.check is not None and not (skip_none and value is None):
+            spec.check(name, value)
+
+
+def env_name(name: str) -> str:
+    """A top-level or ``[default_pool]`` key's environment variable: ``lease_s`` -> ``KVTIER_LEASE_S``."""
+    return f"{ENV_PREFIX}{name.upper()}"
+
+
+def flag_name(name: str) -> str:
+    """A key's flag: ``lease_s`` -> ``--lease-s``."""
+    return "--" + name.replace("_", "-")
 
 
 # --------------------------------------------------------------------------------------------
 # Checks (used by the dataclasses, so a DaemonConfig built by hand is checked too)
+
+
+def _optional(check: Check) -> Check:
+    """``check`` for a key whose None means unset ("auto", "off")."""
+
+    def check_unless_none(key: str, value: object) -> None:
+        if value is not None:
+            check(key, value)
+
+    return check_unless_none
 
 
 def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
@@ -386,6 +257,42 @@ def _check_socket_mode(key: str, value: object) -> None:
         raise ConfigError(key, f"must be 0600, 0620, 0640 or 0660 (owner rw, optionally the group), got {shown}")
 
 
+def _check_share(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ConfigError(key, f"must be a share in (0, 1], got {value!r}")
+
+
+def _check_log_level(key: str, value: object) -> None:
+    if value not in LOG_LEVELS:
+        raise ConfigError(key, f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+
+
+def _check_host(key: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, f"must be a host name or address, got {value!r}")
+
+
+def _check_bool(key: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"must be true or false, got {value!r}")
+
+
+def _check_device(key: str, value: object) -> None:
+    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda:(0|[1-9][0-9]*)", value):
+        raise ConfigError(key, f"must be 'auto', 'cpu' or 'cuda:N', got {value!r}")
+
+
+REMOTE_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys", "redis+cluster", "rediss+cluster",
+                  "valkey+cluster", "valkeys+cluster")
+
+
+def _check_remote_url(key: str, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or value.split("://", 1)[0].lower() not in REMOTE_SCHEMES or "://" not in value:
+        raise ConfigError(key, f"must be a URL with one of the schemes {', '.join(REMOTE_SCHEMES)}, got {value!r}")
+
+
 TENANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MIN_TOKEN_CHARS = 16
 _Z85_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
@@ -394,10 +301,6 @@ _Z85_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRST
 def _check_z85_key(key: str, value: object) -> None:
     if not (isinstance(value, str) and len(value) == 40 and set(value) <= _Z85_CHARS):
         raise ConfigError(key, f"must be a CURVE public key: 40 Z85 characters (kvtier keygen writes them), got {value!r:.60}")
-
-
-def tenant_key(name: object) -> str:
-    return pool_key(name).replace("pools.", "tenants.", 1)
 
 
 def _check_tenants(tenants: Mapping[str, TenantConfig]) -> dict[str, TenantConfig]:
@@ -423,11 +326,6 @@ def _check_tenants(tenants: Mapping[str, TenantConfig]) -> dict[str, TenantConfi
         if other != name:
             raise ConfigError(key, f"tenants {other!r} and {name!r} hash to the same block namespace tag; rename one")
     return out
-
-
-def _check_device(key: str, value: object) -> None:
-    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda:(0|[1-9][0-9]*)", value):
-        raise ConfigError(key, f"must be 'auto', 'cpu' or 'cuda:N', got {value!r}")
 
 
 def _check_socket(cfg: DaemonConfig) -> None:
@@ -481,66 +379,324 @@ def _check_curve(cfg: DaemonConfig) -> None:
         raise ConfigError("curve_public_keys_dir", f"{public_dir} does not exist or is not a directory")
 
 
-REMOTE_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys", "redis+cluster", "rediss+cluster",
-                  "valkey+cluster", "valkeys+cluster")
+# --------------------------------------------------------------------------------------------
+# What "auto" comes to (--print-config's comments)
 
 
-def _check_remote_url(key: str, value: object) -> None:
-    if value is None:
-        return
-    if not isinstance(value, str) or value.split("://", 1)[0].lower() not in REMOTE_SCHEMES or "://" not in value:
-        raise ConfigError(key, f"must be a URL with one of the schemes {', '.join(REMOTE_SCHEMES)}, got {value!r}")
+def _heartbeat_note(cfg: DaemonConfig, available_bytes: int) -> str:
+    return f"lease_s / 3 = {cfg.recommended_heartbeat_s:g} s"
+
+
+def _cpu_budget_note(cfg: DaemonConfig, available_bytes: int) -> str:
+    budget_bytes = resolve_cpu_budget_bytes(cfg, available_bytes)
+    return f"{CPU_BUDGET_AUTO_FRACTION:.0%} of available memory at start (now {format_gib(budget_bytes, decimals=1)})"
+
+
+def _gpu_bytes_note(cfg: DaemonConfig, available_bytes: int) -> str:
+    return f"{format_byte_size(GPU_AUTO_BYTES_CUDA)} on CUDA, {format_byte_size(GPU_AUTO_BYTES_HOST)} without"
+
+
+def _cpu_bytes_note(cfg: DaemonConfig, available_bytes: int) -> str:
+    auto_cpu_bytes = min(int(available_bytes * CPU_AUTO_FRACTION), CPU_AUTO_CAP_BYTES)
+    return (
+        f"{CPU_AUTO_FRACTION:.0%} of available memory, at most {format_byte_size(CPU_AUTO_CAP_BYTES)} "
+        f"(now {format_gib(auto_cpu_bytes, decimals=1)})"
+    )
 
 
 # --------------------------------------------------------------------------------------------
-# Key declarations
+# The tree
 
 
 @dataclass(frozen=True)
-class _Key:
-    coerce: Coerce
-    help: str
-    metavar: str
+class PoolDefaults:
+    """Settings of every pool that has no override (``[default_pool]``); its fields declare the pool keys."""
 
-
-_TOP_KEYS: dict[str, _Key] = {
-    "socket": _Key(_as_str, "ZMQ endpoint to bind: ipc:///path or ipc://@abstract; tcp://HOST:PORT only with CURVE keys or --insecure-tcp", "URL"),
-    "lease_s": _Key(_as_float, "seconds a session's pins and registrations survive without a heartbeat", "SECONDS"),
-    "heartbeat_s": _Key(_as_optional_float, "heartbeat interval recommended to clients in hello ('auto' = lease_s / 3)", "SECONDS"),
-    "poll_interval_s": _Key(_as_float, "longest the event loop sleeps before polling copies in flight", "SECONDS"),
-    "drain_timeout_s": _Key(_as_float, "on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting", "SECONDS"),
-    "max_shm_files_per_session": _Key(_as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N"),
-    "max_registrations_per_session": _Key(_as_int, "KV registrations (register_kv) one session may hold", "N"),
-    "max_unread_reply_bytes": _Key(_as_size, "bytes of block payload in replies one connection has not read yet; past it its requests get UNREAD_REPLIES (e.g. 512MiB)", "SIZE"),
-    "cpu_budget_bytes": _Key(_as_optional_cpu_size, "all pools' CPU tiers together: bytes, or N%% of available memory ('auto' = 50%% at start); a new pool that does not fit reclaims idle pools, else NO_SPACE", "SIZE"),
-    "pool_idle_ttl_s": _Key(_as_float, "how long a pool without sessions keeps its blocks (sooner when a new pool needs its memory)", "SECONDS"),
-    "max_pinned_share": _Key(_as_share, "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks", "SHARE"),
-    "max_pools": _Key(_as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N"),
-    "max_message_bytes": _Key(_as_size, "largest payload (block bytes: a request's frames, an inline restore's reply) accepted; the header has its own 4 MiB limit (e.g. 256MiB)", "SIZE"),
-    "log_level": _Key(_as_log_level, "one of debug, info, warning, error, critical", "LEVEL"),
-    "device": _Key(_as_device, "'auto' (CUDA if available), 'cpu', or 'cuda:N'", "DEVICE"),
-    "metrics_port": _Key(_as_optional_port, "Prometheus endpoint port ('off' = no endpoint)", "PORT"),
-    "metrics_host": _Key(_as_str, "address the Prometheus endpoint binds", "HOST"),
-    "insecure_tcp": _Key(_as_bool, "allow a tcp:// socket without CURVE authentication", "BOOL"),
-    "curve_secret_key_file": _Key(_as_optional_path, "the daemon's CURVE secret key file (tcp://)", "FILE"),
-    "curve_public_keys_dir": _Key(_as_optional_path, "directory of authorised client CURVE public keys (tcp://)", "DIR"),
-    "socket_mode": _Key(_as_mode, "file mode of the ipc socket: 0600, or 0660 to let the socket's group connect", "MODE"),
-    "hash_algo": _Key(
-        _as_lower_str, "block hash algorithm pools must use: xxh3_128 or sha256 (default sha256 with 2+ tenants)", "ALGO"
-    ),
-}
-_POOL_KEYS: dict[str, _Key] = {
-    "gpu_bytes": _Key(_as_optional_size, "GPU tier size of a store-mode pool ('auto' = 1GiB on CUDA, 256MiB without)", "SIZE"),
-    "cpu_bytes": _Key(_as_optional_cpu_size, "CPU tier size: bytes, or N%% of available memory ('auto' = 25%%, at most 64GiB)", "SIZE"),
-    "policy": _Key(_as_lower_str, "CPU-tier eviction policy (e.g. lru)", "NAME"),
-    "clean_ahead_blocks": _Key(_as_int, "free GPU blocks kept already demoted ahead of allocation", "N"),
-    "remote_url": _Key(
+    gpu_bytes: int | None = field(default=None, metadata=key(
+        _as_optional_size, "GPU tier size of a store-mode pool ('auto' = 1GiB on CUDA, 256MiB without)", "SIZE",
+        group=POOLS, check=_check_gpu_bytes, unset="auto", auto_note=_gpu_bytes_note))
+    cpu_bytes: CpuBytes | None = field(default=None, metadata=key(
+        _as_optional_cpu_size, "CPU tier size: bytes, or N%% of available memory ('auto' = 25%%, at most 64GiB)", "SIZE",
+        group=POOLS, check=_check_cpu_bytes, unset="auto", auto_note=_cpu_bytes_note))
+    policy: str = field(default=DEFAULT_POLICY, metadata=key(
+        _as_lower_str, "CPU-tier eviction policy (e.g. lru)", "NAME", group=POOLS, check=_check_policy))
+    clean_ahead_blocks: int = field(default=64, metadata=key(
+        _as_int, "free GPU blocks kept already demoted ahead of allocation", "N",
+        group=POOLS, check=partial(_check_int, minimum=0)))
+    remote_url: str | None = field(default=None, metadata=key(
         _as_optional_url,
-        "remote tier below the CPU tier: redis://HOST:PORT/DB or redis+cluster://HOST:PORT[,...] ('off' = none)",
-        "URL",
-    ),
-}
+        "remote tier below the CPU tier: redis://HOST:PORT/DB or redis+cluster://HOST:PORT[,...] ('off' = none)", "URL",
+        group=POOLS, check=_check_remote_url))
+
+    def __post_init__(self) -> None:
+        _check_keys(self, POOL_KEYS)
+
+
+@dataclass(frozen=True)
+class PoolOverrides:
+    """Per-pool settings (``[pools."<name>"]``), ``PoolDefaults``' keys; ``None`` keeps the ``default_pool`` value."""
+
+    gpu_bytes: int | None = None
+    cpu_bytes: CpuBytes | None = None
+    policy: str | None = None
+    clean_ahead_blocks: int | None = None
+    remote_url: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_keys(self, POOL_KEYS, skip_none=True)
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """The effective settings of one pool: ``default_pool`` with that pool's overrides applied."""
+
+    name: str
+    gpu_bytes: int | None
+    cpu_bytes: CpuBytes | None
+    policy: str
+    clean_ahead_blocks: int
+    remote_url: str | None = None
+
+    def resolve_cpu_bytes(self, available_bytes: int | None = None) -> int:
+        """CPU-tier bytes for this pool; ``available_bytes`` defaults to psutil's available memory now."""
+        if isinstance(self.cpu_bytes, int):
+            return self.cpu_bytes
+        if available_bytes is None:
+            available_bytes = int(psutil.virtual_memory().available)
+        if isinstance(self.cpu_bytes, MemoryFraction):
+            return self.cpu_bytes.of(available_bytes)
+        return min(int(available_bytes * CPU_AUTO_FRACTION), CPU_AUTO_CAP_BYTES)
+
+    def resolve_gpu_bytes(self, *, on_cuda: bool) -> int:
+        """GPU-tier bytes for a store-mode pool (engine mode uses the engine's tensors instead)."""
+        if self.gpu_bytes is not None:
+            return self.gpu_bytes
+        return GPU_AUTO_BYTES_CUDA if on_cuda else GPU_AUTO_BYTES_HOST
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant (``[tenants.<name>]``, TOML only): how its sessions are recognised, and its quota.
+
+    A session belongs to the tenant whose ``public_key`` (CURVE, Z85, 40
+    characters) its connection authenticated with, or whose token it sent in
+    ``hello``. Tokens are kept as ``token_sha256`` (hex SHA-256 of the token):
+    a file may give ``token = "..."`` in clear, which is hashed on loading, so
+    the loaded configuration neither holds nor prints it. ``cpu_quota_bytes``
+    (None = no quota) caps the tenant's resident CPU-tier bytes over all pools.
+    """
+
+    public_key: str | None = None
+    token_sha256: str | None = None
+    cpu_quota_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.public_key is not None:
+            _check_z85_key("public_key", self.public_key)
+        if self.token_sha256 is not None and not (
+            isinstance(self.token_sha256, str) and re.fullmatch(r"[0-9a-f]{64}", self.token_sha256)
+        ):
+            raise ConfigError("token_sha256", "must be 64 lower-case hex digits (sha256 of the token)")
+        if self.public_key is None and self.token_sha256 is None:
+            raise ConfigError("public_key", "a tenant needs a public_key (CURVE) or a token (or both)")
+        if self.cpu_quota_bytes is not None:
+            _check_int("cpu_quota_bytes", self.cpu_quota_bytes, minimum=0)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything kvtierd is configured with. Constructing one validates it.
+
+    The fields with ``key(...)`` metadata are the top-level keys, in
+    ``--print-config`` order; ``default_pool``, ``pools`` and ``tenants`` are
+    the tables.
+    """
+
+    socket: str = field(default_factory=lambda: default_socket(os.environ), metadata=key(
+        _as_str, "ZMQ endpoint to bind: ipc:///path or ipc://@abstract; tcp://HOST:PORT only with CURVE keys or --insecure-tcp",
+        "URL", group=SERVER, rank=1, shown_default="see below"))  # checked with the CURVE keys in _check_socket
+    lease_s: float = field(default=10.0, metadata=key(
+        _as_float, "seconds a session's pins and registrations survive without a heartbeat", "SECONDS",
+        group=SERVER, rank=3, check=_check_duration))
+    heartbeat_s: float | None = field(default=None, metadata=key(
+        _as_optional_float, "heartbeat interval recommended to clients in hello ('auto' = lease_s / 3)", "SECONDS",
+        group=SERVER, rank=4, check=_optional(_check_duration), unset="auto", auto_note=_heartbeat_note))
+    poll_interval_s: float = field(default=0.05, metadata=key(
+        _as_float, "longest the event loop sleeps before polling copies in flight", "SECONDS",
+        group=SERVER, rank=5, check=_check_duration))
+    drain_timeout_s: float = field(default=10.0, metadata=key(
+        _as_float, "on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting", "SECONDS",
+        group=SERVER, rank=6, check=partial(_check_duration, allow_zero=True)))
+    max_message_bytes: int = field(default=256 * MiB, metadata=key(
+        _as_size,
+        "largest payload (block bytes: a request's frames, an inline restore's reply) accepted; "
+        "the header has its own 4 MiB limit (e.g. 256MiB)", "SIZE",
+        group=SERVER, rank=7, check=partial(_check_int, minimum=MIN_MESSAGE_BYTES)))
+    # The daemon-wide total of mapped files is capped below RLIMIT_NOFILE as well (daemon.handlers).
+    max_shm_files_per_session: int = field(default=1024, metadata=key(
+        _as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N",
+        group=SERVER, rank=8, check=partial(_check_int, minimum=1)))
+    max_registrations_per_session: int = field(default=64, metadata=key(
+        _as_int, "KV registrations (register_kv) one session may hold", "N",
+        group=SERVER, rank=9, check=partial(_check_int, minimum=1)))
+    # Each pool holds a CPU tier, a GPU tier in store mode, and 2 threads.
+    max_pools: int = field(default=128, metadata=key(
+        _as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N",
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1)))
+    max_pinned_share: float = field(default=0.5, metadata=key(
+        _as_share,
+        "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks",
+        "SHARE", group=SERVER, rank=11, check=_check_share))
+    max_unread_reply_bytes: int = field(default=512 * MiB, metadata=key(
+        _as_size,
+        "bytes of block payload in replies one connection has not read yet; past it its requests get "
+        "UNREAD_REPLIES (e.g. 512MiB)", "SIZE",
+        group=SERVER, rank=14, check=partial(_check_int, minimum=MIN_MESSAGE_BYTES)))
+    cpu_budget_bytes: CpuBytes | None = field(default=None, metadata=key(
+        _as_optional_cpu_size,
+        "all pools' CPU tiers together: bytes, or N%% of available memory ('auto' = 50%% at start); "
+        "a new pool that does not fit reclaims idle pools, else NO_SPACE", "SIZE",
+        group=SERVER, rank=12, check=_check_cpu_bytes, unset="auto", auto_note=_cpu_budget_note))
+    pool_idle_ttl_s: float = field(default=3600.0, metadata=key(
+        _as_float, "how long a pool without sessions keeps its blocks (sooner when a new pool needs its memory)",
+        "SECONDS", group=SERVER, rank=13, check=_check_duration))
+    log_level: str = field(default="info", metadata=key(
+        _as_log_level, "one of debug, info, warning, error, critical", "LEVEL",
+        group=RUNTIME, rank=3, check=_check_log_level))
+    device: str = field(default="auto", metadata=key(
+        _as_device, "'auto' (CUDA if available), 'cpu', or 'cuda:N'", "DEVICE",
+        group=RUNTIME, rank=1, check=_check_device))
+    metrics_port: int | None = field(default=None, metadata=key(
+        _as_optional_port, "Prometheus endpoint port ('off' = no endpoint)", "PORT",
+        group=RUNTIME, rank=4, check=_optional(partial(_check_int, minimum=1, maximum=65535)), unset="off"))
+    metrics_host: str = field(default="127.0.0.1", metadata=key(
+        _as_str, "address the Prometheus endpoint binds", "HOST", group=RUNTIME, rank=5, check=_check_host))
+    insecure_tcp: bool = field(default=False, metadata=key(
+        _as_bool, "allow a tcp:// socket without CURVE authentication", "BOOL",
+        group=TCP_SECURITY, rank=1, check=_check_bool))
+    # Presence and existence are checked with the socket (they matter for tcp:// only).
+    curve_secret_key_file: Path | None = field(default=None, metadata=key(
+        _as_optional_path, "the daemon's CURVE secret key file (tcp://)", "FILE", group=TCP_SECURITY, rank=2))
+    curve_public_keys_dir: Path | None = field(default=None, metadata=key(
+        _as_optional_path, "directory of authorised client CURVE public keys (tcp://)", "DIR",
+        group=TCP_SECURITY, rank=3))
+    socket_mode: int = field(default=0o600, metadata=key(
+        _as_mode, "file mode of the ipc socket: 0600, or 0660 to let the socket's group connect", "MODE",
+        group=SERVER, rank=2, check=_check_socket_mode))
+    hash_algo: str = field(default="xxh3_128", metadata=key(
+        _as_lower_str, "block hash algorithm pools must use: xxh3_128 or sha256 (default sha256 with 2+ tenants)",
+        "ALGO", group=RUNTIME, rank=2, check=_check_hash_algo))
+    default_pool: PoolDefaults = field(default_factory=PoolDefaults)
+    pools: Mapping[str, PoolOverrides] = field(default_factory=dict, hash=False)
+    tenants: Mapping[str, TenantConfig] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        _check_keys(self, TOP_KEYS)
+        if self.heartbeat_s is not None and self.heartbeat_s >= self.lease_s:
+            raise ConfigError(
+                "heartbeat_s",
+                f"must be shorter than lease_s ({self.lease_s:g} s), got {self.heartbeat_s:g} s; "
+                "a client heartbeating slower than the lease loses its pins",
+            )
+        _check_socket(self)
+        if not isinstance(self.default_pool, PoolDefaults):
+            raise ConfigError("default_pool", "must be a PoolDefaults")
+        pools = dict(self.pools)
+        env_keys: dict[str, str] = {}
+        for name, overrides in pools.items():
+            key = pool_key(name)
+            if not isinstance(name, str) or not name:
+                raise ConfigError(key, "pool names must be non-empty strings")
+            if not isinstance(overrides, PoolOverrides):
+                raise ConfigError(key, "must be a PoolOverrides")
+            other = env_keys.setdefault(env_pool_name(name), name)
+            if other != name:
+                raise ConfigError(
+                    key,
+                    f"pool names {other!r} and {name!r} are the same pool in the environment "
+                    f"(KVTIER_POOLS__{env_pool_name(name)}__...); rename one",
+                )
+        # Frozen all the way down: nobody edits the pools table after loading.
+        object.__setattr__(self, "pools", MappingProxyType(pools))
+        object.__setattr__(self, "tenants", MappingProxyType(_check_tenants(self.tenants)))
+
+    @property
+    def is_tcp(self) -> bool:
+        return self.socket.startswith("tcp://")
+
+    @property
+    def ipc_path(self) -> Path | None:
+        """The socket file for an ``ipc://`` endpoint; None for tcp and abstract sockets."""
+        if self.socket.startswith("ipc://") and not self.socket.startswith("ipc://@"):
+            return Path(self.socket[len("ipc://") :])
+        return None
+
+    @property
+    def recommended_heartbeat_s(self) -> float:
+        """What hello tells clients: ``heartbeat_s`` if set, else a third of the lease."""
+        return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3.0
+
+    def pool_settings(self, name: str) -> PoolSettings:
+        """Effective settings for pool ``name``: exact name first, then its environment spelling."""
+        overrides = self.pools.get(name)
+        if overrides is None:
+            wanted = env_pool_name(name)
+            overrides = next((o for n, o in self.pools.items() if env_pool_name(n) == wanted), PoolOverrides())
+        settings: dict[str, Any] = {}
+        for key_name in POOL_KEYS:
+            value = getattr(overrides, key_name)
+            settings[key_name] = value if value is not None else getattr(self.default_pool, key_name)
+        return PoolSettings(name=name, **settings)
+
+
+TOP_KEYS: dict[str, Key] = keys_of(DaemonConfig)
+POOL_KEYS: dict[str, Key] = keys_of(PoolDefaults)
+TABLES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DaemonConfig) if f.name not in TOP_KEYS)
 # [tenants.<name>]: file only. Tokens and key-to-tenant maps are not for the
-# environment or the command line, where other users' `ps` can read them.
-_TENANT_KEYS = ("public_key", "token", "token_sha256", "cpu_quota_bytes")
-_TABLES = ("default_pool", "pools", "tenants")
+# environment or the command line, where other users' `ps` can read them. A
+# file may give a tenant's token in clear ("token"); only its hash is kept.
+TENANT_KEYS: tuple[str, ...] = ("token", *(f.name for f in dataclasses.fields(TenantConfig)))
+
+
+def _check_pool_mirrors() -> None:
+    # PoolOverrides and PoolSettings repeat PoolDefaults' keys for their types;
+    # a key missing from one of them would be dropped without a word.
+    for cls, own in ((PoolOverrides, ()), (PoolSettings, ("name",))):
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in own]
+        if names != list(POOL_KEYS):
+            raise TypeError(f"{cls.__name__}'s fields {names} must be PoolDefaults' keys {list(POOL_KEYS)}")
+
+
+_check_pool_mirrors()
+
+
+# --------------------------------------------------------------------------------------------
+# Names and resolved values
+
+
+def env_pool_name(name: str) -> str:
+    """How pool ``name`` is spelled inside ``KVTIER_POOLS__<NAME>__<KEY>``."""
+    return re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def pool_key(name: object) -> str:
+    """The dotted key of a pool's table, TOML-quoted when needed: ``pools."llama-8b/tp0"``."""
+    if isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        return f"pools.{name}"
+    return f"pools.{json.dumps(name) if isinstance(name, str) else repr(name)}"
+
+
+def tenant_key(name: object) -> str:
+    return pool_key(name).replace("pools.", "tenants.", 1)
+
+
+def resolve_cpu_budget_bytes(cfg: DaemonConfig, available_bytes: int | None = None) -> int:
+    """All pools' CPU tiers together, in bytes (``cpu_budget_bytes``; auto and N% of available memory now)."""
+    value = cfg.cpu_budget_bytes
+    if isinstance(value, int):
+        return value
+    if available_bytes is None:
+        available_bytes = int(psutil.virtual_memory().available)
+    if isinstance(value, MemoryFraction):
+        return value.of(available_bytes)
+    return int(available_bytes * CPU_BUDGET_AUTO_FRACTION)

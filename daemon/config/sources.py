@@ -25,17 +25,19 @@ from typing import Any
 from kvtier.client.admin import default_socket
 from kvtier.daemon.config.errors import ConfigError
 from kvtier.daemon.config.schema import (
-    _POOL_KEYS,
-    _TABLES,
-    _TENANT_KEYS,
-    _TOP_KEYS,
     ENV_PREFIX,
     MIN_TOKEN_CHARS,
+    POOL_KEYS,
+    TABLES,
+    TENANT_KEYS,
+    TOP_KEYS,
     DaemonConfig,
     PoolDefaults,
     PoolOverrides,
     TenantConfig,
+    env_name,
     env_pool_name,
+    flag_name,
     pool_key,
     tenant_key,
 )
@@ -74,11 +76,11 @@ class _Layers:
 
     def set(self, key: str, value: object, text: bool, source: str, pool: str | None = None, table: str | None = None) -> None:
         if pool is not None:
-            spec, dotted = _POOL_KEYS.get(key), f"{pool_key(pool)}.{key}"
+            spec, dotted = POOL_KEYS.get(key), f"{pool_key(pool)}.{key}"
         elif table == "default_pool":
-            spec, dotted = _POOL_KEYS.get(key), f"default_pool.{key}"
+            spec, dotted = POOL_KEYS.get(key), f"default_pool.{key}"
         else:
-            spec, dotted = _TOP_KEYS.get(key), key
+            spec, dotted = TOP_KEYS.get(key), key
         if spec is None:
             raise ConfigError(dotted, f"unknown key (from {source})")
         try:
@@ -117,8 +119,8 @@ def _apply_file(layers: _Layers, path: Path) -> None:
             if not isinstance(value, dict):
                 raise ConfigError(key, f"must be a table ([default_pool]) (in {source})")
             for sub, sub_value in value.items():
-                if sub not in _POOL_KEYS:
-                    raise _unknown(f"default_pool.{sub}", list(_POOL_KEYS), source)
+                if sub not in POOL_KEYS:
+                    raise _unknown(f"default_pool.{sub}", list(POOL_KEYS), source)
                 layers.set(sub, sub_value, False, source, table="default_pool")
         elif key == "pools":
             if not isinstance(value, dict):
@@ -128,18 +130,18 @@ def _apply_file(layers: _Layers, path: Path) -> None:
                     raise ConfigError(pool_key(name), f'must be a table ([pools."{name}"]) (in {source})')
                 layers.pools.setdefault(name, {})
                 for sub, sub_value in table.items():
-                    if sub not in _POOL_KEYS:
-                        raise _unknown(f"{pool_key(name)}.{sub}", list(_POOL_KEYS), source)
+                    if sub not in POOL_KEYS:
+                        raise _unknown(f"{pool_key(name)}.{sub}", list(POOL_KEYS), source)
                     layers.set(sub, sub_value, False, source, pool=name)
         elif key == "tenants":
             if not isinstance(value, dict):
                 raise ConfigError(key, f"must be a table of tables ([tenants.NAME]) (in {source})")
             for name, table in value.items():
                 layers.tenants[name] = _tenant_values(name, table, source)
-        elif key in _TOP_KEYS:
+        elif key in TOP_KEYS:
             layers.set(key, value, False, source)
         else:
-            raise _unknown(key, [*_TOP_KEYS, *_TABLES], source)
+            raise _unknown(key, [*TOP_KEYS, *TABLES], source)
 
 
 def _tenant_values(name: str, table: object, source: str) -> dict[str, Any]:
@@ -150,8 +152,8 @@ def _tenant_values(name: str, table: object, source: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for sub, value in table.items():
         dotted = f"{key}.{sub}"
-        if sub not in _TENANT_KEYS:
-            raise _unknown(dotted, list(_TENANT_KEYS), source)
+        if sub not in TENANT_KEYS:
+            raise _unknown(dotted, list(TENANT_KEYS), source)
         if sub == "cpu_quota_bytes":
             try:
                 out[sub] = _as_optional_size(value, False)
@@ -172,18 +174,18 @@ def _tenant_values(name: str, table: object, source: str) -> dict[str, Any]:
 
 
 # Environment spellings that map into the [default_pool] table.
-_ENV_DEFAULT_POOL = {f"{ENV_PREFIX}{k.upper()}": k for k in _POOL_KEYS}
-_ENV_TOP = {f"{ENV_PREFIX}{k.upper()}": k for k in _TOP_KEYS}
-_ENV_CONFIG = f"{ENV_PREFIX}CONFIG"
+_ENV_DEFAULT_POOL = {env_name(k): k for k in POOL_KEYS}
+_ENV_TOP = {env_name(k): k for k in TOP_KEYS}
+ENV_CONFIG = env_name("config")
 
 
 def _known_env_names() -> list[str]:
-    return sorted([*_ENV_TOP, *_ENV_DEFAULT_POOL, _ENV_CONFIG]) + [f"{ENV_PREFIX}POOLS__<POOL>__<KEY>"]
+    return sorted([*_ENV_TOP, *_ENV_DEFAULT_POOL, ENV_CONFIG]) + [f"{ENV_PREFIX}POOLS__<POOL>__<KEY>"]
 
 
 def _apply_environ(layers: _Layers, environ: Mapping[str, str]) -> None:
     for var in sorted(environ):
-        if not var.startswith(ENV_PREFIX) or var == _ENV_CONFIG:
+        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG:
             continue
         value = environ[var]
         if value == "":
@@ -195,11 +197,11 @@ def _apply_environ(layers: _Layers, environ: Mapping[str, str]) -> None:
             layers.set(_ENV_DEFAULT_POOL[var], value, True, source, table="default_pool")
         elif var.startswith(f"{ENV_PREFIX}POOLS__"):
             parts = var[len(f"{ENV_PREFIX}POOLS__") :].rsplit("__", 1)
-            if len(parts) != 2 or not parts[0] or parts[1].lower() not in _POOL_KEYS:
+            if len(parts) != 2 or not parts[0] or parts[1].lower() not in POOL_KEYS:
                 raise ConfigError(
                     var,
                     f"expected {ENV_PREFIX}POOLS__<POOL>__<KEY> with KEY one of "
-                    f"{', '.join(k.upper() for k in _POOL_KEYS)}",
+                    f"{', '.join(k.upper() for k in POOL_KEYS)}",
                 )
             key = parts[1].lower()
             for name in layers.pool_targets(parts[0].upper()):
@@ -210,27 +212,23 @@ def _apply_environ(layers: _Layers, environ: Mapping[str, str]) -> None:
             raise ConfigError(var, f"unknown kvtier environment variable{hint} (known: {', '.join(_known_env_names())})")
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def _apply_flags(layers: _Layers, ns: argparse.Namespace) -> None:
     values = vars(ns)
-    for key in _TOP_KEYS:
+    for key in TOP_KEYS:
         if key in values:
-            layers.set(key, values[key], True, f"flag {_flag(key)}")
-    for key in _POOL_KEYS:
+            layers.set(key, values[key], True, f"flag {flag_name(key)}")
+    for key in POOL_KEYS:
         dest = f"default_pool.{key}"
         if dest in values:
-            layers.set(key, values[dest], True, f"flag {_flag(key)}", table="default_pool")
+            layers.set(key, values[dest], True, f"flag {flag_name(key)}", table="default_pool")
     for name, assignment in values.get("pool_settings", []):
         key, sep, value = assignment.partition("=")
         source = f"flag --pool {name} {assignment}"
         if not sep or not key.strip():
             raise ConfigError(pool_key(name), f"expected KEY=VALUE, got {assignment!r} (from {source})")
         key = key.strip().replace("-", "_")
-        if key not in _POOL_KEYS:
-            raise _unknown(f"{pool_key(name)}.{key}", list(_POOL_KEYS), source)
+        if key not in POOL_KEYS:
+            raise _unknown(f"{pool_key(name)}.{key}", list(POOL_KEYS), source)
         for target in layers.pool_targets(name):
             layers.set(key, value, True, source, pool=target)
 
