@@ -33,9 +33,9 @@ from typing import Any
 
 import zmq
 
-from kvtier.client.client import DaemonError, KvtierTimeout
 from kvtier.client.curve import CurveKeys
 from kvtier.client.protocol import OPS, ErrorCode, ProtocolError, decode, encode, request_header
+from kvtier.client.transport import DaemonError, KvtierTimeout
 
 __all__ = ["DaemonUnavailable", "default_socket", "request", "resolve_endpoint"]
 

@@ -1,0 +1,359 @@
+"""A client's session with kvtierd: hello, what the session holds, recovery when the daemon forgets it, heartbeats.
+
+Contract
+========
+
+``Session`` is the state ``kvtier.client.client.Client`` keeps per session,
+and the steps that open one; ``Heartbeat`` keeps it alive. Both send through
+the client: ``send`` is the client's late-bound ``_roundtrip`` (a test or a
+subclass may wrap it, and recovery's requests must go through that too).
+
+- ``hello(deadline_s)`` opens a session: sends ``hello`` (pool, layout,
+  client name, requested lease, tenant token), resent on a new socket after
+  each timeout until ``deadline_s``, then records what the reply granted:
+  ``sid``, ``lease_s``, ``heartbeat_s``, ``pool_info``, ``limits``,
+  ``features`` and the ``packed_hashes`` / ``hints`` flags they imply.
+  Raises ``KvtierTimeout("no kvtierd answering at ...")`` when none
+  answered, ``DaemonError`` for a refusal (UNAUTHORIZED, a layout that does
+  not match the pool, ...).
+- What the session holds, kept by the client's verbs: ``pins`` (a
+  ``Counter`` of hashes), ``requests`` (engine-mode request ids), ``tokens``
+  (their ``TokenChain``s), ``registrations`` (``register_kv`` wire form, with
+  the tensors kept alive), ``arena``.
+- ``call(op, fields, frames, deadline_s) -> (reply header, frames)``: one
+  request of ``Client._call``, sent through ``Transport.retry`` (an
+  idempotent verb is resent after a timeout). When the daemon answers
+  UNKNOWN_SESSION (restart or lease expiry) it rejected the request
+  unexecuted: the session is marked ``gone``, a new one is opened (hello,
+  re-attach the arena, re-register the KV tensors) and the request is sent
+  again, whatever the verb. If the old session held pins or requests, or
+  its arena cannot come back (a lease expiry unlinks the arena's file: it
+  is dropped, and ``open_arena`` makes a new one), the call raises
+  ``SessionLost`` listing them instead, once; the new session is ready for
+  the next call. A failure half-way leaves ``gone`` set, so the next call
+  starts over with a new hello rather than use half a session. Otherwise
+  raises what ``Transport`` raises.
+- ``call_many(op, fields_list, deadline_s) -> reply headers``: the same for
+  ``Client._call_many`` (pipelined, all or nothing): no resend after a
+  timeout (the socket is dropped and the timeout raised); a forgotten
+  session is reopened and the batch sent again once.
+- ``recover_in_background(sid, timeout_s)``: the heartbeat thread's way to
+  the same recovery, under the client's lock, so that an engine's
+  registered KV tensors come back while it is idle; a ``SessionLost`` is
+  kept in ``pending_loss`` and the next ``call`` raises it without sending.
+- ``Heartbeat(session, transport, recover)``: a daemon thread that renews
+  the lease every ``heartbeat_s`` on a DEALER socket of its own (ZMQ
+  sockets are not thread-safe) with the session's id, and calls
+  ``recover(sid)`` when the daemon has forgotten that session. A heartbeat
+  with no answer only opens a new socket for the next; the thread ends when
+  ``stop()`` is called or the transport's context is terminated.
+
+Every method that touches the session expects the client's lock held,
+except ``recover_in_background``, which takes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import zmq
+
+from kvtier.client.data_planes import arena_fields
+from kvtier.client.protocol import (
+    FEATURE_HINTS,
+    FEATURE_PACKED_HASHES,
+    OPS,
+    ErrorCode,
+    KvtierError,
+    decode,
+    encode,
+    request_header,
+)
+from kvtier.client.shm_arena import ShmArena
+from kvtier.client.tokens import TokenChain
+from kvtier.client.transport import DaemonError, KvtierTimeout, Transport
+
+__all__ = ["Heartbeat", "PoolLayout", "Registration", "Session", "SessionLost"]
+
+log = logging.getLogger(__name__)
+
+
+class SessionLost(DaemonError):
+    """The daemon forgot this client's session; what it held is gone.
+
+    The client has already opened a new session (re-attached its arena and
+    re-registered its KV tensors); the engine must redo ``lost_pins`` and
+    ``lost_requests`` itself if it still needs them. ``lost_arena``: the
+    arena could not be re-attached (the lease ran out and the daemon unlinked
+    its file); the client dropped it, and ``open_arena`` makes a new one.
+    """
+
+    def __init__(self, message: str, lost_pins: list[bytes], lost_requests: list[str], *,
+                 lost_arena: bool = False) -> None:
+        super().__init__(int(ErrorCode.UNKNOWN_SESSION), message)
+        self.lost_pins = lost_pins
+        self.lost_requests = lost_requests
+        self.lost_arena = lost_arena
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """A pool's layout, as sent in hello (every field is part of the pool identity)."""
+
+    model: str
+    block_size: int
+    block_bytes: int
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    hash_algo: str = "xxh3_128"
+    mode: str = "store"
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Registration:
+    tensors: list[dict[str, Any]]  # wire form (kv_share descriptors + block dims)
+    keep: list[Any]  # the exported tensors/handles, alive while registered
+
+
+class Send(Protocol):
+    """The client's ``_roundtrip``: one request, its reply header and frames."""
+
+    def __call__(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any], deadline_s: float, *,
+                 with_sid: bool = True) -> tuple[dict[str, Any], list[Any]]: ...
+
+
+class Session:
+    """See the module docstring."""
+
+    def __init__(self, transport: Transport, send: Send, lock: threading.RLock, *, pool: str,
+                 layout: dict[str, Any], client_name: str, lease_s: float | None, token: str | None) -> None:
+        self._transport = transport
+        self._send = send
+        self._lock = lock
+        self._hello_fields: dict[str, Any] = {"pool": pool, "layout": layout, "client": client_name}
+        if lease_s is not None:
+            self._hello_fields["lease_s"] = lease_s
+        if token is not None:
+            self._hello_fields["token"] = token
+        # What the daemon's hello reply granted.
+        self.sid: str | None = None
+        self.lease_s = 0.0
+        self.heartbeat_s = 0.0
+        self.pool_info: dict[str, Any] = {}
+        self.limits: dict[str, Any] = {}
+        self.features: tuple[str, ...] = ()
+        self.packed_hashes = False  # the daemon listed FEATURE_PACKED_HASHES in its hello reply
+        self.hints = False  # ... and FEATURE_HINTS
+        self.gone = False  # the daemon answered UNKNOWN_SESSION
+        self.pending_loss: SessionLost | None = None  # found by the heartbeat thread, raised by the next call
+        self.closed = False  # the client closed: nothing may open a session again
+        # What the session holds.
+        self.pins: Counter[bytes] = Counter()
+        self.requests: set[str] = set()
+        self.tokens: dict[str, TokenChain] = {}
+        self.registrations: dict[str, Registration] = {}
+        self.arena: ShmArena | None = None
+
+    def hello(self, deadline_s: float) -> None:
+        def attempt(attempt_deadline_s: float) -> tuple[dict[str, Any], list[Any]]:
+            return self._send("hello", self._hello_fields, (), attempt_deadline_s, with_sid=False)
+
+        try:
+            # hello changes nothing the daemon holds for us: safe to resend.
+            rh, _ = self._transport.retry("hello", deadline_s, attempt, idempotent=True)
+        except KvtierTimeout:
+            raise KvtierTimeout(f"no kvtierd answering at {self._transport.endpoint}") from None
+        self.sid = str(rh["sid"])
+        self.lease_s = float(rh["lease_s"])
+        self.heartbeat_s = float(rh["heartbeat_s"])
+        self.pool_info = dict(rh.get("pool", {}))
+        self.limits = dict(rh.get("limits", {}))
+        features = rh.get("features")
+        self.features = tuple(f for f in features if isinstance(f, str)) if isinstance(features, list) else ()
+        self.packed_hashes = isinstance(features, list) and FEATURE_PACKED_HASHES in features
+        self.hints = isinstance(features, list) and FEATURE_HINTS in features
+        self.gone = False
+
+    def call(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any],
+             deadline_s: float) -> tuple[dict[str, Any], list[Any]]:
+        """One request in a live session: reopened first if the daemon forgot ours, resent if it forgets it now."""
+        self._raise_pending_loss()
+        idempotent = OPS[op].idempotent
+        while True:
+            self._ensure(deadline_s)
+            try:
+                return self._transport.retry(op, deadline_s, lambda d: self._send(op, fields, frames, d),
+                                             idempotent=idempotent)
+            except DaemonError as exc:
+                if exc.code != ErrorCode.UNKNOWN_SESSION:
+                    raise
+                # Rejected before it ran: safe to resend, whatever the verb.
+                self.gone = True
+
+    def call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], deadline_s: float) -> list[dict[str, Any]]:
+        """Many requests of one idempotent verb, pipelined; all or nothing, no resend after a timeout."""
+        self._raise_pending_loss()
+        for attempt in range(2):
+            self._ensure(deadline_s)
+            try:
+                return self._transport.roundtrip_many(op, fields_list, deadline_s, sid=self.sid,
+                                                      packed_hashes=self.packed_hashes)
+            except KvtierTimeout:
+                self._transport.reset()
+                raise
+            except DaemonError as exc:
+                if exc.code != ErrorCode.UNKNOWN_SESSION or attempt:
+                    raise
+                # The daemon forgot the session: it ran none of them (every
+                # request carried that session). Open a new one, send again.
+                self.gone = True
+        raise AssertionError("unreachable")
+
+    def _raise_pending_loss(self) -> None:
+        """Raise (once) the ``SessionLost`` the heartbeat thread found."""
+        if self.pending_loss is not None:
+            loss, self.pending_loss = self.pending_loss, None
+            raise loss
+
+    def _ensure(self, deadline_s: float) -> None:
+        """A live session before a request is sent: a new one if the daemon forgot ours."""
+        if self.gone:
+            self._reestablish(deadline_s)
+
+    def arena_fields(self) -> dict[str, Any]:
+        assert self.arena is not None
+        return arena_fields(self.arena)
+
+    def _reestablish(self, deadline_s: float) -> None:
+        """New session after the daemon forgot ours; raise SessionLost if state was lost."""
+        lost_pins = sorted(self.pins.elements())
+        lost_requests = sorted(self.requests)
+        self.pins.clear()
+        self.requests.clear()
+        self.tokens.clear()
+        old_sid = self.sid
+        self.sid = None
+        self.hello(deadline_s)
+        try:
+            lost_arena = self._restore_state(deadline_s)
+        except BaseException:
+            # Half a session (no arena or registrations) must not pass for a
+            # whole one: the next call starts over with a new hello.
+            self.gone = True
+            raise
+        log.warning("kvtier session %s lost; new session %s", (old_sid or "")[:8], (self.sid or "")[:8])
+        if lost_pins or lost_requests or lost_arena:
+            raise SessionLost(
+                f"the daemon lost session {old_sid} (restart or lease expiry): "
+                f"{len(lost_pins)} pins and {len(lost_requests)} requests are gone"
+                + ("; the arena's file was unlinked: call open_arena again" if lost_arena else ""),
+                lost_pins,
+                lost_requests,
+                lost_arena=lost_arena,
+            )
+
+    def _restore_state(self, deadline_s: float) -> bool:
+        """Re-attach the arena and re-register KV tensors in a new session; True if the arena is lost."""
+        lost_arena = False
+        if self.arena is not None:
+            try:
+                self._send("attach_arena", self.arena_fields(), (), deadline_s)
+            except DaemonError as exc:
+                if exc.code != ErrorCode.NOT_FOUND:
+                    raise
+                # Our lease ran out and the daemon unlinked the arena's file: its
+                # name cannot come back. Dropped, not silently replaced: the
+                # caller's views of the old memory would no longer be the
+                # daemon's. open_arena makes a new one.
+                arena, self.arena = self.arena, None
+                arena.close()
+                lost_arena = True
+        for name, reg in self.registrations.items():
+            self._send("register_kv", {"name": name, "tensors": reg.tensors}, (), deadline_s)
+        return lost_arena
+
+    def recover_in_background(self, sid: str, timeout_s: float) -> None:
+        """The daemon forgot ``sid``: open a new session now, so that an engine's
+        registered KV tensors (its GPU tier) come back without waiting for its
+        next call. A loss of pins or requests is raised by that next call."""
+        with self._lock:
+            if self.closed or self.sid != sid:
+                return  # already re-established (or closing)
+            self.gone = True
+            try:
+                self._reestablish(time.monotonic() + timeout_s)
+            except SessionLost as loss:
+                self.pending_loss = loss
+            except KvtierError as exc:
+                log.warning("kvtier session recovery failed (the next call retries): %s", exc)
+
+
+class Heartbeat:
+    """See the module docstring."""
+
+    def __init__(self, session: Session, transport: Transport, recover: Callable[[str], None]) -> None:
+        self._session = session
+        self._transport = transport
+        self._recover = recover
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvtier-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, join_timeout_s: float) -> None:
+        self._stop.set()
+        self._thread.join(join_timeout_s)
+
+    def _loop(self) -> None:
+        session = self._session
+        sock: zmq.Socket | None = None
+        try:
+            while not self._stop.wait(session.heartbeat_s):
+                sid = session.sid
+                if sid is None or session.gone:
+                    continue
+                if sock is None:
+                    sock = self._transport.new_socket()
+                rid = self._transport.next_id()
+                try:
+                    sock.send(encode(request_header("heartbeat", rid, sid)), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                deadline_s = time.monotonic() + session.heartbeat_s
+                answered = False
+                while (remaining_ms := int((deadline_s - time.monotonic()) * 1000)) > 0:
+                    if not sock.poll(remaining_ms, zmq.POLLIN):
+                        break
+                    try:
+                        rh = decode(sock.recv_multipart()[0])
+                    except Exception:
+                        continue
+                    if not isinstance(rh, dict) or rh.get("id") != rid:
+                        continue
+                    answered = True
+                    err = rh.get("error") if rh.get("ok") is False else None
+                    if isinstance(err, dict) and err.get("code") == int(ErrorCode.UNKNOWN_SESSION):
+                        self._recover(sid)
+                    break
+                if not answered:
+                    sock.close(linger=0)  # start clean against a restarted daemon
+                    sock = None
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            if sock is not None:
+                sock.close(linger=0)
