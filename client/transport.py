@@ -184,12 +184,12 @@ class Transport:
         error: KvtierError | None = None
         while len(replies) < len(rids):
             rh, _ = self._next_reply(sock, op, deadline_s)
-            rid = rh.get("id")
-            if rid == 0 and rh["ok"] is not True:
+            answered = rh.get("id")
+            if answered == 0 and rh["ok"] is not True:
                 raise error_of(rh, op)  # an error the daemon could not tie to a request
-            if rid not in rids or rid in replies:
+            if answered not in rids or answered in replies:
                 continue  # a late reply to an earlier request on this socket
-            replies[rid] = rh
+            replies[answered] = rh
             if rh["ok"] is not True and error is None:
                 error = error_of(rh, op)
         if error is not None:
