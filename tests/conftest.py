@@ -1,15 +1,30 @@
-"""Suite-wide pytest configuration: tests marked ``cuda`` skip without a CUDA GPU;
-helper modules in this folder (``redis_servers``) import by name from any test."""
+"""Suite-wide pytest configuration: the CUDA skip, and the fixtures of a real kvtierd process.
+
+- Tests marked ``cuda`` skip without a CUDA GPU.
+- ``kvtierd_factory(**flags)`` starts a ``kvtier.testing.daemon.KvtierDaemon``
+  under the test's ``tmp_path`` with ``DEFAULT_FLAGS`` (debug log, small
+  tiers) overridden by ``flags`` (``gpu_bytes=4096`` becomes ``--gpu-bytes
+  4096``), returns once it answers ``health``, and kills whatever is left at
+  teardown. ``kvtierd_module_factory`` is the same with module scope;
+  ``kvtierd`` is one daemon with the default flags. Used by tests/daemon,
+  tests/client, tests/integrations and tests/tools; the stress suite has its
+  own (tests/stress/conftest.py).
+
+Helpers import as ``tests.<module>`` and ``kvtier.testing``: pyproject's
+pytest ``pythonpath`` puts the repository root on the path.
+"""
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-# tests/ is not a package (pytest runs with --import-mode=importlib).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvtier.testing.daemon import KvtierDaemon
+
+DEFAULT_FLAGS: dict[str, object] = {"log_level": "debug", "cpu_bytes": 64 * 1024, "gpu_bytes": 16 * 1024}
+START_TIMEOUT_S = 30.0  # a test daemon has small tiers: longer than this to answer is a failure
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,3 +36,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+class _Starter:
+    """Starts daemons under one folder and kills the ones still running at the end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started: list[KvtierDaemon] = []
+
+    def __call__(self, **flags: object) -> KvtierDaemon:
+        daemon = KvtierDaemon.start(self.root / f"d{len(self.started)}", flags={**DEFAULT_FLAGS, **flags},
+                                    start_timeout_s=START_TIMEOUT_S)
+        self.started.append(daemon)
+        return daemon
+
+    def cleanup(self) -> None:
+        for daemon in self.started:
+            daemon.kill()
+
+
+@pytest.fixture
+def kvtierd_factory(tmp_path: Path) -> Iterator[Callable[..., KvtierDaemon]]:
+    """A fresh daemon per call, for tests that stop, kill or restart it."""
+    starter = _Starter(tmp_path)
+    yield starter
+    starter.cleanup()
+
+
+@pytest.fixture(scope="module")
+def kvtierd_module_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., KvtierDaemon]]:
+    """Daemons shared by the tests of one module (torch makes each start cost seconds)."""
+    starter = _Starter(tmp_path_factory.mktemp("kvtierd"))
+    yield starter
+    starter.cleanup()
+
+
+@pytest.fixture
+def kvtierd(kvtierd_factory: Callable[..., KvtierDaemon]) -> KvtierDaemon:
+    return kvtierd_factory()

@@ -108,17 +108,17 @@ def shared_daemon(tmp_path_factory):  # type: ignore[no-untyped-def]
     import tempfile
     from pathlib import Path
 
-    from kvtierd_harness import DEFAULT_FLAGS, _start
+    from kvtier.testing.daemon import KvtierDaemon
+    from tests.conftest import DEFAULT_FLAGS
 
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another user")
     root = Path(tempfile.mkdtemp(prefix="kvtier-uid-"))
     root.chmod(0o755)
-    d = _start(root, "d", {**DEFAULT_FLAGS, "socket_mode": "0660"})
+    # 0755 too: the other user must reach the 0660 socket inside.
+    d = KvtierDaemon.start(root / "d", flags={**DEFAULT_FLAGS, "socket_mode": "0660"}, dir_mode=0o755)
     yield d
-    if d.alive:
-        d.proc.kill()
-        d.proc.wait(10)
+    d.kill()
 
 
 def test_a_sid_is_no_use_to_another_user(shared_daemon) -> None:  # type: ignore[no-untyped-def]
@@ -252,18 +252,15 @@ def test_a_hello_past_max_pools_is_refused_and_existing_pools_still_join(kvtierd
 def test_an_abstract_socket_without_curve_serves_only_the_daemons_own_user(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import os
     import secrets
-    import sys
 
-    from kvtierd_harness import Daemon, _spawn, _wait_ready
+    from kvtier.testing.daemon import KvtierDaemon
 
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another user")
     endpoint = f"ipc://@kvtier-test-{secrets.token_hex(4)}"
-    argv = [sys.executable, "-m", "kvtier.daemon", "--socket", endpoint, "--cpu-bytes", "65536", "--gpu-bytes", "16384"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") and k != "NOTIFY_SOCKET"}
-    d = Daemon(endpoint, _spawn(argv, env, tmp_path / "kvtierd.log"), tmp_path / "kvtierd.log", argv, env)
+    d = KvtierDaemon(tmp_path, endpoint=endpoint, flags={"cpu_bytes": 65536, "gpu_bytes": 16384})
     try:
-        _wait_ready(d)
+        d.spawn()
         with Client(endpoint, "mine", layout()) as me:  # the daemon's own user
             assert me.stats()["sessions"] == 1
         hello = {"v": 1, "id": 1, "op": "hello", "pool": "theirs", "layout": layout().to_wire()}
@@ -273,8 +270,7 @@ def test_an_abstract_socket_without_curve_serves_only_the_daemons_own_user(tmp_p
         with Client(endpoint, "mine", layout()) as me:
             assert "theirs" not in me.stats()["pools"]  # the refused hello created nothing
     finally:
-        d.proc.kill()
-        d.proc.wait(10)
+        d.kill()
 
 
 # ---- pins are capped (item 11) ------------------------------------------------------------------

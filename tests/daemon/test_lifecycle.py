@@ -171,7 +171,7 @@ def test_sigterm_drains_replies_to_everything_and_exits_0(kvtierd_factory) -> No
 
 def test_sigint_exits_0_and_a_second_signal_exits_at_once(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
     daemon = kvtierd_factory()
-    assert daemon.stop(signal.SIGINT) == 0
+    assert daemon.stop(signal.SIGINT, timeout_s=15.0) == 0
     daemon = kvtierd_factory()
     daemon.send_signal(signal.SIGTERM)
     daemon.send_signal(signal.SIGTERM)

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.client.client import Client, PoolLayout
-
-import redis_servers as rs  # tests/redis_servers.py (tests/conftest.py puts tests/ on sys.path)
+from kvtier.testing import redis_servers as rs
 
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import stat
 import subprocess
@@ -31,6 +30,7 @@ import zmq
 from kvtier.client.client import Client, DaemonError, KvtierTimeout, PoolLayout, probe_health
 from kvtier.client.curve import CurveKeys, create_key_pair, read_public_key
 from kvtier.client.protocol import ErrorCode, decode, encode
+from kvtier.testing.daemon import KvtierDaemon
 
 BLOCK = 1024
 LAYOUT = PoolLayout(model="m", block_size=4, block_bytes=BLOCK, dtype="bfloat16", num_layers=1, kv_heads=1,
@@ -82,36 +82,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class TcpDaemon:
-    def __init__(self, root: Path, config: str, probe: CurveKeys | None) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        root.mkdir(parents=True, exist_ok=True)
-        self.config = root / "kvtierd.toml"
-        self.config.write_text(f'socket = "{self.endpoint}"\nlog_level = "debug"\n' + textwrap.dedent(config))
-        self.log_path = root / "kvtierd.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") and k != "NOTIFY_SOCKET"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--config", str(self.config)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtierd exited {self.proc.returncode}:\n{self.log_path.read_text()}")
-            try:
-                probe_health(self.endpoint, timeout_s=0.3, curve=probe)
-                return
-            except KvtierTimeout:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"kvtierd did not answer:\n{self.log_path.read_text()}") from None
+def tcp_daemon(root: Path, config: str, probe: CurveKeys | None) -> KvtierDaemon:
+    """kvtierd on a free loopback tcp:// port, set up by a config file: a debug log, then ``config``.
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    ``probe``: the client keys its readiness probe uses (a CURVE daemon answers no one else).
+    """
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    root.mkdir(parents=True, exist_ok=True)
+    config_path = root / "kvtierd.toml"
+    config_path.write_text(f'socket = "{endpoint}"\nlog_level = "debug"\n' + textwrap.dedent(config))
+    return KvtierDaemon.start(root, endpoint=endpoint, flags={"config": config_path}, health_curve=probe)
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +115,9 @@ def curve_kwargs(keys: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def curve_daemon(keys: dict[str, Any]) -> Iterator[TcpDaemon]:
+def curve_daemon(keys: dict[str, Any]) -> Iterator[KvtierDaemon]:
     """CURVE without tenants: any authorised key is the (one) anonymous tenant."""
-    d = TcpDaemon(keys["root"] / "plain", f"""
+    d = tcp_daemon(keys["root"] / "plain", f"""
         curve_secret_key_file = "{keys['server'][1]}"
         curve_public_keys_dir = "{keys['clients']}"
         hash_algo = "sha256"
@@ -149,7 +129,7 @@ def curve_daemon(keys: dict[str, Any]) -> Iterator[TcpDaemon]:
     d.stop()
 
 
-def test_tcp_client_without_keys_gets_no_reply(curve_daemon: TcpDaemon) -> None:
+def test_tcp_client_without_keys_gets_no_reply(curve_daemon: KvtierDaemon) -> None:
     t0 = time.monotonic()
     with pytest.raises(KvtierTimeout):
         Client(curve_daemon.endpoint, "p", LAYOUT, timeout_s=SHORT_S)
@@ -158,7 +138,7 @@ def test_tcp_client_without_keys_gets_no_reply(curve_daemon: TcpDaemon) -> None:
         probe_health(curve_daemon.endpoint, timeout_s=SHORT_S)
 
 
-def test_tcp_client_with_an_unknown_key_gets_no_reply(curve_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_tcp_client_with_an_unknown_key_gets_no_reply(curve_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     with pytest.raises(KvtierTimeout):
         Client(curve_daemon.endpoint, "p", LAYOUT, timeout_s=SHORT_S, **curve_kwargs(keys, "mallory"))
     # Right client key, wrong idea of the server's key: no handshake either.
@@ -167,7 +147,7 @@ def test_tcp_client_with_an_unknown_key_gets_no_reply(curve_daemon: TcpDaemon, k
         probe_health(curve_daemon.endpoint, timeout_s=SHORT_S, curve=wrong_server)
 
 
-def test_tcp_client_with_a_registered_key_works(curve_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_tcp_client_with_a_registered_key_works(curve_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     hashes = [bytes([7, i]) * 8 for i in range(4)]
     data = os.urandom(4 * BLOCK)
     with Client(curve_daemon.endpoint, "p", LAYOUT, timeout_s=10.0, **curve_kwargs(keys, "carol")) as c:
@@ -177,7 +157,7 @@ def test_tcp_client_with_a_registered_key_works(curve_daemon: TcpDaemon, keys: d
         c.heartbeat()  # the heartbeat socket is a CURVE client too
 
 
-def test_a_key_added_to_the_directory_works_without_a_restart(curve_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_a_key_added_to_the_directory_works_without_a_restart(curve_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     with pytest.raises(KvtierTimeout):
         probe_health(curve_daemon.endpoint, timeout_s=SHORT_S, curve=client_keys(keys, "dave"))
     (keys["clients"] / "dave.key").write_bytes(keys["dave"][0].read_bytes())
@@ -189,10 +169,10 @@ def test_a_key_added_to_the_directory_works_without_a_restart(curve_daemon: TcpD
 
 
 @pytest.fixture(scope="module")
-def tenant_daemon(keys: dict[str, Any]) -> Iterator[TcpDaemon]:
+def tenant_daemon(keys: dict[str, Any]) -> Iterator[KvtierDaemon]:
     alice, bob = (read_public_key(keys[n][0]).decode() for n in ("alice", "bob"))
     # Two or more tenants: hash_algo defaults to sha256 (LAYOUT says sha256).
-    d = TcpDaemon(keys["root"] / "tenants", f"""
+    d = tcp_daemon(keys["root"] / "tenants", f"""
         curve_secret_key_file = "{keys['server'][1]}"
         curve_public_keys_dir = "{keys['clients']}"
         [default_pool]
@@ -211,7 +191,7 @@ def tenant_daemon(keys: dict[str, Any]) -> Iterator[TcpDaemon]:
     d.stop()
 
 
-def tenant_client(d: TcpDaemon, keys: dict[str, Any], name: str, pool: str = "shared", **kw: Any) -> Client:
+def tenant_client(d: KvtierDaemon, keys: dict[str, Any], name: str, pool: str = "shared", **kw: Any) -> Client:
     return Client(d.endpoint, pool, kw.pop("layout", LAYOUT), timeout_s=10.0, **curve_kwargs(keys, name), **kw)
 
 
@@ -228,7 +208,7 @@ def no_hashes_in(value: Any, path: str = "") -> None:
             no_hashes_in(v, f"{path}/{i}")
 
 
-def test_tenant_a_never_sees_tenant_b_blocks(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_tenant_a_never_sees_tenant_b_blocks(tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     hashes = [bytes([1, i]) * 8 for i in range(8)]
     a_data, b_data = os.urandom(8 * BLOCK), os.urandom(8 * BLOCK)
     with tenant_client(tenant_daemon, keys, "alice") as a, tenant_client(tenant_daemon, keys, "bob") as b:
@@ -260,7 +240,7 @@ def test_tenant_a_never_sees_tenant_b_blocks(tenant_daemon: TcpDaemon, keys: dic
         assert a.stats()["tenants"].keys() == {"alice"}
 
 
-def test_allocate_hits_are_per_tenant(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_allocate_hits_are_per_tenant(tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     from kvtier.client.kv_share import allocate_shared_kv
 
     engine_layout = PoolLayout(**{**LAYOUT.to_wire(), "mode": "engine"})
@@ -290,7 +270,7 @@ def raw(sock: zmq.Socket, header: dict[str, Any]) -> dict[str, Any]:
     return decode(sock.recv_multipart()[0])
 
 
-def test_a_sid_is_no_use_to_another_identity(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_a_sid_is_no_use_to_another_identity(tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     with tenant_client(tenant_daemon, keys, "alice") as a:
         a.store([b"\2" * 16], bytes(BLOCK))
         ctx = zmq.Context()
@@ -307,7 +287,7 @@ def test_a_sid_is_no_use_to_another_identity(tenant_daemon: TcpDaemon, keys: dic
         assert a.lookup([b"\2" * 16]) == ["gpu"]  # alice's session is untouched
 
 
-def test_tenant_identity_from_tokens_and_refusals(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_tenant_identity_from_tokens_and_refusals(tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     # carol's key is authorised but belongs to no tenant: she needs a token.
     with pytest.raises(DaemonError) as info:
         tenant_client(tenant_daemon, keys, "carol")
@@ -331,7 +311,7 @@ def test_tenant_identity_from_tokens_and_refusals(tenant_daemon: TcpDaemon, keys
         tenant_client(tenant_daemon, keys, "carol", pool="refused-pool")
 
 
-def test_cpu_quota_drops_demotions_and_refuses_spilling_stores(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_cpu_quota_drops_demotions_and_refuses_spilling_stores(tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     # tokenco: 2-block CPU quota; the GPU tier has 4 blocks, shared by everyone in the pool.
     with tenant_client(tenant_daemon, keys, "carol", "quota", token=TOKEN) as t:
         first = [bytes([4, i]) * 8 for i in range(4)]
@@ -361,14 +341,14 @@ def test_cpu_quota_drops_demotions_and_refuses_spilling_stores(tenant_daemon: Tc
     no_hashes_in(stats)
 
 
-def test_tenant_daemon_requires_sha256_layouts(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_tenant_daemon_requires_sha256_layouts(tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     with pytest.raises(DaemonError) as info:
         tenant_client(tenant_daemon, keys, "alice", "xxh", layout=PoolLayout(**{**LAYOUT.to_wire(), "hash_algo": "xxh3_128"}))
     assert info.value.code == ErrorCode.LAYOUT_MISMATCH and "sha256" in info.value.message
 
 
 def test_stats_health_and_mismatches_show_a_tenant_nothing_of_other_tenants_pools(
-        tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+        tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     secret_layout = PoolLayout(model="bobs-secret-model", block_size=4, block_bytes=BLOCK, dtype="bfloat16",
                                num_layers=1, kv_heads=1, head_dim=8, hash_algo="sha256", mode="store")
     with tenant_client(tenant_daemon, keys, "bob", "bob-private", layout=secret_layout) as b:
@@ -388,7 +368,7 @@ def test_stats_health_and_mismatches_show_a_tenant_nothing_of_other_tenants_pool
         assert "bobs-secret-model" in str(info.value)
 
 
-def test_kvtier_stats_and_top_reach_a_curve_daemon_with_keys(curve_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_kvtier_stats_and_top_reach_a_curve_daemon_with_keys(curve_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     with Client(curve_daemon.endpoint, "seen-by-stats", LAYOUT, timeout_s=10.0, **curve_kwargs(keys, "carol")):
         pass
     cli = [sys.executable, "-m", "kvtier.tools.cli"]
@@ -409,7 +389,7 @@ def test_kvtier_stats_and_top_reach_a_curve_daemon_with_keys(curve_daemon: TcpDa
     assert out.returncode != 0 and "both" in out.stderr
 
 
-def test_per_tenant_hits_and_quota_use_are_counted_and_exported(tenant_daemon: TcpDaemon, keys: dict[str, Any]) -> None:
+def test_per_tenant_hits_and_quota_use_are_counted_and_exported(tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvtier.daemon.prometheus import families_from_stats

@@ -15,18 +15,17 @@ are importable.
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvtier.testing.daemon import KvtierDaemon, daemon_available
+
 pytest.importorskip("transformers", reason="the example engine needs the 'engine' extra (transformers)")
 
-ENGINE_DIR = Path(__file__).resolve().parents[2] / "examples" / "engine"
-sys.path.insert(0, str(ENGINE_DIR))
-
+# examples/engine's modules (a folder of scripts): pyproject's pytest pythonpath has their folder.
 from block_backends import InProcessBackend  # noqa: E402
 from engine import Engine, RequestResult  # noqa: E402
 from paged_llama import KVGeometry, PagedKVPool, build_model  # noqa: E402
@@ -204,20 +203,14 @@ def test_pool_slots_hold_the_model_kv(model: torch.nn.Module, prompts: list[list
 # ---- the same through kvtierd, a separate process ---------------------------------------------------------
 
 
-def _daemon_available() -> bool:
-    from daemon_proc import daemon_available
-
-    return daemon_available()
-
-
 @pytest.fixture(scope="module")
 def kvtierd(model: torch.nn.Module) -> Iterator[str]:
-    if not _daemon_available():
+    if not daemon_available():
         pytest.skip("kvtierd / kvtier.client not importable")
-    from daemon_proc import DaemonProcess
-
-    daemon = DaemonProcess(cpu_bytes=512 * KVGeometry.of(model.config).block_bytes, log_level="warning")
-    endpoint = daemon.start()
+    # As the example starts it (run_demo.py): one OpenMP thread, the user's KVTIER_* settings kept.
+    daemon = KvtierDaemon.start(flags={"cpu_bytes": 512 * KVGeometry.of(model.config).block_bytes, "device": "cpu",
+                                       "log_level": "warning"}, omp_threads=1, keep_kvtier_env=True)
+    endpoint = daemon.endpoint
     try:
         yield endpoint
     finally:
@@ -306,7 +299,7 @@ def test_daemon_failed_request_leaves_no_stale_blocks(model: torch.nn.Module, kv
 
 def test_run_demo_main_job(tmp_path: Path) -> None:
     """The README's main job, small: kvtierd started and stopped (exit 0) around the chat workload."""
-    if not _daemon_available():
+    if not daemon_available():
         pytest.skip("kvtierd / kvtier.client not importable")
     import json
 

@@ -15,25 +15,10 @@ from kvtier.integrations.vllm.keys import RequestKeys  # noqa: E402
 from kvtier.integrations.vllm.pool import PoolChoice  # noqa: E402
 from kvtier.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+from kvtier.testing.vllm_requests import FakeRequest  # noqa: E402
 
 BS = 32
 BLOCK_BYTES = BS * 2 * 8 * 2
-
-
-class FakeRequest:
-    """What SchedulerSide reads of vllm.v1.request.Request."""
-
-    def __init__(self, request_id: str, tokens: list[int], kv_transfer_params: Any = None) -> None:
-        self.request_id = request_id
-        self.all_token_ids = tokens
-        self.num_tokens = len(tokens)
-        self.prompt_token_ids = tokens
-        self.lora_request = None
-        self.cache_salt = None
-        self.mm_features: list[Any] = []
-        self.kv_transfer_params = kv_transfer_params
-        self.session_id = None
-        self.kv_hints = None
 
 
 @pytest.fixture(scope="module")

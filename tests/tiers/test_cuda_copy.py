@@ -32,8 +32,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cuda_emulation
-
+from kvtier.testing import cuda_emulation
 from kvtier.tiers import cuda_copy, host_memory
 from kvtier.tiers.copy_plan import execute_plan_cpu, plan_block_copy
 from kvtier.tiers.layout import BlockLayout, copy_blocks

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.testing import redis_servers as rs
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, Tier, TieredPool
 from kvtier.tiers.remote_tier import RemoteTier
 from kvtier.tiers.transfer import ThreadTransferEngine
-
-import redis_servers as rs  # tests/redis_servers.py (tests/conftest.py puts tests/ on sys.path)
 
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 

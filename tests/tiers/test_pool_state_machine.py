@@ -41,7 +41,7 @@ from kvtier.client.hashing import BlockHasher
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import NoSpace, Op, PoolSpec, Tier, TieredPool
 from kvtier.tiers.transfer import CopyKind, TransferError
-from stepped_engine import SteppedEngine  # tests/stepped_engine.py (tests/ is on sys.path)
+from tests.stepped_engine import SteppedEngine
 
 BS = 2  # tokens per block
 BB = 40  # bytes per block

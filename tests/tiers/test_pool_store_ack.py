@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import Op, PoolSpec, TieredPool
 from kvtier.tiers.transfer import CopyKind
-from stepped_engine import SteppedEngine  # tests/stepped_engine.py (tests/ is on sys.path)
+from tests.stepped_engine import SteppedEngine
 
 BB = 32
 KEYS = [bytes([i]) * 16 for i in range(8)]

@@ -1,7 +1,7 @@
 """RemoteTier against real servers: a standalone redis-server and a 3-node Redis Cluster.
 
 The servers are started by the fixtures below (loopback only, nothing on
-disk; see tests/redis_servers.py). Without redis-server installed the whole
+disk; see kvtier.testing.redis_servers). Without redis-server installed the whole
 module is skipped with the apt command to install it.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from kvtier.testing import redis_servers as rs
 from kvtier.tiers.remote_tier import (
     HEADER,
     HEADER_BYTES,
@@ -25,8 +26,6 @@ from kvtier.tiers.remote_tier import (
     _parse_url,
     make_pool_key,
 )
-
-import redis_servers as rs  # tests/redis_servers.py (tests/conftest.py puts tests/ on sys.path)
 
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 

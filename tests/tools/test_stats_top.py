@@ -17,15 +17,10 @@ from typing import Any
 
 import pytest
 
-# The live-daemon harness lives with the daemon tests (see tests/daemon/conftest.py).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-
-from kvtierd_harness import kvtierd_module_factory  # noqa: E402,F401
-
-from kvtier.client.admin import DaemonUnavailable, default_socket, request, resolve_endpoint  # noqa: E402
-from kvtier.client.client import Client, PoolLayout  # noqa: E402
-from kvtier.daemon import config as daemon_config  # noqa: E402
-from kvtier.tools.top import render_frame  # noqa: E402
+from kvtier.client.admin import DaemonUnavailable, default_socket, request, resolve_endpoint
+from kvtier.client.client import Client, PoolLayout
+from kvtier.daemon import config as daemon_config
+from kvtier.tools.top import render_frame
 
 BLOCK_BYTES = 512
 LAYOUT = PoolLayout(model="m", block_size=4, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
@@ -43,7 +38,7 @@ def h(chain: int, i: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]  # noqa: F811
+def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]
     d = kvtierd_module_factory(gpu_bytes=8 * BLOCK_BYTES, cpu_bytes=32 * BLOCK_BYTES)
     with Client(d.endpoint, POOL, LAYOUT) as c:
         chain = [h(1, i) for i in range(12)]

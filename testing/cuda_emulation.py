@@ -1,11 +1,10 @@
-"""The CUDA copy kernel's arithmetic, mirrored on the CPU: a test helper, not shipped in kvtier.
+"""The CUDA copy kernel's arithmetic, mirrored on the CPU: a test helper (tests/tiers/test_cuda_copy.py).
 
 ``kvtier.tiers.cuda_copy``'s kernel (``KERNEL_SOURCE``, ``kvtier_copy_runs``)
 cuts each run into a byte head, W-byte words and a byte tail. These functions
 do the same in Python, so the CPU tests prove the arithmetic (every byte
 written exactly once, vector accesses aligned) and the CUDA tests prove the
-kernel. Imported by name (``import cuda_emulation``): tests/conftest.py puts
-this folder on ``sys.path``.
+kernel. Nothing of kvtier's runtime imports it (an import-linter contract).
 """
 
 from __future__ import annotations

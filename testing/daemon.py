@@ -1,0 +1,234 @@
+"""kvtierd as a child process: the one launcher of the tests, the benchmarks and the examples.
+
+Used by tests/conftest.py (the ``kvtierd*`` fixtures), tests/stress, the
+daemon tests that need their own set-up (tcp:// with CURVE, abstract
+sockets), bench/vllm.py, bench/ttft.py and examples/ (engine, vllm).
+
+Contract
+========
+
+``KvtierDaemon(workdir, flags=..., env=..., ...)`` describes one kvtierd;
+``KvtierDaemon.start(...)`` is the same followed by ``spawn()``.
+
+- ``workdir``: the folder of its socket and log (created with
+  ``dir_mode``, default 0700: nobody else may reach the socket); ``None``
+  creates a private temporary one that ``cleanup()`` removes.
+- ``endpoint``: ``ipc://<workdir>/kvtierd.sock`` unless given (a tcp://
+  or abstract ``ipc://@name`` endpoint).
+- ``flags``: ``{"gpu_bytes": 4096}`` becomes ``--gpu-bytes 4096``, after
+  ``--socket <endpoint>``.
+- Environment: ours without ``NOTIFY_SOCKET`` (the child would report to
+  our own supervisor) and without ``KVTIER_*`` (kvtierd would apply them;
+  ``keep_kvtier_env=True`` keeps them, for examples a user configures that
+  way), then ``OMP_NUM_THREADS=omp_threads`` when given, then ``env``.
+  ``daemon.env`` may be edited before a ``spawn()``/``restart()``.
+- ``spawn()``: starts ``python -m kvtier.daemon``, stdout and stderr
+  appended to ``log_path``, and returns once this very process answers a
+  session-less ``health`` (the reply carries its pid: a daemon still on
+  the socket does not count). Raises ``RuntimeError`` with the log's tail
+  when it exits first, or when it does not answer within
+  ``start_timeout_s`` (it is killed then). Records ``starts`` and, per
+  start, ``ready_s`` (seconds from spawn to the first answer).
+- ``restart()``: ``kill()`` then ``spawn()``, same socket, same log.
+- ``kill()``: SIGKILL and reap. ``send_signal(signum)``: any signal.
+- ``stop(signum=SIGTERM, timeout_s=30)``: signal, wait; SIGKILL when it
+  has not exited in time. Returns the exit code (0 after a clean drain;
+  negative: the signal that ended it), None if it never ran.
+- ``alive``, ``pid``, ``log()`` (all of it), ``log_tail(lines)``,
+  ``rss_bytes()``, ``num_threads()``, ``stats()`` (the ``stats`` verb).
+- ``cleanup()``: ``stop()``, and remove ``workdir`` when this object
+  created it. As a context manager: spawned on entry (unless running),
+  cleaned up on exit.
+
+Only the process this object started is ever signalled, through its own
+``Popen`` (its pid), never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from kvtier.client.client import KvtierTimeout, probe_health
+
+if TYPE_CHECKING:
+    from kvtier.client.curve import CurveKeys
+
+START_TIMEOUT_S = 60.0  # importing torch alone takes seconds on a loaded 2-core box
+PROBE_TIMEOUT_S = 0.2  # one health probe; the loop retries until START_TIMEOUT_S
+KILL_REAP_TIMEOUT_S = 10.0
+ERROR_LOG_LINES = 60  # of the log, in the error of a failed start
+
+
+def flag_argv(flags: Mapping[str, object]) -> list[str]:
+    """``{"gpu_bytes": 4096}`` -> ``["--gpu-bytes", "4096"]``."""
+    argv: list[str] = []
+    for key, value in flags.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def daemon_env(*, keep_kvtier_env: bool = False, omp_threads: int | None = None,
+               extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment ``KvtierDaemon`` gives kvtierd (see the module docstring)."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "NOTIFY_SOCKET" and (keep_kvtier_env or not k.startswith("KVTIER_"))}
+    if omp_threads is not None:
+        # Its host copies are memory-bound and run on its own worker threads;
+        # OpenMP fanning each out over every core only fights the clients.
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    env.update(extra or {})
+    return env
+
+
+def daemon_available() -> bool:
+    """True when kvtierd and the client modules an engine needs import here."""
+    try:
+        import kvtier.client.client  # noqa: F401
+        import kvtier.client.kv_share  # noqa: F401
+        import kvtier.daemon.__main__  # noqa: F401
+    except Exception:  # anything: a half-written module counts as absent
+        return False
+    return True
+
+
+class KvtierDaemon:
+    """One kvtierd child process (see the module docstring)."""
+
+    def __init__(self, workdir: Path | None = None, *, flags: Mapping[str, object] | None = None,
+                 env: Mapping[str, str] | None = None, endpoint: str | None = None,
+                 omp_threads: int | None = None, keep_kvtier_env: bool = False, dir_mode: int = 0o700,
+                 cwd: Path | None = None, start_timeout_s: float = START_TIMEOUT_S,
+                 health_curve: CurveKeys | None = None) -> None:
+        self._owns_workdir = workdir is None
+        if workdir is None:
+            workdir = Path(tempfile.mkdtemp(prefix="kvtierd-"))  # mode 0700 already
+        else:
+            workdir.mkdir(parents=True, exist_ok=True)
+            os.chmod(workdir, dir_mode)
+        self.workdir = workdir
+        self.endpoint = endpoint or f"ipc://{workdir}/kvtierd.sock"
+        self.log_path = workdir / "kvtierd.log"
+        self.argv = [sys.executable, "-m", "kvtier.daemon", "--socket", self.endpoint, *flag_argv(flags or {})]
+        self.env = daemon_env(keep_kvtier_env=keep_kvtier_env, omp_threads=omp_threads, extra=env)
+        self.cwd = cwd
+        self.start_timeout_s = start_timeout_s
+        self.health_curve = health_curve  # the probe's keys, for a tcp:// daemon with CURVE
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self.ready_s: list[float] = []  # seconds from spawn to the first health answer, per start
+
+    @classmethod
+    def start(cls, workdir: Path | None = None, **kwargs: Any) -> KvtierDaemon:
+        """``KvtierDaemon(workdir, **kwargs)``, spawned and answering."""
+        daemon = cls(workdir, **kwargs)
+        daemon.spawn()
+        return daemon
+
+    def spawn(self) -> None:
+        """Start the process (again) and wait until it answers health."""
+        t0_s = time.monotonic()
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                         stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd)
+        self.starts += 1
+        deadline_s = t0_s + self.start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvtierd exited with {self.proc.returncode} at start-up:\n"
+                                   f"{self.log_tail(ERROR_LOG_LINES)}")
+            try:
+                health = probe_health(self.endpoint, timeout_s=PROBE_TIMEOUT_S, curve=self.health_curve)
+                if health.get("pid") == self.proc.pid:
+                    self.ready_s.append(time.monotonic() - t0_s)
+                    return
+                # Another daemon answers on this socket; ours will exit saying so.
+                time.sleep(0.1)
+            except KvtierTimeout:
+                pass
+            if time.monotonic() > deadline_s:
+                self.kill()
+                raise RuntimeError(f"kvtierd did not answer health in {self.start_timeout_s:.0f} s:\n"
+                                   f"{self.log_tail(ERROR_LOG_LINES)}")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "never spawned"
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def send_signal(self, signum: int) -> None:
+        assert self.proc is not None, "never spawned"
+        self.proc.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL this daemon (only this pid) and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(KILL_REAP_TIMEOUT_S)
+
+    def restart(self) -> None:
+        """SIGKILL, then the same daemon again on the same socket."""
+        self.kill()
+        self.spawn()
+
+    def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+        """``signum`` and wait; SIGKILL if it has not exited in ``timeout_s``. The exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        """Stop it, and remove the working folder when this object made it."""
+        self.stop()
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:  # removed by cleanup(), or never written
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def rss_bytes(self) -> int:
+        return int(psutil.Process(self.pid).memory_info().rss)
+
+    def num_threads(self) -> int:
+        return int(psutil.Process(self.pid).num_threads())
+
+    def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The daemon's ``stats`` reply (the session-less admin verb)."""
+        from kvtier.client.admin import request
+
+        return request(self.endpoint, "stats", timeout_s=timeout_s, curve=self.health_curve)
+
+    def __enter__(self) -> KvtierDaemon:
+        if not self.alive:
+            self.spawn()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+

@@ -1,0 +1,1 @@
+"""Tests of kvtier.tiers (a package: see tests/__init__.py)."""
