@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/stress/churn_full.py [--workers 8] [--seconds 60] [--pool-names 48]
+    python -m tests.stress.churn_full [--workers 8] [--seconds 60] [--pool-names 48]
 
 The same loop and checks as ``test_churn.py`` (see ``churnlib``), longer and
 wider. Prints the counts and the RSS against its bound, writes
@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from churnlib import MIB, ChurnConfig, run_churn  # noqa: E402
-from stresslib import machine_description, print_table, write_result  # noqa: E402
+from tests.stress.churnlib import MIB, ChurnConfig, run_churn
+from tests.stress.stresslib import machine_description, print_table, write_result
 
 
 def main(argv: list[str] | None = None) -> int:

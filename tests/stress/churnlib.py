@@ -34,9 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a worker script too
-
-from stresslib import StressDaemon, block_content, chain_hashes, store_layout  # noqa: E402
+from tests.stress.stresslib import REPO_ROOT, block_content, chain_hashes, start_stress_daemon, store_layout
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -144,8 +142,8 @@ def _worker_main(spec_path: str) -> None:
 def run_churn(cfg: ChurnConfig, *, progress: bool = False) -> dict[str, Any]:
     root = Path(cfg.root or tempfile.mkdtemp(prefix="kvtier-churn-"))
     shm_before = {p.name for p in Path("/dev/shm").glob("kvtier-*")}
-    daemon = StressDaemon.start(root, flags={"cpu_bytes": cfg.pool_cpu_bytes, "gpu_bytes": cfg.pool_gpu_bytes,
-                                             "cpu_budget_bytes": cfg.budget_bytes, "log_level": "warning"})
+    daemon = start_stress_daemon(root, flags={"cpu_bytes": cfg.pool_cpu_bytes, "gpu_bytes": cfg.pool_gpu_bytes,
+                                              "cpu_budget_bytes": cfg.budget_bytes, "log_level": "warning"})
     procs: list[subprocess.Popen[str]] = []
     curve: list[tuple[float, int]] = []
     try:
@@ -154,8 +152,10 @@ def run_churn(cfg: ChurnConfig, *, progress: bool = False) -> dict[str, Any]:
             spec = root / f"churn-{i}.json"
             spec.write_text(json.dumps({"cfg": asdict(cfg), "index": i, "endpoint": daemon.endpoint,
                                         "out": str(root / f"churn-report-{i}.json")}))
-            procs.append(subprocess.Popen([sys.executable, __file__, "worker", str(spec)], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            # From the repository root, where `tests` is a package (see tests/__init__.py).
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.stress.churnlib", "worker", str(spec)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                                          env={**os.environ, "OMP_NUM_THREADS": "1"}))
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         stop = threading.Event()

@@ -1,18 +1,15 @@
-"""Fixtures for the stress suite: kvtierd processes started by ``stresslib`` and killed at teardown."""
+"""Fixtures for the stress suite: kvtierd processes (``stresslib.start_stress_daemon``) killed at teardown."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-# With --import-mode=importlib the suite's helper modules need their folder on the path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from stresslib import StressDaemon  # noqa: E402
+from kvtier.testing.daemon import KvtierDaemon
+from tests.stress.stresslib import start_stress_daemon
 
 
 class _Daemons:
@@ -20,11 +17,11 @@ class _Daemons:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.started: list[StressDaemon] = []
+        self.started: list[KvtierDaemon] = []
 
-    def __call__(self, *, env: dict[str, str] | None = None, **flags: Any) -> StressDaemon:
+    def __call__(self, *, env: dict[str, str] | None = None, **flags: Any) -> KvtierDaemon:
         flags = {"log_level": "info", **flags}
-        daemon = StressDaemon.start(self.root / f"d{len(self.started)}", flags=flags, env=env)
+        daemon = start_stress_daemon(self.root / f"d{len(self.started)}", flags=flags, env=env)
         self.started.append(daemon)
         return daemon
 
@@ -34,7 +31,7 @@ class _Daemons:
 
 
 @pytest.fixture
-def start_daemon(tmp_path: Path) -> Iterator[Callable[..., StressDaemon]]:
+def start_daemon(tmp_path: Path) -> Iterator[Callable[..., KvtierDaemon]]:
     """``start_daemon(env=..., **flags)``: a fresh kvtierd per call, killed at teardown."""
     daemons = _Daemons(tmp_path)
     yield daemons
@@ -42,7 +39,7 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., StressDaemon]]:
 
 
 @pytest.fixture(scope="module")
-def start_module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., StressDaemon]]:
+def start_module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., KvtierDaemon]]:
     """The same with module scope (a daemon start costs seconds of torch import)."""
     daemons = _Daemons(tmp_path_factory.mktemp("kvtierd"))
     yield daemons

@@ -1,7 +1,7 @@
 """A client process for the fault tests to SIGKILL: it acquires things, reports them, then waits to die.
 
-``python crash_client.py MODE ENDPOINT BLOCK_BYTES GPU_BLOCKS CPU_BLOCKS`` prints one JSON line
-once everything is held, then sleeps until killed.
+``python -m tests.stress.crash_client MODE ENDPOINT BLOCK_BYTES GPU_BLOCKS CPU_BLOCKS`` (from the
+repository root) prints one JSON line once everything is held, then sleeps until killed.
 
 - ``hold``: on store-mode pool ``crash``, stores chains until every GPU- and
   CPU-tier block holds one of its blocks, and pins all of them; opens a
@@ -20,16 +20,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import zmq
 
-import zmq  # noqa: E402
-
-from kvtier.client.client import Client  # noqa: E402
-from kvtier.client.kv_share import allocate_shared_kv  # noqa: E402
-from kvtier.client.protocol import encode, request_header  # noqa: E402
-from stresslib import block_content, chain_content, chain_hashes, store_layout  # noqa: E402
+from kvtier.client.client import Client
+from kvtier.client.kv_share import allocate_shared_kv
+from kvtier.client.protocol import encode, request_header
+from tests.stress.stresslib import block_content, chain_content, chain_hashes, store_layout
 
 
 def hold(endpoint: str, block_bytes: int, gpu_blocks: int, cpu_blocks: int) -> dict[str, object]:

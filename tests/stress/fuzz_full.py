@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/stress/fuzz_full.py [--cases 100000] [--examples 5000] [--seed 1] \
+    python -m tests.stress.fuzz_full [--cases 100000] [--examples 5000] [--seed 1] \
         [--out bench/results/stress-fuzz.json]
 
 Same checks as ``test_fuzz.py`` at a larger scale: Hypothesis-generated
@@ -23,9 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fuzzlib import (  # noqa: E402
+from tests.stress.fuzzlib import (
     CATEGORIES,
     CountingClient,
     FuzzCase,
@@ -37,7 +35,14 @@ from fuzzlib import (  # noqa: E402
     run_campaign,
     victim_snapshot,
 )
-from stresslib import RESULTS_DIR, StressDaemon, machine_description, print_table, store_layout, write_result  # noqa: E402
+from tests.stress.stresslib import (
+    RESULTS_DIR,
+    machine_description,
+    print_table,
+    start_stress_daemon,
+    store_layout,
+    write_result,
+)
 
 BLOCK_BYTES = 1024
 GPU_BLOCKS = 16
@@ -75,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)  # the fuzz sessions' reconnect chatter
 
     root = Path(tempfile.mkdtemp(prefix="kvtier-fuzz-"))
-    daemon = StressDaemon.start(root, flags={"gpu_bytes": GPU_BLOCKS * BLOCK_BYTES, "cpu_bytes": CPU_BLOCKS * BLOCK_BYTES,
-                                             "max_message_bytes": MAX_PAYLOAD_BYTES, "lease_s": 5.0,
-                                             "log_level": "warning"})
+    daemon = start_stress_daemon(root, flags={"gpu_bytes": GPU_BLOCKS * BLOCK_BYTES,
+                                              "cpu_bytes": CPU_BLOCKS * BLOCK_BYTES,
+                                              "max_message_bytes": MAX_PAYLOAD_BYTES, "lease_s": 5.0,
+                                              "log_level": "warning"})
     try:
         layout = store_layout(BLOCK_BYTES)
         client = CountingClient(daemon.endpoint, "victim", layout)

@@ -665,7 +665,7 @@ class Victim:
     chains: list[list[bytes]] = field(default_factory=list)
 
     def store(self, num_chains: int, chain_blocks: int) -> None:
-        from stresslib import block_content, chain_content, chain_hashes
+        from tests.stress.stresslib import block_content, chain_content, chain_hashes
 
         arena = self.client.open_arena(chain_blocks)
         for i in range(num_chains):
@@ -680,7 +680,7 @@ class Victim:
         self.client.pin(self.chains[0])
 
     def verify(self) -> list[str]:
-        from stresslib import block_content, chain_content
+        from tests.stress.stresslib import block_content, chain_content
 
         bad: list[str] = []
         arena = self.client.arena

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/stress/load_full.py [--workers 16] [--seconds 60] [--out bench/results/stress-load.json]
+    python -m tests.stress.load_full [--workers 16] [--seconds 60] [--out bench/results/stress-load.json]
 
 The same load and checks as ``test_load.py`` (see ``loadlib``): store-mode
 workers (inline and shared-memory planes) on one shared pool and engine
@@ -20,10 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loadlib import LoadConfig, print_summary, run_load  # noqa: E402
-from stresslib import RESULTS_DIR, machine_description, write_result  # noqa: E402
+from tests.stress.loadlib import LoadConfig, print_summary, run_load
+from tests.stress.stresslib import RESULTS_DIR, machine_description, write_result
 
 
 def main(argv: list[str] | None = None) -> int:

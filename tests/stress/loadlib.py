@@ -5,7 +5,7 @@ Contract
 
 ``run_load(LoadConfig) -> dict`` starts a daemon whose tiers are small
 enough that demotion and CPU-tier eviction run all the time, starts
-``num_workers`` client processes (``python loadlib.py worker CONFIG``),
+``num_workers`` client processes (``python -m tests.stress.loadlib worker CONFIG``),
 releases them together once all are connected, lets them run for
 ``duration_s``, and collects their reports. It returns the summary:
 operations/s, count and p50/p99/max latency per verb (client side, ms),
@@ -50,11 +50,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from stresslib import StressDaemon, block_content, chain_hashes, latency_summary, store_layout  # noqa: E402
+from kvtier.testing.daemon import KvtierDaemon
+from tests.stress.stresslib import (
+    REPO_ROOT,
+    block_content,
+    chain_hashes,
+    latency_summary,
+    start_stress_daemon,
+    store_layout,
+)
 
 SLOW_OP_S = 0.1  # ops slower than this are listed with their time, to tell stalls from noise
 VERBS = ("lookup", "pin", "unpin", "store", "restore", "allocate", "append", "free", "clear")
@@ -333,7 +339,7 @@ def worker_main(config_path: str) -> None:
 # ---- the parent ------------------------------------------------------------------
 
 
-def _sample_rss(daemon: StressDaemon, stop: threading.Event, samples: list[int]) -> None:
+def _sample_rss(daemon: KvtierDaemon, stop: threading.Event, samples: list[int]) -> None:
     while not stop.wait(0.25):
         try:
             samples.append(daemon.rss_bytes())
@@ -344,10 +350,10 @@ def _sample_rss(daemon: StressDaemon, stop: threading.Event, samples: list[int])
 def run_load(cfg: LoadConfig, *, progress: bool = False) -> dict[str, Any]:
     """See the module docstring."""
     root = Path(cfg.root or tempfile.mkdtemp(prefix="kvtier-load-"))
-    daemon = StressDaemon.start(root, flags={"gpu_bytes": cfg.gpu_blocks * cfg.block_bytes,
-                                             "cpu_bytes": cfg.cpu_blocks * cfg.block_bytes,
-                                             "log_level": "warning", "lease_s": 10.0,
-                                             "max_message_bytes": cfg.max_message_bytes})
+    daemon = start_stress_daemon(root, flags={"gpu_bytes": cfg.gpu_blocks * cfg.block_bytes,
+                                              "cpu_bytes": cfg.cpu_blocks * cfg.block_bytes,
+                                              "log_level": "warning", "lease_s": 10.0,
+                                              "max_message_bytes": cfg.max_message_bytes})
     workers: list[subprocess.Popen[str]] = []
     roles = cfg.roles()
     try:
@@ -356,8 +362,9 @@ def run_load(cfg: LoadConfig, *, progress: bool = False) -> dict[str, Any]:
             spec_path = root / f"worker-{i}.json"
             spec_path.write_text(json.dumps({"cfg": asdict(cfg), "index": i, "role": role,
                                              "endpoint": daemon.endpoint, "out": str(root / f"report-{i}.json")}))
-            workers.append(subprocess.Popen([sys.executable, __file__, "worker", str(spec_path)],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            # From the repository root, where `tests` is a package (see tests/__init__.py).
+            workers.append(subprocess.Popen([sys.executable, "-m", "tests.stress.loadlib", "worker", str(spec_path)],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                                             env={**os.environ, "OMP_NUM_THREADS": "1"}))
         deadline_s = time.monotonic() + cfg.ready_timeout_s
         for i, w in enumerate(workers):
@@ -420,8 +427,8 @@ class _Fuzzer:
     reached their blocks.
     """
 
-    def __init__(self, cfg: LoadConfig, daemon: StressDaemon, until_s: float) -> None:
-        from fuzzlib import FuzzWorld, Judge
+    def __init__(self, cfg: LoadConfig, daemon: KvtierDaemon, until_s: float) -> None:
+        from tests.stress.fuzzlib import FuzzWorld, Judge
 
         self.world = FuzzWorld.open(daemon.endpoint, cfg.block_bytes, "load", store_layout(cfg.block_bytes).to_wire(),
                                     cfg.max_message_bytes)
@@ -431,7 +438,7 @@ class _Fuzzer:
         self.thread.start()
 
     def _run(self, seed: int, until_s: float) -> None:
-        from fuzzlib import run_campaign
+        from tests.stress.fuzzlib import run_campaign
 
         try:
             run_campaign(self.world, self.judge, 10**9, seed, until_s=until_s)
@@ -448,14 +455,14 @@ class _Fuzzer:
         return out
 
 
-def _start_fuzz(cfg: LoadConfig, daemon: StressDaemon, until_s: float) -> _Fuzzer:
+def _start_fuzz(cfg: LoadConfig, daemon: KvtierDaemon, until_s: float) -> _Fuzzer:
     logging.getLogger("kvtier.client").setLevel(logging.ERROR)  # the fuzz sessions' reconnect chatter
     return _Fuzzer(cfg, daemon, until_s)
 
 
-def _daemon_stats(daemon: StressDaemon) -> dict[str, Any]:
+def _daemon_stats(daemon: KvtierDaemon) -> dict[str, Any]:
     from kvtier.client.protocol import decode, encode, request_header
-    from stresslib import RawSocket
+    from tests.stress.stresslib import RawSocket
 
     with RawSocket(daemon.endpoint) as raw:
         got = raw.ask([encode(request_header("stats", 1, None))], timeout_s=5.0)
@@ -466,7 +473,7 @@ def _daemon_stats(daemon: StressDaemon) -> dict[str, Any]:
 
 
 def summarize(cfg: LoadConfig, roles: list[str], reports: list[dict[str, Any]], hung: list[int], wall_s: float,
-              stats: dict[str, Any], rss_start: int, rss_max: int, daemon: StressDaemon) -> dict[str, Any]:
+              stats: dict[str, Any], rss_start: int, rss_max: int, daemon: KvtierDaemon) -> dict[str, Any]:
     ops: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     lat: dict[str, list[float]] = defaultdict(list)
@@ -529,7 +536,7 @@ def summarize(cfg: LoadConfig, roles: list[str], reports: list[dict[str, Any]], 
 
 
 def print_summary(result: dict[str, Any]) -> None:
-    from stresslib import print_table
+    from tests.stress.stresslib import print_table
 
     rows = [[verb, v["count"], v["ops_per_s"], v["p50_ms"], v["p99_ms"], v["max_ms"]] for verb, v in result["verbs"].items()]
     rows.append(["all", result["total_ops"], result["ops_per_s"], "", "", ""])
@@ -560,4 +567,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "worker":
         worker_main(sys.argv[2])
     else:
-        raise SystemExit("usage: loadlib.py worker CONFIG_JSON (run_load() is the entry point)")
+        raise SystemExit("usage: python -m tests.stress.loadlib worker CONFIG_JSON (run_load() is the entry point)")

@@ -1,17 +1,18 @@
 """Shared pieces of the stress suite: a kvtierd process, deterministic block content, raw sockets.
 
 Used by the pytest files in this folder and by the full-run scripts
-(``fuzz_full.py``, ``load_full.py``), so it depends on nothing of pytest.
+(``python -m tests.stress.fuzz_full`` and the others), so it depends on
+nothing of pytest.
 
 Contract
 ========
 
-- ``StressDaemon.start(root, flags=..., env=...)`` runs ``python -m
-  kvtier.daemon`` on ``ipc://<root>/kvtier.sock`` with the given flags
-  (``gpu_bytes=4096`` becomes ``--gpu-bytes 4096``) and extra environment
-  (e.g. ``KVTIER_TEST_FAULTS``), and returns once it answers ``health``.
-  ``kill()`` / ``restart()`` / ``stop()`` signal only that process, by pid.
-  ``rss_bytes()`` reads its resident set size (psutil).
+- ``start_stress_daemon(root, flags=..., env=...)``: a ``kvtier.testing.daemon.KvtierDaemon``
+  on ``ipc://<root>/kvtierd.sock`` with the given flags (``gpu_bytes=4096``
+  becomes ``--gpu-bytes 4096``), extra environment (e.g.
+  ``KVTIER_TEST_FAULTS``) and one OpenMP thread, answering ``health``.
+  ``kill()`` / ``restart()`` / ``spawn()`` / ``stop()`` signal only that
+  process, by pid; ``rss_bytes()`` reads its resident set size.
 - ``block_content(h, nbytes)``: the bytes of the block whose hash is ``h``,
   derived only from ``h`` (a PCG64 stream seeded with the hash's XXH3-64),
   so any process can check any restore byte for byte without having seen
@@ -33,12 +34,7 @@ import json
 import math
 import os
 import platform
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +43,9 @@ import psutil
 import xxhash
 import zmq
 
-from kvtier.client.client import KvtierTimeout, PoolLayout, probe_health
+from kvtier.client.client import PoolLayout
 from kvtier.client.protocol import decode
+from kvtier.testing.daemon import KvtierDaemon
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -85,107 +82,12 @@ def chain_content(hashes: Sequence[bytes], block_bytes: int) -> bytes:
     return b"".join(block_content(h, block_bytes) for h in hashes)
 
 
-def _flag_argv(flags: Mapping[str, object]) -> list[str]:
-    argv: list[str] = []
-    for key, value in flags.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    return argv
-
-
-@dataclass
-class StressDaemon:
-    """One kvtierd process this suite started (see the module docstring)."""
-
-    endpoint: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-    ready_s: list[float] = field(default_factory=list)  # seconds from spawn to first health, per start
-
-    @classmethod
-    def start(cls, root: Path, *, flags: Mapping[str, object] | None = None,
-              env: Mapping[str, str] | None = None, name: str = "kvtierd") -> StressDaemon:
-        root.mkdir(parents=True, exist_ok=True)
-        os.chmod(root, 0o700)
-        endpoint = f"ipc://{root}/{name}.sock"
-        argv = [sys.executable, "-m", "kvtier.daemon", "--socket", endpoint, *_flag_argv(flags or {})]
-        # A clean environment for the daemon: no stray KVTIER_* (config would
-        # reject or apply them) and one OpenMP thread (its copies are memory-bound;
-        # on 2 cores more threads only fight the clients).
-        base = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") and k != "NOTIFY_SOCKET"}
-        base["OMP_NUM_THREADS"] = "1"
-        daemon = cls(endpoint, argv, {**base, **(env or {})}, root / f"{name}.log")
-        daemon.spawn()
-        return daemon
-
-    def spawn(self) -> None:
-        """Start the process (again) and wait until it answers health."""
-        t0 = time.monotonic()
-        with open(self.log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                                         stderr=subprocess.STDOUT, env=self.env)
-        self.starts += 1
-        deadline_s = t0 + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtierd exited with {self.proc.returncode} at start-up:\n{self.log_tail()}")
-            try:
-                health = probe_health(self.endpoint, timeout_s=0.2)
-                if health.get("pid") != self.proc.pid:
-                    # Another daemon answers on this socket; ours will exit saying so.
-                    time.sleep(0.1)
-                    continue
-                self.ready_s.append(time.monotonic() - t0)
-                return
-            except KvtierTimeout:
-                if time.monotonic() > deadline_s:
-                    self.kill()
-                    raise RuntimeError(f"kvtierd did not answer health in {START_TIMEOUT_S}s:\n{self.log_tail()}") from None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL this daemon (only this pid) and reap it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def restart(self) -> None:
-        self.kill()
-        self.spawn()
-
-    def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM and wait (SIGKILL if it does not exit in time); returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
-
-    def rss_bytes(self) -> int:
-        return int(psutil.Process(self.pid).memory_info().rss)
-
-    def num_threads(self) -> int:
-        return int(psutil.Process(self.pid).num_threads())
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+def start_stress_daemon(root: Path, *, flags: Mapping[str, object] | None = None,
+                 env: Mapping[str, str] | None = None) -> KvtierDaemon:
+    """A kvtierd for the suite (see the module docstring), started and answering."""
+    # One OpenMP thread: the daemon's copies are memory-bound, and on 2 cores
+    # more threads only fight the clients.
+    return KvtierDaemon.start(root, flags=flags, env=env, omp_threads=1, start_timeout_s=START_TIMEOUT_S)
 
 
 class RawSocket:

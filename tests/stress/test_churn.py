@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from churnlib import ChurnConfig, run_churn
+from tests.stress.churnlib import ChurnConfig, run_churn
 
 
 def test_pools_and_arenas_churn_under_the_budget_every_byte_checked(tmp_path: Path) -> None:

@@ -28,12 +28,20 @@ import pytest
 
 from kvtier.client.client import Client, DaemonError, KvtierTimeout, SessionLost
 from kvtier.client.protocol import ErrorCode, encode, request_header
-from stresslib import FAULTS_ENV, RawSocket, StressDaemon, block_content, chain_content, chain_hashes, store_layout
+from kvtier.testing.daemon import KvtierDaemon
+from tests.stress.stresslib import (
+    FAULTS_ENV,
+    REPO_ROOT,
+    RawSocket,
+    block_content,
+    chain_content,
+    chain_hashes,
+    store_layout,
+)
 
 BLOCK_BYTES = 1024
 GPU_BLOCKS = 8
 CPU_BLOCKS = 16
-HERE = Path(__file__).resolve().parent
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
@@ -46,11 +54,12 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> floa
     return time.monotonic() - t0
 
 
-def spawn_crasher(mode: str, daemon: StressDaemon) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def spawn_crasher(mode: str, daemon: KvtierDaemon) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    # From the repository root, where `tests` is a package (see tests/__init__.py).
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "crash_client.py"), mode, daemon.endpoint, str(BLOCK_BYTES), str(GPU_BLOCKS),
+        [sys.executable, "-m", "tests.stress.crash_client", mode, daemon.endpoint, str(BLOCK_BYTES), str(GPU_BLOCKS),
          str(CPU_BLOCKS)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -177,13 +186,13 @@ def test_daemon_sigkilled_mid_restore_client_raises_at_its_deadline_then_reconne
 
 
 @pytest.fixture(scope="module")
-def faulty_daemon(start_module_daemon) -> StressDaemon:  # type: ignore[no-untyped-def]
+def faulty_daemon(start_module_daemon) -> KvtierDaemon:  # type: ignore[no-untyped-def]
     # Every 3rd client store copy, every 4th client load copy and every 2nd demotion fails.
     return start_module_daemon(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES,
                                env={FAULTS_ENV: "store.fail_every=3,load.fail_every=4,demote.fail_every=2"})
 
 
-def test_injected_copy_failures_fail_only_their_request(faulty_daemon: StressDaemon) -> None:
+def test_injected_copy_failures_fail_only_their_request(faulty_daemon: KvtierDaemon) -> None:
     with Client(faulty_daemon.endpoint, "faulty", store_layout(BLOCK_BYTES)) as c, \
             Client(faulty_daemon.endpoint, "faulty", store_layout(BLOCK_BYTES)) as bystander:
         outcomes: list[str] = []
@@ -245,13 +254,10 @@ def test_unregister_while_its_copy_is_in_flight_is_refused_and_the_copy_lands(st
         c.unregister_kv("kv")
 
 
-ENGINE_DIR = Path(__file__).resolve().parents[2] / "examples" / "engine"
-
-
 def test_engine_example_recomputes_after_the_daemon_dies_mid_allocate(start_daemon) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(ENGINE_DIR))
     import torch
+    # examples/engine's modules: pyproject's pytest pythonpath has their folder.
     from block_backends import DaemonBackend, InProcessBackend
     from engine import Engine
     from paged_llama import KVGeometry, PagedKVPool, build_model

@@ -25,10 +25,21 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fuzzlib import CountingClient, FuzzCase, FuzzWorld, Judge, Victim, after_checks, hypothesis_requests, run_campaign, victim_snapshot
 from kvtier.client.client import Client, DaemonError
 from kvtier.client.protocol import ErrorCode, encode
-from stresslib import RawSocket, StressDaemon, store_layout
+from kvtier.testing.daemon import KvtierDaemon
+from tests.stress.fuzzlib import (
+    CountingClient,
+    FuzzCase,
+    FuzzWorld,
+    Judge,
+    Victim,
+    after_checks,
+    hypothesis_requests,
+    run_campaign,
+    victim_snapshot,
+)
+from tests.stress.stresslib import RawSocket, store_layout
 
 BLOCK_BYTES = 1024
 GPU_BLOCKS = 16
@@ -42,7 +53,7 @@ logging.getLogger("kvtier.client").setLevel(logging.ERROR)  # the fuzz sessions'
 
 @dataclass
 class Fuzzed:
-    daemon: StressDaemon
+    daemon: KvtierDaemon
     victim: Victim
     world: FuzzWorld
     judge: Judge
@@ -111,14 +122,14 @@ MAX_BLOCKS_PER_TIER = 1 << 23
 
 
 @pytest.fixture(scope="module")
-def big_tier_daemon(start_module_daemon) -> StressDaemon:  # type: ignore[no-untyped-def]
+def big_tier_daemon(start_module_daemon) -> KvtierDaemon:  # type: ignore[no-untyped-def]
     # A 16 MiB CPU tier: 16Ki blocks of 1 KiB, but 16Mi "blocks" of 1 byte. Pool
     # "tinyengine" gets a 4 KiB CPU tier, so only its registration can be too big.
     return start_module_daemon(gpu_bytes=1 << 20, cpu_bytes=16 << 20, log_level="warning",
                                env={"KVTIER_POOLS__TINYENGINE__CPU_BYTES": "4096"})
 
 
-def test_hello_with_a_tiny_block_size_is_refused_at_once(big_tier_daemon: StressDaemon) -> None:
+def test_hello_with_a_tiny_block_size_is_refused_at_once(big_tier_daemon: KvtierDaemon) -> None:
     """Regression: block_bytes=1 made one hello build ~17M block records (5 s of a stalled loop, +750 MB)."""
     rss_before = big_tier_daemon.rss_bytes()
     tiny = {**store_layout(1024).to_wire(), "block_bytes": 1}
@@ -138,7 +149,7 @@ def test_hello_with_a_tiny_block_size_is_refused_at_once(big_tier_daemon: Stress
         assert "tiny" not in c.stats()["pools"]
 
 
-def test_register_kv_with_too_many_blocks_is_refused_at_once(big_tier_daemon: StressDaemon) -> None:
+def test_register_kv_with_too_many_blocks_is_refused_at_once(big_tier_daemon: KvtierDaemon) -> None:
     """Regression: an engine registration is the GPU tier; its block count is bounded the same way."""
     from kvtier.client.kv_share import allocate_shared_kv
 
@@ -155,13 +166,13 @@ def test_register_kv_with_too_many_blocks_is_refused_at_once(big_tier_daemon: St
     assert big_tier_daemon.rss_bytes() - rss_before < 64 << 20
 
 
-def test_unpin_of_many_hashes_is_linear_not_quadratic(big_tier_daemon: StressDaemon) -> None:
+def test_unpin_of_many_hashes_is_linear_not_quadratic(big_tier_daemon: KvtierDaemon) -> None:
     """Regression: unpin scanned all of the session's pins for every hash asked for (O(pins x hashes)).
 
     8192 pins and an unpin of 8192 hashes it does not hold stalled the
     daemon's loop for ~10 s (65536 of each: ~10 min), for every client.
     """
-    from stresslib import chain_content, chain_hashes
+    from tests.stress.stresslib import chain_content, chain_hashes
 
     n = 8192
     with Client(big_tier_daemon.endpoint, "pins", store_layout(1024), timeout_s=60) as c:

@@ -19,7 +19,7 @@ import gc
 import os
 from pathlib import Path
 
-from loadlib import LoadConfig, print_summary, run_load
+from tests.stress.loadlib import LoadConfig, print_summary, run_load
 
 NUM_WORKERS = int(os.environ.get("KVTIER_LOAD_WORKERS", "6"))
 DURATION_S = float(os.environ.get("KVTIER_LOAD_SECONDS", "10"))
