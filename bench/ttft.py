@@ -48,11 +48,14 @@ from typing import Any
 
 import torch
 
+from kvtier.testing.daemon import KvtierDaemon, daemon_available
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The example engine's modules: examples/engine is a folder of scripts that
+# import each other by bare name, not a package, so its folder goes on the path.
 sys.path.insert(0, str(REPO_ROOT / "examples" / "engine"))
 
 from chat_workload import environment, warn_if_busy  # noqa: E402
-from daemon_proc import DaemonProcess, daemon_available  # noqa: E402
 from engine import RequestResult, build_engine  # noqa: E402
 from paged_llama import MODEL_PRESETS, parameters_millions  # noqa: E402
 
@@ -109,15 +112,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--prefix-tokens must be a multiple of {bs} so the whole prefix is cacheable")
     gpu_blocks = args.gpu_blocks or -(-(total + args.decode_tokens) // bs)
 
-    daemon: DaemonProcess | None = None
+    daemon: KvtierDaemon | None = None
     endpoint = args.endpoint
     if backend == "daemon" and endpoint is None:
         # The CPU tier is the daemon's: size it from the block size of this model.
         from paged_llama import KVGeometry, model_config
 
         block_bytes = KVGeometry.of(model_config(args.model_size)).block_bytes
-        daemon = DaemonProcess(cpu_bytes=args.cpu_blocks * block_bytes, device=args.device)
-        endpoint = daemon.start()
+        # As the example starts it (examples/engine/run_demo.py): one OpenMP thread, KVTIER_* kept.
+        daemon = KvtierDaemon.start(flags={"cpu_bytes": args.cpu_blocks * block_bytes, "device": args.device,
+                                           "log_level": "info"}, omp_threads=1, keep_kvtier_env=True)
+        endpoint = daemon.endpoint
     try:
         t0 = time.perf_counter()
         eng = build_engine(args.model_size, gpu_blocks=gpu_blocks, cpu_blocks=args.cpu_blocks, backend=backend,

