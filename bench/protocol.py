@@ -8,7 +8,7 @@ Usage:
 Everything runs on this machine, in one run, side by side: the bench starts
 two kvtierd daemons (``python -m kvtier.daemon --socket ipc://...``), one
 raw-ZMQ echo server (a second Python process: a ROUTER socket, nothing else)
-and one ``redis-server`` (tests/redis_servers.py, no persistence), and stops
+and one ``redis-server`` (kvtier.testing.redis_servers, no persistence), and stops
 all of them at the end, even on error (daemons: SIGTERM, exit status 0
 checked). Every comparison is interleaved: each iteration (lookups) or
 repetition (restores) calls every variant once, in a fresh random order, so
@@ -31,7 +31,7 @@ its own module (``bench/protocol_*.py``, whose docstrings say what and how):
    launcher (its loop thread phase by phase, its copy worker threads), and
    the lookup and host copy paths timed piece by piece in-process.
 ``protocol_common`` holds the layouts, targets and the interleaving clock,
-``protocol_servers`` the daemon launcher, the echo server and redis-server,
+``protocol_servers`` the daemon launcher and the echo server,
 ``report`` (shared by all bench scripts) tables, machine facts and JSON.
 
 Targets (issue 3): lookup p50 <= 0.25x Redis MGET (unix socket) and <= 2x the
@@ -69,7 +69,7 @@ from protocol_common import (
 from protocol_lookup import bench_lookup, lookup_target_rows, report_lookup
 from protocol_profile import report_profile, run_profiles
 from protocol_restore import bench_restore, report_restore, restore_target_rows
-from protocol_servers import REPO, Daemon, EchoServer, echo_server, load_redis_servers
+from protocol_servers import REPO, Daemon, EchoServer, echo_server
 from report import (
     cpu_model_facts,
     git,
@@ -128,7 +128,8 @@ def run_all(args: argparse.Namespace, res: dict[str, Any], workdir: Path, env: d
     store the blocks, run the chosen sections into ``res``, and the profiles when a target is missed."""
     import numpy as np
 
-    rs = load_redis_servers()
+    from kvtier.testing import redis_servers as rs  # redis-py: imported only for a run, not for --help
+
     if not rs.have_redis():
         raise SystemExit(rs.MISSING_REASON)
 

@@ -7,14 +7,13 @@ in its own 0700 directory and waits for it to answer ``health``; with
 (``protocol_profile`` reads what it writes). ``EchoServer`` runs
 ``echo_server`` in a second Python process (``bench/protocol.py
 --_echo-server ENDPOINT``): a ZMQ ROUTER and nothing else, the transport
-floor of every kvtier request. ``load_redis_servers`` loads
-``tests/redis_servers.py`` (a redis-server without persistence). Every
-``stop`` ends its process even on error (SIGTERM, then SIGKILL).
+floor of every kvtier request. (redis-server comes from
+``kvtier.testing.redis_servers``.) Every ``stop`` ends its process even on
+error (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -256,15 +255,4 @@ class EchoServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(10)
-
-
-def load_redis_servers() -> Any:
-    """``tests/redis_servers.py`` as a module (tests/ is no package): ``RedisServer``, ``have_redis``."""
-    path = REPO / "tests" / "redis_servers.py"
-    spec = importlib.util.spec_from_file_location("kvtier_bench_redis_servers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 

@@ -6,7 +6,7 @@ Usage:
                            [--reps 7] [--lookups 300] [--json PATH] [--quick]
 
 Without ``--url`` it starts its own ``redis-server`` on a free loopback port
-(tests/redis_servers.py) with the recommended settings of docs/remote-tier.md
+(kvtier.testing.redis_servers) with the recommended settings of docs/remote-tier.md
 (``maxmemory`` + ``allkeys-lru``, no persistence) and stops it at the end.
 
 Sections
@@ -41,7 +41,6 @@ Results are printed as tables and written as JSON (default
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import statistics
@@ -55,22 +54,13 @@ from typing import Any
 import redis
 import xxhash
 
+from kvtier.testing import redis_servers as rs
 from kvtier.tiers.remote_tier import RemoteTier
 
 from report import git, utc_now, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_OVERHEAD = 0.15
-
-
-def _load_redis_servers() -> Any:
-    path = REPO / "tests" / "redis_servers.py"
-    spec = importlib.util.spec_from_file_location("kvtier_bench_redis_servers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _hashes(n: int, seed: str) -> list[bytes]:
@@ -292,7 +282,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = None
     url = args.url
     if url is None:
-        rs = _load_redis_servers()
         if not rs.have_redis():
             print(rs.MISSING_REASON, file=sys.stderr)
             return 2
