@@ -69,7 +69,7 @@ from protocol_common import (
 from protocol_lookup import bench_lookup, lookup_target_rows, report_lookup
 from protocol_profile import report_profile, run_profiles
 from protocol_restore import bench_restore, report_restore, restore_target_rows
-from protocol_servers import REPO, Daemon, EchoServer, echo_server
+from protocol_servers import REPO, EchoServer, bench_daemon, echo_server
 from report import (
     cpu_model_facts,
     git,
@@ -166,13 +166,12 @@ def run_all(args: argparse.Namespace, res: dict[str, Any], workdir: Path, env: d
     env["echo"] = EchoServer(workdir).start()
 
     progress(f"starting kvtierd 'gpu' (gpu_bytes {args.gpu_bytes >> 20} MiB) and 'cpu' (gpu_bytes 0)")
-    dg = Daemon(workdir, "gpu", gpu_bytes=args.gpu_bytes, cpu_bytes=args.cpu_bytes)
-    env["daemons"].append(dg)
-    dg.start()
-    dc = Daemon(workdir, "cpu", gpu_bytes=0, cpu_bytes=args.cpu_bytes)
-    env["daemons"].append(dc)
-    dc.start()
-    res["daemons"] = {d.name: dict(flags=d.flags) for d in (dg, dc)}
+    # Each is in env["daemons"] (by name) before it spawns: cleanup stops one that fails to start.
+    dg = env["daemons"]["gpu"] = bench_daemon(workdir, "gpu", gpu_bytes=args.gpu_bytes, cpu_bytes=args.cpu_bytes)
+    dg.spawn()
+    dc = env["daemons"]["cpu"] = bench_daemon(workdir, "cpu", gpu_bytes=0, cpu_bytes=args.cpu_bytes)
+    dc.spawn()
+    res["daemons"] = {name: dict(flags=d.kvtierd_args) for name, d in (("gpu", dg), ("cpu", dc))}
 
     progress("storing blocks, opening arenas, registering KV tensors")
     for spec in SPECS:
@@ -211,11 +210,11 @@ def cleanup(env: dict[str, Any], res: dict[str, Any]) -> None:
     for pc in env["clients"]:
         pc.close()
     exit_status = {}
-    for d in list(env["daemons"]):
+    for name, d in list(env["daemons"].items()):
         rc = d.stop()
-        exit_status[d.name] = rc
+        exit_status[name] = rc
         if rc != 0:
-            errors.append(f"kvtierd {d.name} exited with {rc}:\n{d.log()}")
+            errors.append(f"kvtierd {name} exited with {rc}:\n{d.log_tail()}")
     if env.get("echo") is not None:
         exit_status["echo"] = env["echo"].stop()
     if env.get("redis") is not None:
@@ -266,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                           for k, v in vars(args).items() if not k.startswith("_")},
                  "targets": dict(lookup_vs_redis_max=TARGET_LOOKUP_VS_REDIS, lookup_vs_echo_max=TARGET_LOOKUP_VS_ECHO,
                                  shm_vs_memcpy_min=TARGET_SHM_VS_MEMCPY, inline_vs_zmq_min=TARGET_INLINE_VS_ZMQ)}
-    env: dict = {"daemons": [], "clients": []}
+    env: dict = {"daemons": {}, "clients": []}
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-protocol-"))
     rc = 0
     try:

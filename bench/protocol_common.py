@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from report import progress
 
 if TYPE_CHECKING:
-    from protocol_servers import Daemon
+    from kvtier.testing.daemon import KvtierDaemon
 
 # Targets (issue 3), evaluated on the GPU-tier runs.
 TARGET_LOOKUP_VS_REDIS = 0.25  # kvtier p50 / Redis MGET p50, at most
@@ -92,7 +92,7 @@ def layout_for(block_bytes: int, kv_heads: int) -> dict[str, Any]:
 class PoolClient:
     """A Client on one pool of one daemon, with an arena and two KV registrations of ``batch`` blocks."""
 
-    def __init__(self, daemon: Daemon, spec: Spec, hashes: list[bytes], data: Any, *, store_n: int) -> None:
+    def __init__(self, daemon: KvtierDaemon, spec: Spec, hashes: list[bytes], data: Any, *, store_n: int) -> None:
         import torch
 
         from kvtier.client import kv_share

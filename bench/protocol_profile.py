@@ -7,7 +7,7 @@
   included); the rest is the client and the transport.
 - Client: cProfile of this process over the same lookups and restores.
 - Daemon: a third kvtierd started under a cProfile launcher
-  (``protocol_servers.Daemon(profile=True)``); SIGUSR1 cuts its loop
+  (``protocol_servers.ProfiledDaemon``); SIGUSR1 cuts its loop
   thread's profile into one phase per lookup/restore run, so each phase is
   read per request with the idle poll left out; its copy worker threads'
   profile is read once for the whole run.
@@ -31,7 +31,7 @@ from typing import Any
 
 from protocol_common import LOOKUP_HASHES, SPECS, PoolClient, request_counters
 from protocol_paths import copy_path_breakdown, lookup_path_breakdown, report_paths
-from protocol_servers import REPO, Daemon
+from protocol_servers import REPO, ProfiledDaemon
 from report import percentile, progress, table
 
 
@@ -108,10 +108,10 @@ def run_profiles(args: argparse.Namespace, env: dict[str, Any], workdir: Path) -
             dec[f"restore {name} {plane}"] = decompose(c, "restore", fn, n_restore)
     out["decomposition"] = dec
 
-    d = Daemon(workdir, "prof", gpu_bytes=args.gpu_bytes, cpu_bytes=args.cpu_bytes, profile=True)
-    env["daemons"].append(d)
+    pd = ProfiledDaemon(workdir, "prof", gpu_bytes=args.gpu_bytes, cpu_bytes=args.cpu_bytes)
+    d = env["daemons"]["prof"] = pd.daemon
     progress("profile: starting a kvtierd under cProfile")
-    d.start()
+    d.spawn()
     client_prof: dict = {}
     daemon_prof: dict = {}
     pcs: list[PoolClient] = []
@@ -122,7 +122,7 @@ def run_profiles(args: argparse.Namespace, env: dict[str, Any], workdir: Path) -
         hashes = env["lookup_hashes"]
         for _ in range(50):
             pc.client.lookup(hashes)
-        d.rotate_profile()  # phase 0: set-up
+        pd.rotate_profile()  # phase 0: set-up
         progress(f"profile: {n_lookup} lookups")
         prof = cProfile.Profile()
         prof.enable()
@@ -130,7 +130,7 @@ def run_profiles(args: argparse.Namespace, env: dict[str, Any], workdir: Path) -
             pc.client.lookup(hashes)
         prof.disable()
         client_prof["lookup"] = dict(calls=n_lookup, top=top_functions(pstats.Stats(prof), 15))
-        daemon_prof["lookup"] = phase_profile(d.rotate_profile(), n_lookup)
+        daemon_prof["lookup"] = phase_profile(pd.rotate_profile(), n_lookup)
         for spec in SPECS:
             name, bb, batch, _ = spec
             if spec is not spec0:
@@ -144,7 +144,7 @@ def run_profiles(args: argparse.Namespace, env: dict[str, Any], workdir: Path) -
                 progress(f"profile: restore {name} {plane}")
                 for _ in range(3):
                     call()
-                d.rotate_profile()
+                pd.rotate_profile()
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(n_restore):
@@ -152,17 +152,17 @@ def run_profiles(args: argparse.Namespace, env: dict[str, Any], workdir: Path) -
                 prof.disable()
                 key = f"restore {name} {plane}"
                 client_prof[key] = dict(calls=n_restore, top=top_functions(pstats.Stats(prof), 12))
-                daemon_prof[key] = phase_profile(d.rotate_profile(), n_restore)
+                daemon_prof[key] = phase_profile(pd.rotate_profile(), n_restore)
     finally:
         for pc in pcs:
             pc.close()
         rc = d.stop()
-        env["daemons"].remove(d)
+        del env["daemons"]["prof"]
     out["client"] = client_prof
     out["daemon_exit_status"] = rc
     out["daemon_loop"] = daemon_prof
-    if d.prof_workers.exists():
-        st = pstats.Stats(str(d.prof_workers))
+    if pd.prof_workers.exists():
+        st = pstats.Stats(str(pd.prof_workers))
         rows = [r for r in top_functions(st, 30) if "SimpleQueue" not in r["func"]]
         out["daemon_copy_threads"] = dict(total_s=st.total_tt, top=rows[:15])
     progress("profile: lookup path, in-process")

@@ -1,15 +1,18 @@
-"""The processes bench/protocol.py measures against: kvtierd, a raw ZMQ echo server, redis-server.
+"""The processes bench/protocol.py measures against: kvtierd, a raw ZMQ echo server.
 
 Measures nothing; it starts and stops the other side of every comparison.
-``Daemon`` runs one kvtierd (``python -m kvtier.daemon --socket ipc://...``)
-in its own 0700 directory and waits for it to answer ``health``; with
-``profile=True`` it runs kvtierd's ``main()`` under a cProfile launcher
-(``protocol_profile`` reads what it writes). ``EchoServer`` runs
-``echo_server`` in a second Python process (``bench/protocol.py
---_echo-server ENDPOINT``): a ZMQ ROUTER and nothing else, the transport
-floor of every kvtier request. (redis-server comes from
-``kvtier.testing.redis_servers``.) Every ``stop`` ends its process even on
-error (SIGTERM, then SIGKILL).
+``bench_daemon`` describes one kvtierd (``kvtier.testing.KvtierDaemon``:
+``python -m kvtier.daemon --socket ipc://...`` in its own 0700 directory,
+ready once it answers ``health``) with the bench's flags; not started, so
+the caller can register it for clean-up first. ``ProfiledDaemon`` is the
+same kvtierd run by a cProfile launcher (``python -c``, same process, so
+``KvtierDaemon`` waits for it alike) plus what only the profile section
+needs: the profile files and ``rotate_profile`` (``protocol_profile``
+reads what it writes). ``EchoServer`` runs ``echo_server`` in a second
+Python process (``bench/protocol.py --_echo-server ENDPOINT``): a ZMQ
+ROUTER and nothing else, the transport floor of every kvtier request.
+(redis-server comes from ``kvtier.testing.redis_servers``.) Every
+``stop`` ends its process even on error (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier.testing.daemon import DEFAULT_COMMAND, KvtierDaemon
+
 REPO = Path(__file__).resolve().parent.parent
 ENTRY = Path(__file__).resolve().parent / "protocol.py"  # runs echo_server on --_echo-server
-DAEMON_START_TIMEOUT_S = 60.0
 ECHO_START_TIMEOUT_S = 30.0
 
 # Runs kvtierd's main() with cProfile on the loop thread (from Server.run on:
@@ -82,83 +87,36 @@ sys.exit(rc)
 """
 
 
-class Daemon:
-    """One kvtierd subprocess on an ipc socket in its own 0700 directory."""
+def bench_daemon(workdir: Path, name: str, *, gpu_bytes: int, cpu_bytes: int,
+                 command: Sequence[str] = DEFAULT_COMMAND) -> KvtierDaemon:
+    """kvtierd ``name`` in ``workdir/name`` on the CPU device, not started (``spawn()`` it)."""
+    flags = {"device": "cpu", "gpu_bytes": gpu_bytes, "cpu_bytes": cpu_bytes, "log_level": "warning"}
+    return KvtierDaemon(workdir / name, flags=flags, cwd=REPO, command=command)
 
-    def __init__(self, workdir: Path, name: str, *, gpu_bytes: int, cpu_bytes: int, profile: bool = False) -> None:
-        self.dir = workdir / name
-        self.dir.mkdir(mode=0o700)
-        self.name = name
-        self.endpoint = f"ipc://{self.dir}/kvtierd.sock"
-        self.log_path = self.dir / "kvtierd.log"
-        self.prof_loop = self.dir / "loop.prof"
-        self.prof_workers = self.dir / "workers.prof"
-        flags = ["--socket", self.endpoint, "--device", "cpu", "--gpu-bytes", str(gpu_bytes),
-                 "--cpu-bytes", str(cpu_bytes), "--log-level", "warning"]
-        if profile:
-            self.argv = [sys.executable, "-c", _DAEMON_PROFILER, str(self.prof_loop), str(self.prof_workers), *flags]
-        else:
-            self.argv = [sys.executable, "-m", "kvtier.daemon", *flags]
-        self.flags = flags
+
+class ProfiledDaemon:
+    """A ``bench_daemon`` run by ``_DAEMON_PROFILER``, and the SIGUSR1 cut of its loop thread's profile."""
+
+    def __init__(self, workdir: Path, name: str, *, gpu_bytes: int, cpu_bytes: int) -> None:
+        self.prof_loop = workdir / name / "loop.prof"  # phases go to loop.prof.<n>
+        self.prof_workers = workdir / name / "workers.prof"
+        command = [sys.executable, "-c", _DAEMON_PROFILER, str(self.prof_loop), str(self.prof_workers)]
+        self.daemon = bench_daemon(workdir, name, gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes, command=command)
         self._phase = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Daemon:
-        """Start kvtierd and wait until it answers ``health``; a daemon that exits first raises with its log."""
-        from kvtier.client.client import KvtierTimeout, probe_health
-
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") and k != "NOTIFY_SOCKET"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=REPO)
-        deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtierd {self.name} exited with {self.proc.returncode} at start-up:\n{self.log()}")
-            try:
-                probe_health(self.endpoint, timeout_s=0.2)
-                return self
-            except KvtierTimeout:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"kvtierd {self.name} did not answer health in {DAEMON_START_TIMEOUT_S}s") from None
-
-    def log(self) -> str:
-        """The last 4,000 characters of the daemon's log (for an error message)."""
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
 
     def rotate_profile(self, timeout_s: float = 30.0) -> Path:
-        """Profiled daemons: end the loop thread's current profile phase; returns its file."""
-        assert self.proc is not None
+        """End the loop thread's current profile phase; returns its file once written."""
+        d = self.daemon
         path = Path(f"{self.prof_loop}.{self._phase}")
         self._phase += 1
-        self.proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + timeout_s
+        d.send_signal(signal.SIGUSR1)
+        deadline_s = time.monotonic() + timeout_s
         while not path.exists():
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"profiled kvtierd wrote no {path.name}:\n{self.log()}")
+            if time.monotonic() > deadline_s or not d.alive:
+                raise RuntimeError(f"profiled kvtierd wrote no {path.name}:\n{d.log_tail()}")
             time.sleep(0.02)
-        time.sleep(0.2)  # let the dump finish
+        time.sleep(0.2)  # the file exists from the dump's first write on: let the dump finish
         return path
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM, wait; SIGKILL if it does not stop. Returns the exit status."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            return None
 
 
 def echo_server(endpoint: str) -> int:

@@ -2,7 +2,8 @@
 
 Used by tests/conftest.py (the ``kvtierd*`` fixtures), tests/stress, the
 daemon tests that need their own set-up (tcp:// with CURVE, abstract
-sockets), bench/vllm.py, bench/ttft.py and examples/ (engine, vllm).
+sockets), bench/vllm.py, bench/ttft.py, bench/protocol*.py (one daemon
+under a cProfile launcher: ``command``) and examples/ (engine, vllm).
 
 Contract
 ========
@@ -16,13 +17,18 @@ Contract
 - ``endpoint``: ``ipc://<workdir>/kvtierd.sock`` unless given (a tcp://
   or abstract ``ipc://@name`` endpoint).
 - ``flags``: ``{"gpu_bytes": 4096}`` becomes ``--gpu-bytes 4096``, after
-  ``--socket <endpoint>``.
+  ``--socket <endpoint>``; ``kvtierd_args`` holds both (``--socket`` first).
+- ``command``: what starts kvtierd, ``kvtierd_args`` appended: by default
+  ``python -m kvtier.daemon`` (this interpreter); another command must run
+  kvtierd in the very process it starts (its pid is the one ``health``
+  must report), e.g. ``python -c LAUNCHER`` that wraps ``main(argv)`` in a
+  profiler (bench/protocol_servers.py). ``argv`` is the whole command line.
 - Environment: ours without ``NOTIFY_SOCKET`` (the child would report to
   our own supervisor) and without ``KVTIER_*`` (kvtierd would apply them;
   ``keep_kvtier_env=True`` keeps them, for examples a user configures that
   way), then ``OMP_NUM_THREADS=omp_threads`` when given, then ``env``.
   ``daemon.env`` may be edited before a ``spawn()``/``restart()``.
-- ``spawn()``: starts ``python -m kvtier.daemon``, stdout and stderr
+- ``spawn()``: starts ``argv``, stdout and stderr
   appended to ``log_path``, and returns once this very process answers a
   session-less ``health`` (the reply carries its pid: a daemon still on
   the socket does not count). Raises ``RuntimeError`` with the log's tail
@@ -53,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +74,7 @@ START_TIMEOUT_S = 60.0  # importing torch alone takes seconds on a loaded 2-core
 PROBE_TIMEOUT_S = 0.2  # one health probe; the loop retries until START_TIMEOUT_S
 KILL_REAP_TIMEOUT_S = 10.0
 ERROR_LOG_LINES = 60  # of the log, in the error of a failed start
+DEFAULT_COMMAND = (sys.executable, "-m", "kvtier.daemon")  # this interpreter, so the child sees our venv
 
 
 def flag_argv(flags: Mapping[str, object]) -> list[str]:
@@ -109,7 +116,7 @@ class KvtierDaemon:
                  env: Mapping[str, str] | None = None, endpoint: str | None = None,
                  omp_threads: int | None = None, keep_kvtier_env: bool = False, dir_mode: int = 0o700,
                  cwd: Path | None = None, start_timeout_s: float = START_TIMEOUT_S,
-                 health_curve: CurveKeys | None = None) -> None:
+                 health_curve: CurveKeys | None = None, command: Sequence[str] = DEFAULT_COMMAND) -> None:
         self._owns_workdir = workdir is None
         if workdir is None:
             workdir = Path(tempfile.mkdtemp(prefix="kvtierd-"))  # mode 0700 already
@@ -119,7 +126,8 @@ class KvtierDaemon:
         self.workdir = workdir
         self.endpoint = endpoint or f"ipc://{workdir}/kvtierd.sock"
         self.log_path = workdir / "kvtierd.log"
-        self.argv = [sys.executable, "-m", "kvtier.daemon", "--socket", self.endpoint, *flag_argv(flags or {})]
+        self.kvtierd_args = ["--socket", self.endpoint, *flag_argv(flags or {})]
+        self.argv = [*command, *self.kvtierd_args]
         self.env = daemon_env(keep_kvtier_env=keep_kvtier_env, omp_threads=omp_threads, extra=env)
         self.cwd = cwd
         self.start_timeout_s = start_timeout_s
