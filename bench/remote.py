@@ -55,7 +55,7 @@ import redis
 import xxhash
 
 from kvtier.testing import redis_servers as rs
-from kvtier.tiers.remote_tier import RemoteTier
+from kvtier.tiers.remote_tier import RemoteTier, RemoteTierSettings
 
 from report import git, utc_now, write_json
 
@@ -91,7 +91,8 @@ def _plain_get_chunked(client: redis.Redis, keys: Sequence[bytes], per_round_tri
 
 
 def bench_restore(url: str, num_blocks: int, size_bytes: int, reps: int) -> dict[str, Any]:
-    tier = RemoteTier(url, b"bench-restore", size_bytes, timeout_s=30.0, write_queue_blocks=num_blocks)
+    tier = RemoteTier(url, b"bench-restore", size_bytes,
+                      RemoteTierSettings(timeout_s=30.0, write_queue_blocks=num_blocks))
     plain = _plain_client(url)
     try:
         hs = _hashes(num_blocks, f"restore-{size_bytes}")
@@ -191,7 +192,8 @@ def _latencies(fns: dict[str, Callable[[], object]], n: int) -> dict[str, dict[s
 
 def bench_lookup(url: str, num_hashes: int, calls: int) -> dict[str, Any]:
     block_bytes = 4096  # the value size does not matter to EXISTS
-    tier = RemoteTier(url, b"bench-lookup", block_bytes, timeout_s=5.0, write_queue_blocks=num_hashes)
+    tier = RemoteTier(url, b"bench-lookup", block_bytes,
+                      RemoteTierSettings(timeout_s=5.0, write_queue_blocks=num_hashes))
     plain = _plain_client(url)
     out: dict[str, Any] = {"hashes": num_hashes, "calls": calls}
     try:

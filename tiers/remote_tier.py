@@ -7,7 +7,11 @@ tier, and hands it the blocks the CPU tier evicts.
 
 Contract:
 
-- ``RemoteTier(url, pool_key, block_bytes, ...)``. ``url`` chooses the mode:
+- ``RemoteTier(url, pool_key, block_bytes, settings=RemoteTierSettings(),
+  *, admission=None)``: the tier's identity, then how it runs (one frozen
+  value, ``kvtier.tiers.remote_settings``: queue, threads, timeouts,
+  backoff; validated when built; re-exported here with
+  ``RemoteTierError``). ``url`` chooses the mode:
   ``redis://host:port/db`` (also ``rediss://``, ``unix://``, ``valkey://``,
   ``valkeys://``) is one server; ``redis+cluster://host:port[,host:port...]``
   (also ``rediss+cluster://``, ``valkey+cluster://``) is a Redis Cluster, the
@@ -29,7 +33,7 @@ Contract:
   reports may still be gone (evicted) or bad by the time it is fetched.
 - ``fetch(hashes) -> list[memoryview | None]``: pipelined ``GET`` (split per
   node by redis-py in Cluster mode; in round trips of at most
-  ``fetch_round_trip_bytes``), each value checked (magic, version, length,
+  ``settings.fetch_round_trip_bytes``), each value checked (magic, version, length,
   xxh3-64). A missing value is ``None`` (``remote_misses``), a bad one is
   ``None`` (``remote_corrupt``, and the key is queued for deletion), a
   failed round trip gives ``None`` for its blocks (``remote_errors``). Never a
@@ -41,14 +45,15 @@ Contract:
   block is copied (unless ``copy=False``: the caller hands over a buffer it
   will never change) and queued. Full queue, unavailable tier or closed tier:
   dropped and counted, returns False. Worker threads send queued blocks as
-  pipelined ``SET``s (``EX ttl_s`` when given). Thread: the caller's (one
+  pipelined ``SET``s (``EX settings.ttl_s`` when given). Thread: the caller's (one
   thread, as the admission object is not required to be thread-safe).
 - Availability: any connection-level failure (refused, reset, timeout,
   CLUSTERDOWN, uncovered slot) marks the tier unavailable; while unavailable
   reads answer "miss" without touching the network and writes are dropped.
   A health thread reconnects with exponential backoff (``retry_initial_s``
-  doubling up to ``retry_max_s``, +-``retry_jitter``) and, while available,
-  pings every ``health_interval_s`` so a dead server is noticed without
+  doubling up to ``retry_max_s``, +-``retry_jitter_fraction``) and, while
+  available, pings every ``health_interval_s`` (all in ``settings``) so a
+  dead server is noticed without
   traffic. Recovery needs no caller action. Cluster MOVED/ASK (resharding)
   and topology refreshes are redis-py's; a failover shows as a short
   unavailability.
@@ -80,6 +85,8 @@ from typing import Any, Protocol
 
 import xxhash
 
+from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings
+
 try:
     import redis
     import redis.cluster
@@ -88,6 +95,11 @@ try:
     from redis.retry import Retry
 except ImportError:  # pragma: no cover - exercised only where redis-py is absent
     redis = None  # type: ignore[assignment]
+
+__all__ = [
+    "COUNTERS", "DEFAULT_SETTINGS", "FORMAT_VERSION", "HEADER", "HEADER_BYTES", "KEY_PREFIX", "MAGIC",
+    "Admission", "RemoteTier", "RemoteTierError", "RemoteTierSettings", "make_pool_key",
+]
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +145,13 @@ COUNTERS = (
 )
 
 
+DEFAULT_SETTINGS = RemoteTierSettings()  # frozen: one shared default is safe
+
+
 class Admission(Protocol):
     """What ``RemoteTier`` needs of an admission filter (an ``EvictionPolicy`` fits)."""
 
     def admit(self, key: bytes) -> bool: ...
-
-
-class RemoteTierError(RuntimeError):
-    """Bad configuration (URL, pool key, sizes) or redis-py missing."""
 
 
 def make_pool_key(*parts: object) -> bytes:
@@ -229,27 +240,8 @@ def _byte_view(data: Any) -> memoryview:
 class RemoteTier:
     """Blocks of one pool in Redis/Valkey. See the module docstring."""
 
-    def __init__(
-        self,
-        url: str,
-        pool_key: bytes,
-        block_bytes: int,
-        *,
-        write_queue_blocks: int = 1024,
-        writer_threads: int = 2,
-        write_batch_blocks: int = 32,
-        reader_threads: int = 1,
-        fetch_round_trip_bytes: int = 64 << 20,
-        timeout_s: float = 0.5,
-        connect_timeout_s: float = 0.5,
-        admission: Admission | None = None,
-        ttl_s: int | None = None,
-        retry_initial_s: float = 0.05,
-        retry_max_s: float = 5.0,
-        retry_jitter: float = 0.2,
-        health_interval_s: float = 2.0,
-        max_connections: int = 64,
-    ) -> None:
+    def __init__(self, url: str, pool_key: bytes, block_bytes: int,
+                 settings: RemoteTierSettings = DEFAULT_SETTINGS, *, admission: Admission | None = None) -> None:
         if redis is None:
             raise RemoteTierError("the remote tier needs redis-py: pip install 'redis>=5'")
         if not isinstance(pool_key, bytes) or not _POOL_KEY_RE.fullmatch(pool_key):
@@ -258,27 +250,17 @@ class RemoteTier:
             )
         if block_bytes < 1:
             raise RemoteTierError(f"block_bytes must be >= 1, got {block_bytes}")
-        if write_queue_blocks < 1 or writer_threads < 1 or write_batch_blocks < 1 or reader_threads < 1:
-            raise RemoteTierError("queue size, batch size and thread counts must be >= 1")
-        if ttl_s is not None and ttl_s < 1:
-            raise RemoteTierError(f"ttl_s must be >= 1 or None, got {ttl_s}")
+        if not isinstance(settings, RemoteTierSettings):
+            raise RemoteTierError(f"settings must be a RemoteTierSettings, got {type(settings).__name__}")
         self._endpoint = _parse_url(url)
         self.url = self._endpoint.display
         self.cluster = self._endpoint.cluster
         self.pool_key = pool_key
         self.block_bytes = block_bytes
         self.value_bytes = HEADER_BYTES + block_bytes
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
+        self.settings = settings
         self.admission = admission
-        self.ttl_s = ttl_s
-        self.retry_initial_s = retry_initial_s
-        self.retry_max_s = retry_max_s
-        self.retry_jitter = retry_jitter
-        self.health_interval_s = health_interval_s
-        self.max_connections = max_connections
-        self.write_batch_blocks = write_batch_blocks
-        self._fetch_chunk_blocks = max(1, fetch_round_trip_bytes // self.value_bytes)
+        self._fetch_chunk_blocks = max(1, settings.fetch_round_trip_bytes // self.value_bytes)
         self._prefix = KEY_PREFIX + pool_key + b":"
         self._use_script = not self.cluster  # cleared for good if the server refuses scripts
 
@@ -298,21 +280,21 @@ class RemoteTier:
 
         # Items: (block_hash, value or payload, needs_header). payload None = delete the key.
         self._queue: queue.Queue[tuple[bytes, bytearray | memoryview | bytes | None, bool]] = queue.Queue(
-            maxsize=write_queue_blocks
+            maxsize=settings.write_queue_blocks
         )
-        self.write_queue_blocks = write_queue_blocks
         self._wake_health = threading.Event()
         self._stop = threading.Event()
 
         # One synchronous attempt so a healthy server is usable as soon as we
         # return; a dead one costs at most connect_timeout_s here.
         self._try_connect()
-        self._readers = concurrent.futures.ThreadPoolExecutor(reader_threads, thread_name_prefix="kvtier-remote-read")
+        self._readers = concurrent.futures.ThreadPoolExecutor(settings.reader_threads,
+                                                              thread_name_prefix="kvtier-remote-read")
         self._health = threading.Thread(target=self._health_loop, name="kvtier-remote-health", daemon=True)
         self._health.start()
         self._writers = [
             threading.Thread(target=self._writer_loop, name=f"kvtier-remote-write-{i}", daemon=True)
-            for i in range(writer_threads)
+            for i in range(settings.writer_threads)
         ]
         for w in self._writers:
             w.start()
@@ -359,8 +341,8 @@ class RemoteTier:
     def _new_client(self) -> Any:
         ep = self._endpoint
         common: dict[str, Any] = dict(
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.connect_timeout_s,
+            socket_timeout=self.settings.timeout_s,
+            socket_connect_timeout=self.settings.connect_timeout_s,
             socket_keepalive=True,
             health_check_interval=0,
         )
@@ -368,13 +350,13 @@ class RemoteTier:
             # No retries inside redis-py: a failure must reach us at once so
             # the tier goes unavailable instead of stalling the caller.
             return redis.Redis.from_url(ep.url, retry=Retry(NoBackoff(), 0),
-                                        max_connections=self.max_connections, **common)
+                                        max_connections=self.settings.max_connections, **common)
         nodes = [redis.cluster.ClusterNode(h, p) for h, p in ep.nodes]
         # One retry lets redis-py refresh the slot map after a failover or
         # MOVED storm; more would multiply the stall on a dead node.
         return redis.cluster.RedisCluster(
             startup_nodes=nodes, retry=Retry(NoBackoff(), 1), require_full_coverage=True,
-            max_connections=self.max_connections, **common, **dict(ep.options),
+            max_connections=self.settings.max_connections, **common, **dict(ep.options),
         )
 
     def _probe(self, client: Any) -> None:
@@ -399,7 +381,7 @@ class RemoteTier:
             # The first failure of an outage says why; the retries stay quiet.
             log.log(logging.WARNING if self._connect_failures == 1 else logging.DEBUG,
                     "remote tier %s: cannot connect (%s); retrying with backoff up to %.1fs",
-                    self.url, self._last_error, self.retry_max_s)
+                    self.url, self._last_error, self.settings.retry_max_s)
             if client is not None:
                 self._close_client(client)
             return False
@@ -455,21 +437,22 @@ class RemoteTier:
         self._last_ok_s = time.monotonic()
 
     def _health_loop(self) -> None:
-        delay_s = self.retry_initial_s
+        settings = self.settings
+        delay_s = settings.retry_initial_s
         while not self._stop.is_set():
             if not self._available:
                 if self._try_connect():
-                    delay_s = self.retry_initial_s
+                    delay_s = settings.retry_initial_s
                     continue
-                jitter = 1.0 + self.retry_jitter * (2.0 * random.random() - 1.0)
+                jitter = 1.0 + settings.retry_jitter_fraction * (2.0 * random.random() - 1.0)
                 self._stop.wait(delay_s * jitter)
-                delay_s = min(self.retry_max_s, delay_s * 2.0)
+                delay_s = min(settings.retry_max_s, delay_s * 2.0)
                 continue
-            self._wake_health.wait(self.health_interval_s)
+            self._wake_health.wait(settings.health_interval_s)
             self._wake_health.clear()
             if self._stop.is_set() or not self._available:
                 continue
-            if time.monotonic() - self._last_ok_s < self.health_interval_s:
+            if time.monotonic() - self._last_ok_s < settings.health_interval_s:
                 continue  # traffic proved it alive recently
             current = self._current()
             if current is None:
@@ -498,7 +481,7 @@ class RemoteTier:
             mode="cluster" if self.cluster else "standalone",
             url=self.url,
             write_queue_depth_blocks=self._queue.qsize(),
-            write_queue_blocks=self.write_queue_blocks,
+            write_queue_blocks=self.settings.write_queue_blocks,
         )
         return s
 
@@ -700,7 +683,7 @@ class RemoteTier:
         except queue.Empty:
             return None if self._closed else []
         batch = [first]
-        while len(batch) < self.write_batch_blocks:
+        while len(batch) < self.settings.write_batch_blocks:
             try:
                 batch.append(self._queue.get_nowait())
             except queue.Empty:
@@ -736,7 +719,7 @@ class RemoteTier:
                 if value is None:
                     pipe.delete(self.key(item[0]))
                 else:
-                    pipe.set(self.key(item[0]), value, ex=self.ttl_s)
+                    pipe.set(self.key(item[0]), value, ex=self.settings.ttl_s)
             replies = pipe.execute(raise_on_error=False)
         except Exception as exc:  # noqa: BLE001 - a writer must never die
             self._failed(exc, gen, f"SET of {sets} blocks")

@@ -12,13 +12,14 @@ import torch
 from kvtier.testing import redis_servers as rs
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, Tier, TieredPool
-from kvtier.tiers.remote_tier import RemoteTier
+from kvtier.tiers.remote_tier import RemoteTier, RemoteTierSettings
 from kvtier.tiers.transfer import ThreadTransferEngine
 
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 
 BLOCK = 4096
-FAST = dict(timeout_s=0.5, connect_timeout_s=0.5, retry_initial_s=0.02, retry_max_s=0.2, health_interval_s=0.2)
+FAST = RemoteTierSettings(timeout_s=0.5, connect_timeout_s=0.5, retry_initial_s=0.02, retry_max_s=0.2,
+                          health_interval_s=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def _random_layout(n: int) -> BlockLayout:
 
 
 def make_pool(url: str, *, gpu_blocks: int = 4, cpu_blocks: int = 4) -> TieredPool:
-    remote = RemoteTier(url, b"test-pool", BLOCK, **FAST)
+    remote = RemoteTier(url, b"test-pool", BLOCK, FAST)
     assert remote.wait_available(5.0)
     pool = TieredPool(PoolSpec("p", 16, BLOCK), cpu_blocks=cpu_blocks, transfer=ThreadTransferEngine(),
                       cpu_storage=BlockLayout.contiguous(cpu_blocks, BLOCK), clean_ahead_blocks=0, remote=remote)

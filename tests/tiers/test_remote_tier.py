@@ -7,12 +7,14 @@ module is skipped with the apt command to install it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -21,8 +23,10 @@ from kvtier.testing import redis_servers as rs
 from kvtier.tiers.remote_tier import (
     HEADER,
     HEADER_BYTES,
+    Admission,
     RemoteTier,
     RemoteTierError,
+    RemoteTierSettings,
     _parse_url,
     make_pool_key,
 )
@@ -31,7 +35,8 @@ pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 
 BLOCK = 64 * 1024
 # Short timeouts and backoff so fault tests finish in seconds, not minutes.
-FAST = dict(timeout_s=0.3, connect_timeout_s=0.3, retry_initial_s=0.02, retry_max_s=0.2, health_interval_s=0.2)
+FAST = RemoteTierSettings(timeout_s=0.3, connect_timeout_s=0.3, retry_initial_s=0.02, retry_max_s=0.2,
+                          health_interval_s=0.2)
 
 
 def hashes(n: int, seed: int = 0) -> list[bytes]:
@@ -96,8 +101,9 @@ def tiers() -> Iterator[list[RemoteTier]]:
 
 
 def make(tiers: list[RemoteTier], url: str, pool_key: bytes = b"pool-a", block_bytes: int = BLOCK,
-         **kw) -> RemoteTier:
-    t = RemoteTier(url, pool_key, block_bytes, **{**FAST, **kw})
+         admission: Admission | None = None, **settings: Any) -> RemoteTier:
+    """A tier with FAST settings, ``settings`` replacing some of them."""
+    t = RemoteTier(url, pool_key, block_bytes, dataclasses.replace(FAST, **settings), admission=admission)
     tiers.append(t)
     return t
 
@@ -133,6 +139,28 @@ def test_pool_key_validation_and_make_pool_key() -> None:
     k1 = make_pool_key("llama-8b/tp0", 16, 131072, {"dtype": "bf16"}, "tenant-a")
     k2 = make_pool_key("llama-8b/tp0", 16, 131072, {"dtype": "bf16"}, "tenant-b")
     assert k1 != k2 and len(k1) == 32 and k1 == make_pool_key("llama-8b/tp0", 16, 131072, {"dtype": "bf16"}, "tenant-a")
+
+
+def test_settings_defaults_and_validation() -> None:
+    d = RemoteTierSettings()
+    assert (d.write_queue_blocks, d.writer_threads, d.write_batch_blocks, d.reader_threads) == (1024, 2, 32, 1)
+    assert (d.fetch_round_trip_bytes, d.timeout_s, d.connect_timeout_s, d.max_connections) == (64 << 20, 0.5, 0.5, 64)
+    assert (d.retry_initial_s, d.retry_max_s, d.retry_jitter_fraction, d.health_interval_s) == (0.05, 5.0, 0.2, 2.0)
+    assert d.ttl_s is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.timeout_s = 1.0  # type: ignore[misc]
+    bad: list[dict[str, Any]] = [
+        dict(write_queue_blocks=0), dict(writer_threads=-1), dict(write_batch_blocks=2.0), dict(reader_threads=True),
+        dict(fetch_round_trip_bytes=0), dict(max_connections=0), dict(timeout_s=0.0), dict(connect_timeout_s=-1),
+        dict(health_interval_s=float("nan")), dict(retry_initial_s=float("inf")), dict(retry_max_s=0.01),
+        dict(retry_jitter_fraction=1.0), dict(retry_jitter_fraction=-0.1), dict(ttl_s=0), dict(ttl_s=1.5),
+    ]
+    for kw in bad:
+        field = next(iter(kw))
+        with pytest.raises(RemoteTierError, match=field):
+            RemoteTierSettings(**kw)
+    with pytest.raises(RemoteTierError, match="RemoteTierSettings"):
+        RemoteTier("redis://127.0.0.1:1/0", b"pool-a", BLOCK, {"timeout_s": 1.0})  # type: ignore[arg-type]
 
 
 # ---- standalone --------------------------------------------------------------------------------
@@ -280,14 +308,14 @@ def test_admission_filter_and_ttl(tiers: list[RemoteTier], redis_url: str, serve
 
 
 def test_close_drains_the_queue(redis_url: str) -> None:
-    t = RemoteTier(redis_url, b"pool-a", BLOCK, **FAST)
+    t = RemoteTier(redis_url, b"pool-a", BLOCK, FAST)
     hs, data = hashes(50, seed=5), blocks(50)
     for h, d in zip(hs, data):
         t.write_back(h, d)
     assert t.close(timeout_s=5.0)
     assert t.stats()["writes_done"] == 50
     assert not t.write_back(hs[0], data[0])  # closed: dropped, counted
-    reader = RemoteTier(redis_url, b"pool-a", BLOCK, **FAST)
+    reader = RemoteTier(redis_url, b"pool-a", BLOCK, FAST)
     try:
         assert [bytes(g) for g in reader.fetch(hs)] == data
     finally:
@@ -313,7 +341,7 @@ def test_hung_server_write_back_never_blocks(tiers: list[RemoteTier], own_server
         # Reads are bounded by timeout_s and answer "miss" (the engine path never hangs).
         t0 = time.perf_counter()
         assert t.exists_prefix(hs[:4]) == 0
-        assert time.perf_counter() - t0 < 2 * FAST["timeout_s"] + 0.2
+        assert time.perf_counter() - t0 < 2 * FAST.timeout_s + 0.2
     finally:
         own_server.resume()
     s = t.stats()
