@@ -5,13 +5,20 @@ server (or cluster), nothing of the pool, slots or copies. The pool asks it
 whether the blocks after its CPU-held prefix exist, fetches them into the CPU
 tier, and hands it the blocks the CPU tier evicts.
 
+This module holds the blocks' side: keys, values and their checks, lookups,
+fetches and the write-back queue. Which client to use and whether the
+server may be tried at all (URL, reconnect backoff, health pings) is
+``kvtier.tiers.remote_connection``'s; the settings are
+``kvtier.tiers.remote_settings``'s.
+
 Contract:
 
 - ``RemoteTier(url, pool_key, block_bytes, settings=RemoteTierSettings(),
   *, admission=None)``: the tier's identity, then how it runs (one frozen
   value, ``kvtier.tiers.remote_settings``: queue, threads, timeouts,
   backoff; validated when built; re-exported here with
-  ``RemoteTierError``). ``url`` chooses the mode:
+  ``RemoteTierError``). ``url`` (``remote_connection.parse_url``) chooses
+  the mode:
   ``redis://host:port/db`` (also ``rediss://``, ``unix://``, ``valkey://``,
   ``valkeys://``) is one server; ``redis+cluster://host:port[,host:port...]``
   (also ``rediss+cluster://``, ``valkey+cluster://``) is a Redis Cluster, the
@@ -33,11 +40,11 @@ Contract:
   reports may still be gone (evicted) or bad by the time it is fetched.
 - ``fetch(hashes) -> list[memoryview | None]``: pipelined ``GET`` (split per
   node by redis-py in Cluster mode; in round trips of at most
-  ``settings.fetch_round_trip_bytes``), each value checked (magic, version, length,
-  xxh3-64). A missing value is ``None`` (``remote_misses``), a bad one is
-  ``None`` (``remote_corrupt``, and the key is queued for deletion), a
-  failed round trip gives ``None`` for its blocks (``remote_errors``). Never a
-  wrong block, never raises. A payload is a read-only memoryview of exactly
+  ``settings.fetch_round_trip_bytes``), each value checked (magic,
+  version, length, xxh3-64). A missing value is ``None``
+  (``remote_misses``), a bad one is ``None`` (``remote_corrupt``, and the
+  key is queued for deletion), a failed round trip gives ``None`` for its
+  blocks (``remote_errors``). Never a wrong block, never raises. A payload is a read-only memoryview of exactly
   ``block_bytes`` bytes (no copy). ``fetch_async`` runs it on a reader
   thread and returns a ``concurrent.futures.Future``.
 - ``write_back(key, data, copy=True) -> bool``: write-back of one block,
@@ -45,21 +52,23 @@ Contract:
   block is copied (unless ``copy=False``: the caller hands over a buffer it
   will never change) and queued. Full queue, unavailable tier or closed tier:
   dropped and counted, returns False. Worker threads send queued blocks as
-  pipelined ``SET``s (``EX settings.ttl_s`` when given). Thread: the caller's (one
-  thread, as the admission object is not required to be thread-safe).
+  pipelined ``SET``s (``EX settings.ttl_s`` when given). Thread: the
+  caller's (one thread, as the admission object is not required to be
+  thread-safe).
 - Availability: any connection-level failure (refused, reset, timeout,
   CLUSTERDOWN, uncovered slot) marks the tier unavailable; while unavailable
   reads answer "miss" without touching the network and writes are dropped.
-  A health thread reconnects with exponential backoff (``retry_initial_s``
-  doubling up to ``retry_max_s``, +-``retry_jitter_fraction``) and, while
-  available, pings every ``health_interval_s`` (all in ``settings``) so a
-  dead server is noticed without
-  traffic. Recovery needs no caller action. Cluster MOVED/ASK (resharding)
-  and topology refreshes are redis-py's; a failover shows as a short
-  unavailability.
+  The connection's health thread reconnects with exponential backoff
+  (``retry_initial_s`` doubling up to ``retry_max_s``,
+  +-``retry_jitter_fraction``) and, while available, pings every
+  ``health_interval_s`` (all in ``settings``) so a dead server is noticed
+  without traffic. Recovery needs no caller action. Cluster MOVED/ASK
+  (resharding) and topology refreshes are redis-py's; a failover shows as
+  a short unavailability.
 - ``stats() -> dict``: counters (see ``COUNTERS``) plus ``available``,
   ``write_queue_depth_blocks`` and the mode; ``close(timeout_s)`` drains the
-  write queue for up to ``timeout_s`` and stops every thread.
+  write queue for up to ``timeout_s`` (over the current connection: no
+  reconnect once closing) and stops every thread.
 - Thread safety: every public method may be called from any thread.
 
 Capacity and eviction are the server's: run it with ``maxmemory`` and
@@ -73,26 +82,22 @@ import hashlib
 import json
 import logging
 import queue
-import random
 import re
 import struct
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import xxhash
 
+from kvtier.tiers import remote_connection
+from kvtier.tiers.remote_connection import RemoteConnection, is_connection_failure, parse_url
 from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings
 
 try:
     import redis
-    import redis.cluster
     import redis.exceptions
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
 except ImportError:  # pragma: no cover - exercised only where redis-py is absent
     redis = None  # type: ignore[assignment]
 
@@ -140,8 +145,7 @@ COUNTERS = (
     "writes_not_admitted",
     "bytes_written",
     "deletes_queued",  # corrupt keys queued for deletion
-    "unavailable_events",  # transitions available -> unavailable
-    "reconnects",  # transitions unavailable -> available after a loss
+    *remote_connection.COUNTERS,  # unavailable_events, reconnects: the connection's own
 )
 
 
@@ -162,67 +166,6 @@ def make_pool_key(*parts: object) -> bytes:
     """
     canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=repr).encode()
     return hashlib.sha256(canonical).hexdigest()[:32].encode()
-
-
-@dataclass(frozen=True, slots=True)
-class _Endpoint:
-    cluster: bool
-    url: str  # standalone: a URL redis-py understands; cluster: unused
-    nodes: tuple[tuple[str, int], ...]  # cluster startup nodes
-    options: tuple[tuple[str, Any], ...]  # username, password, ssl (cluster)
-    display: str  # the URL without credentials, for logs and stats
-
-
-def _parse_url(url: str) -> _Endpoint:
-    parsed = urllib.parse.urlsplit(url)
-    scheme = parsed.scheme.lower()
-    base, _, variant = scheme.partition("+")
-    aliases = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss", "unix": "unix"}
-    if base not in aliases or variant not in ("", "cluster") or (variant and base == "unix"):
-        raise RemoteTierError(
-            f"remote tier URL {url!r}: scheme must be redis://, rediss://, unix://, valkey:// "
-            "or redis+cluster:// / rediss+cluster:// / valkey+cluster://"
-        )
-    hostpart = parsed.netloc.rpartition("@")[2]
-    display = urllib.parse.urlunsplit((scheme, hostpart, parsed.path, parsed.query, ""))
-    if not variant:
-        rest = url[len(parsed.scheme):]
-        return _Endpoint(False, aliases[base] + rest, (), (), display)
-    nodes = []
-    for item in hostpart.split(","):
-        host, _, port = item.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise RemoteTierError(f"remote tier URL {url!r}: cluster nodes must be host:port[,host:port...]")
-        nodes.append((host.strip("[]"), int(port)))
-    options: list[tuple[str, Any]] = []
-    userinfo = parsed.netloc.rpartition("@")[0]
-    if userinfo:
-        user, sep, password = userinfo.partition(":")
-        if sep:
-            options += [("username", urllib.parse.unquote(user) or None), ("password", urllib.parse.unquote(password))]
-        else:
-            options.append(("password", urllib.parse.unquote(user)))
-    if aliases[base] == "rediss":
-        options.append(("ssl", True))
-    return _Endpoint(True, "", tuple(nodes), tuple(options), display)
-
-
-def _is_connection_failure(exc: BaseException) -> bool:
-    """Does this error say "the server (or part of the cluster) is not there"?
-
-    Those make the tier unavailable until a probe succeeds. Other server
-    errors (OOM refusal of a SET, WRONGTYPE on a foreign key) are per-command
-    and only counted.
-    """
-    if redis is None:
-        return True
-    if isinstance(exc, redis.exceptions.ClusterDownError):
-        return True
-    if isinstance(exc, redis.exceptions.ResponseError):
-        return False
-    # ConnectionError, TimeoutError, ClusterError, RedisClusterException
-    # (e.g. slot not covered), OSError and anything unexpected.
-    return True
 
 
 def _byte_view(data: Any) -> memoryview:
@@ -252,9 +195,9 @@ class RemoteTier:
             raise RemoteTierError(f"block_bytes must be >= 1, got {block_bytes}")
         if not isinstance(settings, RemoteTierSettings):
             raise RemoteTierError(f"settings must be a RemoteTierSettings, got {type(settings).__name__}")
-        self._endpoint = _parse_url(url)
-        self.url = self._endpoint.display
-        self.cluster = self._endpoint.cluster
+        endpoint = parse_url(url)
+        self.url = endpoint.display
+        self.cluster = endpoint.cluster
         self.pool_key = pool_key
         self.block_bytes = block_bytes
         self.value_bytes = HEADER_BYTES + block_bytes
@@ -264,17 +207,13 @@ class RemoteTier:
         self._prefix = KEY_PREFIX + pool_key + b":"
         self._use_script = not self.cluster  # cleared for good if the server refuses scripts
 
-        self._lock = threading.Lock()  # guards the counters and the client state below
-        self._counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._lock = threading.Lock()  # guards the counters and the lookup script below
+        self._counters: dict[str, int] = {c: 0 for c in COUNTERS if c not in remote_connection.COUNTERS}
         self._seconds = {"exists": 0.0, "fetch": 0.0, "write": 0.0}
-        self._client: Any = None
-        self._script: Any = None  # the lookup script; a redis-py Script reloads itself on NOSCRIPT
-        self._generation = 0  # bumped on every (re)connect; stale failures don't mark a fresh client down
-        self._available = False
-        self._ever_available = False
-        self._connect_failures = 0  # consecutive, in the current outage
-        self._last_error = ""  # the latest failure, for stats/health
-        self._last_ok_s = 0.0
+        # The lookup script, registered on each connection generation's client (as the client
+        # changes on reconnect); a redis-py Script reloads itself on NOSCRIPT.
+        self._script: Any = None
+        self._script_generation = -1
         self._closed = False
         self._draining_deadline: float | None = None
 
@@ -282,16 +221,12 @@ class RemoteTier:
         self._queue: queue.Queue[tuple[bytes, bytearray | memoryview | bytes | None, bool]] = queue.Queue(
             maxsize=settings.write_queue_blocks
         )
-        self._wake_health = threading.Event()
-        self._stop = threading.Event()
 
-        # One synchronous attempt so a healthy server is usable as soon as we
-        # return; a dead one costs at most connect_timeout_s here.
-        self._try_connect()
+        # One synchronous connect attempt, so a healthy server is usable as soon
+        # as we return; a dead one costs at most connect_timeout_s here.
+        self._conn = RemoteConnection(endpoint, settings)
         self._readers = concurrent.futures.ThreadPoolExecutor(settings.reader_threads,
                                                               thread_name_prefix="kvtier-remote-read")
-        self._health = threading.Thread(target=self._health_loop, name="kvtier-remote-health", daemon=True)
-        self._health.start()
         self._writers = [
             threading.Thread(target=self._writer_loop, name=f"kvtier-remote-write-{i}", daemon=True)
             for i in range(settings.writer_threads)
@@ -326,143 +261,11 @@ class RemoteTier:
 
     @property
     def available(self) -> bool:
-        return self._available
+        return self._conn.available
 
     def wait_available(self, timeout_s: float) -> bool:
-        """Block until the tier is available (tests, start-up); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while not self._available:
-            if self._closed or time.monotonic() >= deadline:
-                return False
-            self._wake_health.set()
-            time.sleep(0.01)
-        return True
-
-    def _new_client(self) -> Any:
-        ep = self._endpoint
-        common: dict[str, Any] = dict(
-            socket_timeout=self.settings.timeout_s,
-            socket_connect_timeout=self.settings.connect_timeout_s,
-            socket_keepalive=True,
-            health_check_interval=0,
-        )
-        if not ep.cluster:
-            # No retries inside redis-py: a failure must reach us at once so
-            # the tier goes unavailable instead of stalling the caller.
-            return redis.Redis.from_url(ep.url, retry=Retry(NoBackoff(), 0),
-                                        max_connections=self.settings.max_connections, **common)
-        nodes = [redis.cluster.ClusterNode(h, p) for h, p in ep.nodes]
-        # One retry lets redis-py refresh the slot map after a failover or
-        # MOVED storm; more would multiply the stall on a dead node.
-        return redis.cluster.RedisCluster(
-            startup_nodes=nodes, retry=Retry(NoBackoff(), 1), require_full_coverage=True,
-            max_connections=self.settings.max_connections, **common, **dict(ep.options),
-        )
-
-    def _probe(self, client: Any) -> None:
-        """Raise unless the server (every cluster primary, and the cluster state) answers."""
-        if not self._endpoint.cluster:
-            client.ping()
-            return
-        client.ping(target_nodes=redis.cluster.RedisCluster.PRIMARIES)
-        info = client.cluster_info()
-        state = info.get("cluster_state") if isinstance(info, dict) else None
-        if state != "ok":
-            raise redis.exceptions.ClusterDownError(f"cluster_state is {state!r}")
-
-    def _try_connect(self) -> bool:
-        client = None
-        try:
-            client = self._new_client()
-            self._probe(client)
-        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
-            self._connect_failures += 1
-            self._last_error = f"{type(exc).__name__}: {exc}"
-            # The first failure of an outage says why; the retries stay quiet.
-            log.log(logging.WARNING if self._connect_failures == 1 else logging.DEBUG,
-                    "remote tier %s: cannot connect (%s); retrying with backoff up to %.1fs",
-                    self.url, self._last_error, self.settings.retry_max_s)
-            if client is not None:
-                self._close_client(client)
-            return False
-        with self._lock:
-            if self._closed:
-                self._close_client(client)
-                return False
-            old, self._client = self._client, client
-            if not self.cluster:
-                self._script = client.register_script(_PREFIX_SCRIPT)
-            self._generation += 1
-            self._available = True
-            self._connect_failures = 0
-            self._last_ok_s = time.monotonic()
-            if self._ever_available:
-                self._counters["reconnects"] += 1
-            self._ever_available = True
-        if old is not None:
-            self._close_client(old)
-        log.info("remote tier %s: available (%s)", self.url, "cluster" if self.cluster else "standalone")
-        return True
-
-    @staticmethod
-    def _close_client(client: Any) -> None:
-        try:
-            client.close()
-        except Exception:  # noqa: BLE001 - closing a broken client may fail; nothing to do
-            pass
-
-    def _current(self) -> tuple[Any, int] | None:
-        with self._lock:
-            if not self._available or self._client is None:
-                return None
-            return self._client, self._generation
-
-    def _failed(self, exc: BaseException, generation: int, what: str) -> None:
-        """A round trip failed: mark the tier unavailable if it is a connection failure."""
-        if not _is_connection_failure(exc):
-            log.warning("remote tier %s: %s failed: %s", self.url, what, exc)
-            return
-        with self._lock:
-            if generation != self._generation or not self._available:
-                return  # already down, or a newer client took over: stale news
-            self._available = False
-            self._connect_failures = 1  # the warning below covers this outage
-            self._last_error = f"{type(exc).__name__}: {exc}"
-            self._counters["unavailable_events"] += 1
-        log.warning("remote tier %s: unavailable after %s failed (%s: %s); reconnecting in the background",
-                    self.url, what, type(exc).__name__, exc)
-        self._wake_health.set()
-
-    def _succeeded(self) -> None:
-        self._last_ok_s = time.monotonic()
-
-    def _health_loop(self) -> None:
-        settings = self.settings
-        delay_s = settings.retry_initial_s
-        while not self._stop.is_set():
-            if not self._available:
-                if self._try_connect():
-                    delay_s = settings.retry_initial_s
-                    continue
-                jitter = 1.0 + settings.retry_jitter_fraction * (2.0 * random.random() - 1.0)
-                self._stop.wait(delay_s * jitter)
-                delay_s = min(settings.retry_max_s, delay_s * 2.0)
-                continue
-            self._wake_health.wait(settings.health_interval_s)
-            self._wake_health.clear()
-            if self._stop.is_set() or not self._available:
-                continue
-            if time.monotonic() - self._last_ok_s < settings.health_interval_s:
-                continue  # traffic proved it alive recently
-            current = self._current()
-            if current is None:
-                continue
-            client, gen = current
-            try:
-                self._probe(client)
-                self._succeeded()
-            except Exception as exc:  # noqa: BLE001
-                self._failed(exc, gen, "health check")
+        """Block until the tier is available (tests, start-up); False on timeout or once closed."""
+        return self._conn.wait_available(timeout_s)
 
     # ---- counters -------------------------------------------------------------------------
 
@@ -472,12 +275,15 @@ class RemoteTier:
                 self._counters[name] += n
 
     def stats(self) -> dict[str, Any]:
+        counts = self._conn.counters()  # its own lock; never taken inside ours
         with self._lock:
-            s: dict[str, Any] = dict(self._counters)
-            s.update({f"{k}_seconds": round(v, 6) for k, v in self._seconds.items()})
+            counts.update(self._counters)
+            seconds = {f"{k}_seconds": round(v, 6) for k, v in self._seconds.items()}
+        s: dict[str, Any] = {name: counts[name] for name in COUNTERS}
+        s.update(seconds)
         s.update(
-            available=self._available,
-            last_error=self._last_error,
+            available=self._conn.available,
+            last_error=self._conn.last_error,
             mode="cluster" if self.cluster else "standalone",
             url=self.url,
             write_queue_depth_blocks=self._queue.qsize(),
@@ -487,14 +293,10 @@ class RemoteTier:
 
     # ---- reads ----------------------------------------------------------------------------
 
-    def _pipeline(self, client: Any) -> Any:
-        # transaction=False: plain pipelining, no MULTI (Cluster pipelines never are).
-        return client.pipeline() if self.cluster else client.pipeline(transaction=False)
-
     def exists_prefix(self, hashes: Sequence[bytes]) -> int:
         if not hashes:
             return 0
-        current = self._current()
+        current = self._conn.current()
         if current is None:
             self._count(skipped_unavailable=1)
             return 0
@@ -513,6 +315,14 @@ class RemoteTier:
             self._seconds["exists"] += time.perf_counter() - t0
         return n
 
+    def _lookup_script(self, client: Any, generation: int) -> Any:
+        """The Lua lookup script registered on this generation's client."""
+        with self._lock:
+            if self._script_generation != generation:
+                self._script = client.register_script(_PREFIX_SCRIPT)
+                self._script_generation = generation
+            return self._script
+
     def _exists_prefix_script(self, client: Any, gen: int, keys: list[bytes]) -> int | None:
         """The prefix length by Lua; None to use the pipeline instead.
 
@@ -521,10 +331,10 @@ class RemoteTier:
         other script error (BUSY, ...) only for this call.
         """
         try:
-            n = int(self._script(keys=keys, client=client))
+            n = int(self._lookup_script(client, gen)(keys=keys, client=client))
         except redis.exceptions.ResponseError as exc:
-            if _is_connection_failure(exc):
-                self._failed(exc, gen, f"EXISTS script over {len(keys)} blocks")
+            if is_connection_failure(exc):
+                self._conn.failed(exc, gen, f"EXISTS script over {len(keys)} blocks")
                 return 0
             text = str(exc).lower()
             if isinstance(exc, redis.exceptions.NoPermissionError) or "unknown command" in text or "disabled" in text:
@@ -532,36 +342,36 @@ class RemoteTier:
                 log.warning("remote tier %s: Lua lookup refused (%s); using pipelined EXISTS", self.url, exc)
             return None
         except Exception as exc:  # noqa: BLE001 - never raise to the caller
-            self._failed(exc, gen, f"EXISTS script over {len(keys)} blocks")
+            self._conn.failed(exc, gen, f"EXISTS script over {len(keys)} blocks")
             return 0
-        self._succeeded()
+        self._conn.succeeded()
         return n
 
     def _exists_prefix_pipeline(self, client: Any, gen: int, keys: list[bytes]) -> int:
         try:
-            pipe = self._pipeline(client)
+            pipe = self._conn.pipeline(client)
             for k in keys:
                 pipe.exists(k)
             replies = pipe.execute(raise_on_error=False)
         except Exception as exc:  # noqa: BLE001 - never raise to the caller
-            self._failed(exc, gen, f"EXISTS of {len(keys)} blocks")
+            self._conn.failed(exc, gen, f"EXISTS of {len(keys)} blocks")
             return 0
         n = 0
         for reply in replies:
             if isinstance(reply, Exception):
-                self._failed(reply, gen, "EXISTS")
+                self._conn.failed(reply, gen, "EXISTS")
                 return n
             if not reply:
                 break
             n += 1
-        self._succeeded()
+        self._conn.succeeded()
         return n
 
     def fetch(self, hashes: Sequence[bytes]) -> list[memoryview | None]:
         out: list[memoryview | None] = [None] * len(hashes)
         if not hashes:
             return out
-        current = self._current()
+        current = self._conn.current()
         if current is None:
             self._count(skipped_unavailable=1, remote_errors=len(hashes))
             return out
@@ -575,12 +385,12 @@ class RemoteTier:
         for start in range(0, len(hashes), step):
             chunk = hashes[start : start + step]
             try:
-                pipe = self._pipeline(client)
+                pipe = self._conn.pipeline(client)
                 for h in chunk:
                     pipe.get(self.key(h))
                 replies = pipe.execute(raise_on_error=False)
             except Exception as exc:  # noqa: BLE001 - a failed round trip is a miss, never an error
-                self._failed(exc, gen, f"GET of {len(chunk)} blocks")
+                self._conn.failed(exc, gen, f"GET of {len(chunk)} blocks")
                 errors += len(hashes) - start
                 break
             first_error: Exception | None = None
@@ -599,9 +409,9 @@ class RemoteTier:
                         out[i] = payload
                         hits += 1
             if first_error is not None:  # one report per round trip, not per block
-                self._failed(first_error, gen, f"GET ({errors} blocks)")
+                self._conn.failed(first_error, gen, f"GET ({errors} blocks)")
         if not errors:
-            self._succeeded()
+            self._conn.succeeded()
         with self._lock:
             c = self._counters
             c["remote_hits"] += hits
@@ -630,7 +440,7 @@ class RemoteTier:
 
     def write_back(self, key: bytes, data: Any, *, copy: bool = True) -> bool:
         """Queue one block for writing; False (counted) if it was dropped. Never blocks."""
-        if self._closed or not self._available:
+        if self._closed or not self._conn.available:
             self._count(writes_dropped_unavailable=1)
             return False
         if self.admission is not None and not self.admission.admit(key):
@@ -706,14 +516,14 @@ class RemoteTier:
     def _write_batch(self, batch: list[tuple[bytes, Any, bool]]) -> None:
         sets = sum(1 for _, data, _ in batch if data is not None)
         deadline = self._draining_deadline
-        current = self._current()
+        current = self._conn.current()
         if current is None or (deadline is not None and time.monotonic() > deadline):
             self._count(writes_dropped_unavailable=sets)
             return
         client, gen = current
         t0 = time.perf_counter()
         try:
-            pipe = self._pipeline(client)
+            pipe = self._conn.pipeline(client)
             for item in batch:
                 value = self._finish_value(item)
                 if value is None:
@@ -722,7 +532,7 @@ class RemoteTier:
                     pipe.set(self.key(item[0]), value, ex=self.settings.ttl_s)
             replies = pipe.execute(raise_on_error=False)
         except Exception as exc:  # noqa: BLE001 - a writer must never die
-            self._failed(exc, gen, f"SET of {sets} blocks")
+            self._conn.failed(exc, gen, f"SET of {sets} blocks")
             self._count(writes_failed=sets)
             return
         done = failed = 0
@@ -736,9 +546,9 @@ class RemoteTier:
             else:
                 done += 1
         if first_error is not None:
-            self._failed(first_error, gen, f"SET ({failed} of {sets} blocks)")
+            self._conn.failed(first_error, gen, f"SET ({failed} of {sets} blocks)")
         else:
-            self._succeeded()
+            self._conn.succeeded()
         with self._lock:
             self._counters["writes_done"] += done
             self._counters["writes_failed"] += failed
@@ -766,20 +576,15 @@ class RemoteTier:
             if self._closed:
                 return True
             self._closed = True
+        # No reconnect while closing: the queue drains over the current client or is dropped.
+        self._conn.stop_connecting()
         deadline = time.monotonic() + timeout_s
         self._draining_deadline = deadline  # writers drop what they cannot send in time
         for w in self._writers:
             w.join(max(0.0, deadline - time.monotonic()))
         drained = not any(w.is_alive() for w in self._writers)
-        self._stop.set()
-        self._wake_health.set()
-        self._health.join(1.0)
         self._readers.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            client, self._client = self._client, None
-            self._available = False
-        if client is not None:
-            self._close_client(client)
+        self._conn.close()
         if not drained:
             log.warning("remote tier %s: closed with writes still in flight", self.url)
         return drained

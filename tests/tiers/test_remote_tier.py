@@ -20,6 +20,7 @@ import pytest
 import xxhash
 
 from kvtier.testing import redis_servers as rs
+from kvtier.tiers.remote_connection import parse_url
 from kvtier.tiers.remote_tier import (
     HEADER,
     HEADER_BYTES,
@@ -27,7 +28,6 @@ from kvtier.tiers.remote_tier import (
     RemoteTier,
     RemoteTierError,
     RemoteTierSettings,
-    _parse_url,
     make_pool_key,
 )
 
@@ -119,17 +119,17 @@ def put(t: RemoteTier, hs: list[bytes], data: list[bytes]) -> None:
 
 
 def test_url_parsing() -> None:
-    ep = _parse_url("redis://127.0.0.1:6379/2")
+    ep = parse_url("redis://127.0.0.1:6379/2")
     assert not ep.cluster and ep.url == "redis://127.0.0.1:6379/2"
-    assert _parse_url("valkey://127.0.0.1:6379/0").url == "redis://127.0.0.1:6379/0"
-    ep = _parse_url("redis+cluster://user:s3cret@127.0.0.1:7000,127.0.0.1:7001")
+    assert parse_url("valkey://127.0.0.1:6379/0").url == "redis://127.0.0.1:6379/0"
+    ep = parse_url("redis+cluster://user:s3cret@127.0.0.1:7000,127.0.0.1:7001")
     assert ep.cluster and ep.nodes == (("127.0.0.1", 7000), ("127.0.0.1", 7001))
     assert dict(ep.options) == {"username": "user", "password": "s3cret"}
     assert "s3cret" not in ep.display
-    assert dict(_parse_url("rediss+cluster://127.0.0.1:7000").options) == {"ssl": True}
+    assert dict(parse_url("rediss+cluster://127.0.0.1:7000").options) == {"ssl": True}
     for bad in ("http://x:1", "redis+cluster://nohostport", "unix+cluster:///tmp/s"):
         with pytest.raises(RemoteTierError):
-            _parse_url(bad)
+            parse_url(bad)
 
 
 def test_pool_key_validation_and_make_pool_key() -> None:
