@@ -1,6 +1,8 @@
 """The ``+session`` wrapper (``kvtier.tiers.policies.session``): exactly the wrapped policy without
-hints, and with them: sessions ranked by expected next use, overdue ones first, tails before
-heads, ``retain_s`` and ``priority`` honoured, admission consistent with the order."""
+hints, and with them: streams ranked by the hit density their return model gives them (the
+fewest expected returns per second first, streams gone silent past their habit before unhinted
+blocks), tails before heads, ``retain_s`` and ``priority`` honoured, admission consistent with
+the order."""
 
 from __future__ import annotations
 
@@ -62,41 +64,50 @@ def resident(p: SessionWrapper, keys: list[bytes]) -> None:
         p.on_insert(key)
 
 
-def test_the_slowest_stream_goes_first_tail_first() -> None:
+def requests_every(p: SessionWrapper, periods_s: dict[str, tuple[float, float, float]], n: int = 2) -> dict[str, list[bytes]]:
+    """Stream ``name`` (session ``name.upper()``) requests its chain of ``n`` blocks every ``period_s``
+    from ``start_s`` to ``end_s`` (``periods_s[name] = (period_s, start_s, end_s)``), all streams
+    interleaved in time order, each chain cached from its first request on: the history a return
+    model learns from (it learns from streams with cached blocks only)."""
+    chains = {name: chain_of(name, n) for name in periods_s}
+    events = sorted((start_s + i * period_s, name)
+                    for name, (period_s, start_s, end_s) in periods_s.items()
+                    for i in range(int((end_s - start_s) // period_s) + 1))
+    for at_s, name in events:
+        request(p, chains[name], name.upper().encode(), at_s)
+        resident(p, [key for key in chains[name] if key not in p._resident])
+    return chains
+
+
+def test_the_stream_with_fewer_returns_per_second_goes_first_tail_first() -> None:
     p = SessionWrapper(LRUPolicy(100))
-    a, b = chain_of("a", 3), chain_of("b", 3)
-    # a comes back every 10 s, b every 50 s: b brings half the hits per block-second.
-    for t in range(0, 101, 10):
-        request(p, a, b"A", t)
-    for t in range(0, 101, 50):
-        request(p, b, b"B", t)
+    # a comes back every 10 s, b every 50 s (both just made a request at 1000 s): b is expected to
+    # bring a fifth of a's hits per block-second.
+    chains = requests_every(p, {"a": (10, 0, 1000), "b": (50, 0, 1000)}, n=3)
+    a, b = chains["a"], chains["b"]
     resident(p, a + b)
     assert list(p.victims()) == b[::-1] + a[::-1]
 
 
-def test_an_overdue_stream_goes_before_one_expected_back() -> None:
+def test_a_stream_silent_past_its_habit_goes_before_one_expected_back() -> None:
     p = SessionWrapper(LRUPolicy(100))
-    a, b, c = chain_of("a", 2), chain_of("b", 2), chain_of("c", 1)
-    for t in (0, 10, 20):
-        request(p, a, b"A", t)  # a: every 10 s, last at 20
-    for t in (0, 100, 200):
-        request(p, b, b"B", t)  # b: every 100 s, last at 200: due at 300
-    request(p, c, b"C", 210)  # time moves to 210: a is long overdue
-    resident(p, a + b)
-    assert list(p.victims()) == a[::-1] + b[::-1]
+    # a came back every 10 s until 500 s and then stopped; b comes back every 100 s. At 1000 s a has
+    # been silent 50 times its gap, longer than any stream of its class ever came back after.
+    chains = requests_every(p, {"a": (10, 0, 500), "b": (100, 0, 1000), "c": (5, 990, 1000)})
+    order = list(p.victims())
+    assert order[:2] == chains["a"][::-1] and order.index(chains["b"][1]) < order.index(chains["b"][0])
 
 
-def test_unhinted_blocks_sit_between_overdue_and_expected_streams_in_the_inner_order() -> None:
+def test_unhinted_blocks_sit_between_streams_below_and_above_the_average_density() -> None:
     p = SessionWrapper(LRUPolicy(100))
-    a, b = chain_of("a", 2), chain_of("b", 2)
-    for t in (0, 10, 20):
-        request(p, a, b"A", t)
-    for t in (0, 100, 200):
-        request(p, b, b"B", t)
+    # a stopped long ago (density ~0); b comes back every 10 s, faster than the average stream.
+    chains = requests_every(p, {"a": (10, 0, 300), "b": (10, 600, 1000), "c": (100, 0, 1000)})
+    a, b = chains["a"], chains["b"]
+    assert p._rank_of(p._owner[b[0]][0]) > (0, 0, 1, 0.0) > p._rank_of(p._owner[a[0]][0])
     u = chain_of("u", 3)
     p.record_request(u)  # no hints
-    resident(p, a + u + b)
-    assert list(p.victims()) == a[::-1] + u + b[::-1]
+    resident(p, u)
+    assert [key for key in p.victims() if key in {*a, *u, *b}] == a[::-1] + u + b[::-1]
 
 
 def test_retained_blocks_go_last_and_at_most_half_the_capacity_is_retained() -> None:
@@ -161,16 +172,13 @@ def test_blocks_of_a_forgotten_stream_go_first() -> None:
 
 def test_admission_follows_the_order_when_full() -> None:
     p = SessionWrapper(LRUPolicy(4))
-    a, b = chain_of("a", 2), chain_of("b", 3)
-    for t in range(0, 101, 10):
-        request(p, a, b"A", t)  # due soon
-    for t in range(0, 101, 50):
-        request(p, b, b"B", t)  # due later
+    chains = requests_every(p, {"a": (10, 0, 1000), "b": (50, 0, 1000)}, n=3)  # a back sooner than b
+    a, b = chains["a"][:2], chains["b"]
     resident(p, a[:1] + b[:3])  # full
     assert p.admit(a[1])  # a outranks b, the first victim
     assert p.admit(k("zz", 0))  # never named by a hinted request: the inner policy (LRU: all) decides
     # b's own block deeper than its deepest resident: it would be the first victim itself
-    request(p, b + [k("b", 3)], b"B", 102)
+    request(p, b + [k("b", 3)], b"B", 1001)
     assert p.admit(k("b", 3)) is False
 
 

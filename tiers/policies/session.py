@@ -14,16 +14,22 @@ stream whose latest chain it extends (or repeats a prefix of); one that
 diverges inside a stream's chain forks a new stream (a sub-agent started from
 a shared prefix, a compacted context), and a new root starts one. An agent
 session has several: the main agent and its sub-agents, found from the chains
-alone. Per stream the wrapper learns, online, from ``hints.at_s``:
+alone. Per stream the wrapper keeps its latest chain (the keys of its latest
+request, and which are resident), its latest silence (the gap before its
+latest request), whether it was forked and whether another stream was
+forked off it, and the age of its current silence (``hints.at_s`` is the
+clock).
 
-- the gap between its requests (think and tool time), smoothed as TCP
-  smooths round-trip times (RFC 6298's ``srtt``, gain 1/8). A stream with no
-  gap yet uses the pooled estimate of every stream's gaps (a fork: its
-  parent's);
-- when it is expected back, ``next_at_s = last_at_s + gap_s``. A stream still
-  silent after that is *overdue*: its session has probably finished or gone
-  idle (a user away, a sub-agent done), and it loses its place;
-- its latest chain (the keys of its latest request) and which are resident.
+What a stream's cached blocks are worth comes from a return model learned
+online (``session_returns.ReturnModel``): LHD's hit density (Beckmann et
+al., NSDI 2018) per stream, i.e. the chance that it comes back before the
+cache lets it go, per second of cache time that costs, given its class
+(latest silence, forked, parent) and how long it has been silent. The model
+learns from every stream's silences: when they ended with a return, and, for
+streams with cached blocks, when they ended with the last block evicted;
+silences still running count as far as they got. So "think and tool time", "a sub-agent is done once it reports
+back" and "a session gone quiet for longer than it ever did is finished" are
+learned from the traffic, not written in as thresholds.
 
 Eviction order (``victims()``), best victim first:
 
@@ -31,39 +37,45 @@ Eviction order (``victims()``), best victim first:
    that left their stream's latest chain;
 2. streams in rank order; each stream's resident blocks deepest first (a
    chain loses its tail before its head). The rank, lowest evicted first, is
-   ``(retained, priority, band, x)``:
+   ``(retained, priority, band, density)``:
    - ``retained``: 1 while the stream's ``retain_s`` runs (see below);
    - ``priority``: the latest request's ``hints.priority`` (higher later);
-   - ``band`` 0, overdue: ``x = last_at_s``, the longest silent first;
-   - ``band`` 2, expected back: ``x = -gap_s``, the slowest first: a block
-     of a stream that comes back every ``gap_s`` brings one hit per
-     ``gap_s`` of cache time, so its hit density is ``1 / gap_s`` (the
-     ranking of LHD, Beckmann et al., NSDI 2018, with the session's own
-     rate);
+   - ``band``: 0 for a stream worth less than the average stream
+     (``ReturnModel.typical_density``), 2 otherwise;
+   - ``density``: its hit density now;
 3. blocks no hinted request named (*unhinted*) sit at rank ``(0, 0, 1)``:
-   after overdue streams of priority <= 0, before every stream still
-   expected back; among themselves in the wrapped policy's order. So a
-   session that said nothing is treated as the wrapped policy treats it,
-   and a session the application named is kept while it is expected back
-   and given up first once it is overdue.
+   after the streams of priority <= 0 worth less than average, before the
+   others; among themselves in the wrapped policy's order. So a session that
+   said nothing is treated as the wrapped policy treats it, and a session
+   the application named is kept while it is worth more than an average one.
+
+A stream's rank changes only when it makes a request, when its silence
+crosses an age bucket edge (an event: geometric edges, so O(log age) events
+per silence), when its retention ends, and when the model is refreshed
+(every ``REFRESH_REQUESTS`` requests; all ranked streams are re-ranked).
 
 Measured (``kvtier replay claude_code_even --gpu-tokens 500k --cpu-tokens 4M
---hints session``, block hit rate): chain+session 0.6085, chain 0.5934, lru
-0.5568, Belady 0.7808 (bench/results/replay-claude_code_even.json). Short of
-0.66: an estimated next use is a poor stand-in for the real one when a
-quarter of the gaps are over half a minute and one in ten over two.
+--hints session``, block hit rate): chain+session 0.6435, chain 0.5934, lru
+0.5568, Belady 0.7808 (one cache of GPU + CPU blocks); the CPU tier ranked by
+each block's true next use, inside the same two tiers, 0.748
+(bench/results/replay-claude_code_even.json).
 
-Alternatives measured on the way (same setting; the early ones with streams
-keyed by root and a new stream ranked last rather than first, which cost
-about 0.008): ranking expected streams by their next use (Belady's rule
-with the next use estimated) 0.560 with RFC 6298's timeout as the overdue
-line (0.24 with none: finished sessions are then "due" forever), 0.607 with
-the final overdue rule; by rate 0.571, and the later a stream counts as overdue the worse (timeout
-``srtt + 8 rttvar`` 0.552, ``+ 4`` 0.571, ``+ 2`` 0.584, ``+ 0.5`` 0.597,
-``+ 0`` 0.599); overdue streams by last use rather than expected return
-0.600; overdue blocks handed back to the wrapped policy's order 0.600 at
-twice the time. Forking streams at divergence rather than keying them by
-root: +0.001.
+Alternatives measured on the way (same setting), so the next engineer need
+not: ranking by the smoothed gap alone (RFC 6298's ``srtt``; slowest first,
+a stream "overdue" past ``last + srtt`` given up first) 0.6085; the same
+with Belady's rule on the estimated next use 0.607, or with later overdue
+lines (``srtt + k rttvar``) 0.55-0.60; a return model without evictions (a
+stream that never comes back then costs the whole horizon) 0.588-0.612; with
+evictions (LHD), learning only from cached streams: classes by smoothed gap
+0.631, by latest silence 0.638, by the last two silences 0.601 (too many
+classes for the data), without the silence 0.607, with the request count or
+the chain length as well 0.639 and 0.638 (no gain, left out), returns
+counted only when they hit the CPU tier 0.640 (no gain worth the coupling),
+refreshes every 32 requests 0.639, admission off 0.621; the main stream's
+silence restarted by its sub-agents' requests 0.595 (old ranking); an
+exclusive CPU tier (a block cached on the GPU is
+the first CPU victim) 0.619 with the old ranking and 0.436 for plain chain,
+whose admission then refuses the re-demotions.
 
 ``retain_s``: a request's stream is retained until ``at_s + retain_s``: its
 blocks go only after every block that is not retained. The retained blocks
@@ -85,16 +97,18 @@ shared system prompt moves to the latest user); a block named again by an
 unhinted request keeps its stream.
 
 Cost: ``record_hints`` O(len(keys) + log S) (S: streams with resident
-blocks); ``on_insert``/``on_remove``/``on_hit`` O(1) plus the wrapped
-policy's, and O(log S) when a stream gains its first or loses its last
-resident block; ``admit`` O(log S) amortized. ``victims()`` walks the
-streams in rank order with a heap (O(log S) per stream visited) and each
-stream's chain from a cursor that only moves down between requests
-(amortized O(1) per block). With unhinted blocks resident beside hinted ones,
-it walks the wrapped policy's order and skips the hinted keys in it (the
-wrapped policy cannot filter): O(hinted keys ranked before) in that mixed
-case only. Memory: one record per stream seen within the last
-``max_streams`` streams, one entry per key of a stream's latest chain.
+blocks), plus a refresh every ``REFRESH_REQUESTS`` requests: O(classes x
+buckets + S log S); each age event O(log S); ``on_insert``/``on_remove``/
+``on_hit`` O(1) plus the wrapped policy's, and O(log S) when a stream gains
+its first or loses its last resident block; ``admit`` O(log S) amortized.
+``victims()`` walks the streams in rank order with a heap (O(log S) per
+stream visited) and each stream's chain from a cursor that only moves down
+between requests (amortized O(1) per block). With unhinted blocks resident
+beside hinted ones, it walks the wrapped policy's order and skips the hinted
+keys in it (the wrapped policy cannot filter): O(hinted keys ranked before)
+in that mixed case only. Memory: one record per stream seen within the last
+``max_streams`` streams, one entry per key of a stream's latest chain, and
+the model's tables (56 classes x 30 buckets).
 """
 
 from __future__ import annotations
@@ -103,35 +117,20 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies.base import EvictionPolicy
+from kvtier.tiers.policies.session_returns import (AGE_EDGES_S, NUM_BUCKETS, REFRESH_REQUESTS, ReturnModel, age_bucket,
+                                                   stream_class)
 
 __all__ = ["SessionWrapper"]
 
 # Rank tuple: (retained, priority, band, x). Unhinted blocks sit at band 1 of (0, 0).
-_BAND_OVERDUE = 0
+_BAND_BELOW_AVERAGE = 0
 _BAND_UNHINTED = 1
-_BAND_EXPECTED = 2
+_BAND_ABOVE_AVERAGE = 2
 _UNHINTED_RANK: tuple[int, int, int, float] = (0, 0, _BAND_UNHINTED, 0.0)
-
-# RFC 6298's gain for the smoothed round-trip time: a widely used, trace-independent way to
-# follow "how long until the next one" as it drifts.
-_GAP_GAIN = 0.125
-
-
-@dataclass(slots=True)
-class _GapEstimate:
-    """A smoothed gap between requests, in seconds (RFC 6298's smoothed round-trip time)."""
-
-    gap_s: float = 0.0
-    samples: int = 0
-
-    def add(self, sample_s: float) -> None:
-        self.gap_s = sample_s if self.samples == 0 else self.gap_s + _GAP_GAIN * (sample_s - self.gap_s)
-        self.samples += 1
-
 
 @dataclass(slots=True, eq=False)
 class _Stream:
@@ -140,9 +139,7 @@ class _Stream:
     ident: tuple[bytes, bytes]  # (session, a serial number)
     last_at_s: float = 0.0
     requests: int = 0
-    gaps: _GapEstimate = field(default_factory=_GapEstimate)
-    gap_s: float = float("inf")  # its smoothed gap (the pooled one until it has its own)
-    next_at_s: float = float("inf")  # when it is expected back: last_at_s + gap_s
+    last_gap_s: float | None = None  # the silence before its latest request (a fork: its parent's)
     priority: int = 0
     retain_until_s: float = 0.0
     chain: Sequence[bytes] = ()  # the keys of its latest request
@@ -150,6 +147,11 @@ class _Stream:
     resident_blocks: int = 0
     rank: tuple[int, int, int, float] = _UNHINTED_RANK
     heap_seq: int = -1  # the seq of its valid entry in the order heap; -1: not in it
+    forked: bool = False  # it was forked off another stream
+    parent: bool = False  # another stream was forked off it
+    cls: int = 0  # its class in the return model
+    age_bucket: int = 0  # the age bucket of its current silence
+    age_epoch: int = 0  # age events of an earlier silence carry an older epoch; -1: forgotten
 
 
 class SessionWrapper(EvictionPolicy):
@@ -161,17 +163,19 @@ class SessionWrapper(EvictionPolicy):
         super().__init__(inner.capacity_blocks)
         self.inner = inner
         self.admission = admission
+        self.model = ReturnModel()
+        self._requests_seen = 0
         self.max_streams = max_streams if max_streams is not None else max(1024, inner.capacity_blocks)
         self.retained_cap_blocks = inner.capacity_blocks // 2
         self.now_s = float("-inf")
         self._streams: OrderedDict[tuple[bytes, bytes], _Stream] = OrderedDict()  # least recently used first
-        self._pooled = _GapEstimate()  # every stream's gaps: the estimate of a stream with none yet
         self._owner: dict[bytes, tuple[_Stream, int]] = {}  # key -> (its stream, depth in the stream's chain)
         self._resident: set[bytes] = set()  # every resident key, hinted or not
         self._hinted_resident = 0  # resident keys with an owner, orphans included
         self._orphans: OrderedDict[bytes, None] = OrderedDict()  # resident hinted keys without a stream
         self._order: list[tuple[tuple[int, int, int, float], int, _Stream]] = []  # heap by rank, lazy deletion
-        self._events: list[tuple[float, int, _Stream]] = []  # (time the stream's rank changes, seq, stream)
+        # (time the stream's rank may change, seq, stream, its age epoch; -1: a retention's end)
+        self._events: list[tuple[float, int, _Stream, int]] = []
         self._retained: OrderedDict[tuple[bytes, bytes], _Stream] = OrderedDict()  # by retention start
         self._retained_blocks = 0
         self._seq = itertools.count()
@@ -186,21 +190,27 @@ class SessionWrapper(EvictionPolicy):
             self.now_s = hints.at_s
         self._advance()
         s = self._stream_for(hints.session or b"", keys)
-        if s.requests:
+        model = self.model
+        if s.requests:  # it came back: a return after a silence of gap_s
             self._streams.move_to_end(s.ident)
             gap_s = max(0.0, hints.at_s - s.last_at_s)
-            s.gaps.add(gap_s)
-            self._pooled.add(gap_s)
+            s.last_gap_s = gap_s
+            bucket = age_bucket(gap_s)
+            cached = s.resident_blocks > 0
+            for k in range(s.age_bucket + 1, bucket + 1):  # edges crossed since the last _advance
+                model.on_age(s.cls, k, cached)
+            model.on_return(s.cls, bucket)
         s.requests += 1
         s.last_at_s = max(s.last_at_s, hints.at_s)
         s.priority = hints.priority
-        est = s.gaps if s.gaps.samples else self._pooled
-        if est.samples:
-            s.gap_s = est.gap_s
-            s.next_at_s = s.last_at_s + est.gap_s
-            heapq.heappush(self._events, (s.next_at_s, next(self._seq), s))
-        else:  # nothing learned yet: never overdue, ranked slowest (the first to go among the expected)
-            s.gap_s, s.next_at_s = float("inf"), float("inf")
+        self._start_silence(s)
+        self._requests_seen += 1
+        n = self._requests_seen
+        if n % REFRESH_REQUESTS == 0 or n & (n - 1) == 0:  # and early on at powers of two, to start soon
+            model.refresh()
+            for _, seq, other in list(self._order):
+                if other.heap_seq == seq:
+                    self._rerank(other)
         if hints.retain_s > 0.0:
             until_s = hints.at_s + hints.retain_s
             if until_s > s.retain_until_s:
@@ -208,7 +218,7 @@ class SessionWrapper(EvictionPolicy):
                     self._retained[s.ident] = s
                     self._retained_blocks += s.resident_blocks
                 s.retain_until_s = until_s
-                heapq.heappush(self._events, (until_s, next(self._seq), s))
+                heapq.heappush(self._events, (until_s, next(self._seq), s, -1))
         if len(keys) > len(s.chain) or tuple(keys) != tuple(s.chain[:len(keys)]):
             self._take_chain(s, keys)  # a repeat of a prefix keeps the longer chain
         self._bound_retention()
@@ -218,7 +228,7 @@ class SessionWrapper(EvictionPolicy):
         """The stream a request continues: the one owning the deepest block of the longest prefix the
         session's streams hold, if the request extends that stream's chain (or repeats a prefix of it).
         Otherwise a new stream: a new root, or a fork (a sub-agent started from a shared prefix, a
-        compacted context), which starts from its parent's gap estimate."""
+        compacted context), which starts in its parent's gap class."""
         best: _Stream | None = None
         matched = -1
         owner = self._owner
@@ -231,11 +241,24 @@ class SessionWrapper(EvictionPolicy):
             return best
         s = _Stream((session, next(self._seq).to_bytes(8, "little")))
         if best is not None:
-            s.gaps = _GapEstimate(best.gaps.gap_s, best.gaps.samples)
-            s.last_at_s = best.last_at_s
+            s.forked = True
+            s.last_gap_s = best.last_gap_s
+            if not best.parent:  # its class changes from now on; the silence so far stays counted where it was
+                best.parent = True
+                best.cls = stream_class(best.last_gap_s, best.forked, best.parent)
+                self._rerank(best)
         self._streams[s.ident] = s
         self._trim_streams()
         return s
+
+    def _start_silence(self, s: _Stream) -> None:
+        """The stream just made a request: it is at risk of returning from age 0, in its current class.
+        Each age bucket edge it later crosses silent is an event (``_advance``)."""
+        s.cls = stream_class(s.last_gap_s, s.forked, s.parent)
+        self.model.on_request(s.cls, s.resident_blocks > 0)
+        s.age_bucket = 0
+        s.age_epoch += 1
+        heapq.heappush(self._events, (s.last_at_s + AGE_EDGES_S[1], next(self._seq), s, s.age_epoch))
 
     def _take_chain(self, s: _Stream, keys: Sequence[bytes]) -> None:
         """Make ``keys`` the stream's latest chain; blocks of its previous chain left out become orphans."""
@@ -321,6 +344,8 @@ class SessionWrapper(EvictionPolicy):
             del self._owner[key]
             return
         self._add_resident(s, -1)
+        if s.resident_blocks == 0 and s.age_epoch >= 0:
+            self.model.on_evict(s.cls, s.age_bucket)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -342,9 +367,9 @@ class SessionWrapper(EvictionPolicy):
 
     def _rank_of(self, s: _Stream) -> tuple[int, int, int, float]:
         retained = 1 if s.retain_until_s > self.now_s else 0
-        if self.now_s > s.next_at_s:
-            return (retained, s.priority, _BAND_OVERDUE, s.last_at_s)  # the longest silent first
-        return (retained, s.priority, _BAND_EXPECTED, -s.gap_s)  # the slowest first
+        density = self.model.density(s.cls, s.age_bucket)
+        band = _BAND_ABOVE_AVERAGE if density >= self.model.typical_density() else _BAND_BELOW_AVERAGE
+        return (retained, s.priority, band, density)
 
     def _push(self, s: _Stream) -> None:
         s.rank = self._rank_of(s)
@@ -361,10 +386,17 @@ class SessionWrapper(EvictionPolicy):
             self._push(s)
 
     def _advance(self) -> None:
-        """Streams that became overdue or whose retention ended (``now_s`` moved) change rank."""
+        """Streams that aged into their next bucket or whose retention ended (``now_s`` moved) change rank."""
         events = self._events
         while events and events[0][0] < self.now_s:
-            _, _, s = heapq.heappop(events)
+            _, _, s, epoch = heapq.heappop(events)
+            if epoch >= 0:
+                if epoch != s.age_epoch:
+                    continue
+                s.age_bucket += 1
+                self.model.on_age(s.cls, s.age_bucket, s.resident_blocks > 0)
+                if s.age_bucket + 1 < NUM_BUCKETS:
+                    heapq.heappush(events, (s.last_at_s + AGE_EDGES_S[s.age_bucket + 1], next(self._seq), s, epoch))
             if s.retain_until_s <= self.now_s and self._retained.pop(s.ident, None) is not None:
                 self._retained_blocks -= s.resident_blocks
             self._rerank(s)
@@ -395,6 +427,7 @@ class SessionWrapper(EvictionPolicy):
                     del self._owner[key]
             s.resident_blocks = 0
             s.heap_seq = -1
+            s.age_epoch = -1
 
     def _first_stream(self) -> _Stream | None:
         order = self._order
