@@ -18,6 +18,13 @@ engine's side of that registration:
   ``register_kv``: one ``{desc, block_dim}`` per tensor);
 - ``unlink_shared_kv(tensor_or_handle)``: remove a shared KV file's name now.
 
+Shared files are fully allocated when made: ``allocate_shared_kv`` reserves
+every page (``posix_fallocate``) and ``share_kv_in_place`` refuses a storage
+larger than ``/dev/shm`` has free (torch then writes every page), each with a
+``KvShareError`` that names the bytes asked and free and how to make room. A
+full ``/dev/shm`` thus fails at allocation, not with SIGBUS in the engine
+later, and the daemon, which refuses sparse files, accepts what is made here.
+
 Each raises ``KvShareError`` (a ``ValueError``) for a tensor it cannot share,
 and ``export_*`` return descriptions already validated. The description's
 format and validation live in ``kvtier.client.kv_description`` (shared with
@@ -73,7 +80,7 @@ from kvtier.client.kv_description import (
     validate_shm_handle,
     validate_tensor_description,
 )
-from kvtier.client.shm_arena import SHM_DIR, ShmArena, ShmArenaError
+from kvtier.client.shm_arena import SHM_DIR, ShmArena, ShmArenaError, no_room_message, shm_free_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -168,9 +175,12 @@ def allocate_shared_kv(
     itemsize = SUPPORTED_DTYPES[_dtype_name(torch_dtype)]
     numel = math.prod(sizes)
     try:
+        # create() reserves every page (posix_fallocate): a /dev/shm too small
+        # fails here, naming the sizes, instead of SIGBUS in the engine later.
         arena = ShmArena.create(1, numel * itemsize, name_prefix=name_prefix)
     except ShmArenaError as exc:
-        raise KvShareError(str(exc)) from None
+        raise KvShareError(f"cannot allocate a shared KV tensor of shape {sizes} ({_dtype_name(torch_dtype)}): "
+                           f"{exc}") from None
     buffer = arena.buffer
     # frombuffer wraps the mapping without copying, and keeps ``buffer``
     # (hence the mapping) alive for as long as any view of the tensor lives.
@@ -210,6 +220,14 @@ def share_kv_in_place(tensors: Sequence[torch.Tensor], name_prefix: str = DEFAUL
             raise KvShareError(f"share_kv_in_place takes CPU tensors, got one on {storage.device}")
         if _entry_of(storage) is not None:
             continue  # already shared (another view of the same storage)
+        # torch maps a sparse file and copies into it: with /dev/shm full that
+        # copy is SIGBUS in the engine. Only a pre-check is possible here
+        # (torch allocates the file); it catches the common case, a
+        # /dev/shm smaller than the KV cache (docker's 64 MiB default).
+        free_bytes = shm_free_bytes()
+        if free_bytes is not None and free_bytes < storage.nbytes():
+            raise KvShareError(no_room_message("a KV tensor's storage moved in place", storage.nbytes(),
+                                               "not enough free space"))
         try:
             _manager, torch_name, data_bytes = storage._share_filename_cpu_()
             name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(6)}"

@@ -110,6 +110,7 @@ class ErrorCode(IntEnum):
     IN_USE = 207  # the arena or KV file is attached by another live session
     NOT_OWNER = 208  # the arena or KV file belongs to another user than the session's
     ACCESS_DENIED = 209  # the daemon may not open the client's shared-memory file (its mode or group)
+    SPARSE_FILE = 210  # the client's shared-memory file has pages not allocated (ftruncate without posix_fallocate)
 
     NO_SPACE = 300  # the tier cannot make room (nothing changed)
     TOO_MANY_REGISTRATIONS = 301  # the session holds max_registrations_per_session registrations

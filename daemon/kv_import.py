@@ -16,18 +16,23 @@ description names, in the daemon's process:
 
 Both validate first (nothing is mapped for a description that fails), then
 map: a ``/dev/shm`` file through ``ShmArena.attach`` (which checks the name,
-refuses symlinks and requires the exact declared size), or a CUDA IPC handle
+refuses symlinks, requires the exact declared size and refuses a sparse
+file), or a CUDA IPC handle
 through ``torch.UntypedStorage._new_shared_cuda`` on the GPU whose UUID the
 engine named, after which the declared storage must lie inside the
 allocation the driver reports. Anything malformed, out of bounds or
 unmappable raises ``KvShareError`` (a ``ValueError``); a shm file this
 process may not open (its mode or group) raises ``KvShareAccessError``, which
-kvtierd answers with ACCESS_DENIED. Nothing stays mapped on failure.
+kvtierd answers with ACCESS_DENIED; a sparse one (pages not allocated, see
+``kvtier.client.shm_arena``) raises ``KvShareSparseError``, answered with
+SPARSE_FILE. Nothing stays mapped on failure.
 
 The closer (``KvImport``) is the daemon's hold on the memory: calling it ends
 this module's references; the memory is released once the caller has also
 dropped the tensors and every layout built on them. On CUDA, dropping the
 storages releases their IPC references in the engine.
+``KvImport.shm_files`` are the mapped ``/dev/shm`` files, whose
+``check_intact()`` the daemon calls around copies (``daemon/handlers.py``).
 
 Imports no torch at module load (``daemon/handlers.py`` imports this module
 for ``KvShareAccessError``); torch is imported where tensors are made.
@@ -46,16 +51,20 @@ from kvtier.client.kv_description import (
     validate_tensor_description,
 )
 from kvtier.client.kv_share import cuda_device_uuid, libcuda
-from kvtier.client.shm_arena import ShmAccessError, ShmArena, ShmArenaError
+from kvtier.client.shm_arena import ShmAccessError, ShmArena, ShmArenaError, ShmSparseError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KvImport", "KvShareAccessError", "KvShareError", "import_kv", "import_tensor"]
+__all__ = ["KvImport", "KvShareAccessError", "KvShareError", "KvShareSparseError", "import_kv", "import_tensor"]
 
 
 class KvShareAccessError(KvShareError):
     """The importing process may not open a tensor's shared-memory file (its mode or group)."""
+
+
+class KvShareSparseError(KvShareError):
+    """A tensor's shared-memory file has pages not allocated: refused, a copy into a hole could SIGBUS the daemon."""
 
 
 class KvImport:
@@ -89,6 +98,11 @@ class KvImport:
             if isinstance(obj, ShmArena):
                 obj.close()
         self._keepalive.clear()
+
+    @property
+    def shm_files(self) -> list[ShmArena]:
+        """The ``/dev/shm`` files mapped, for ``ShmArena.check_intact`` before a copy (none for CUDA, none once closed)."""
+        return [obj for obj in self._keepalive if isinstance(obj, ShmArena)]
 
     def __call__(self) -> None:
         self.close()
@@ -145,6 +159,8 @@ def _import_shm(entries: Sequence[Mapping[str, Any]]) -> tuple[list[torch.Tensor
                     arena = arenas[name] = ShmArena.attach(name, 1, size_bytes)
                 except ShmAccessError as exc:
                     raise KvShareAccessError(str(exc)) from None
+                except ShmSparseError as exc:
+                    raise KvShareSparseError(str(exc)) from None
                 except ShmArenaError as exc:
                     raise KvShareError(str(exc)) from None
             elif arena.size_bytes != size_bytes:
