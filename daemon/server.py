@@ -25,6 +25,17 @@ Contract:
   request came on, ``security.peer_uid``): a sid sent by another user gets
   FOREIGN_SESSION. Tenants (``ServeOptions.tenants``) are
   resolved at hello and applied by the handlers.
+- Unread replies: the unsent payload of one connection's replies is capped
+  (``max_unread_reply_bytes``: then UNREAD_REPLIES). Restore replies that
+  lend tier memory (zero-copy: the blocks stay held until libzmq lets go of
+  the frames) remember their session and the connection their request came
+  on (``daemon.connections``). A session that ends with such replies still
+  unsent has those connections shut down (``shutdown(SHUT_RDWR)``: libzmq
+  drops what it queued for them and the blocks come back): at once when its
+  lease expired, a lease after its bye if they are still unread by then. A
+  line in the log per session, ``unread_connections_shut_total`` per
+  connection; the client's socket reconnects by itself (requests it had in
+  flight on that connection get no reply: its own timeouts apply).
 - Memory: a pool that a hello would create is checked first
   (``daemon.memory.check_new_pool``: NO_SPACE with the numbers when the
   host cannot take its CPU tier).
@@ -49,7 +60,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -66,6 +77,7 @@ from kvtier.client.protocol import (
     recoverable_id,
     validate_request,
 )
+from kvtier.daemon.connections import Connection, connection_of, shut_down
 from kvtier.daemon.handlers import (HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_arena, release_registration,
                                     stats_fields)
 from kvtier.daemon.lifecycle import StopFlag
@@ -137,6 +149,18 @@ def _free_closed_pools() -> None:
     t0 = time.perf_counter()
     gc.collect()
     log.debug("collected closed pools in %.1f ms", (time.perf_counter() - t0) * 1e3)
+
+
+class _Unsent(NamedTuple):
+    """A reply handed to libzmq with payload it may not have sent yet."""
+
+    tracker: zmq.MessageTracker
+    on_sent: Callable[[], None] | None  # gives lent tier memory back
+    identity: bytes
+    nbytes: int
+    sid: str | None  # lent replies: the session whose request it answers
+    conn: Connection | None  # lent replies: the connection that request came on
+
 
 @dataclass(eq=False)
 class _Parked:
@@ -229,10 +253,15 @@ class Server:
         )
         self._serial = itertools.count(1)
         self._parked: dict[int, _Parked] = {}
-        # Replies with payload libzmq has not sent yet: (tracker, on_sent, identity, bytes). Their
-        # buffers (lent tier memory, staging) stay alive until then: counted per connection.
-        self._sending: list[tuple[zmq.MessageTracker, Callable[[], None] | None, bytes, int]] = []
+        # Replies with payload libzmq has not sent yet. Their buffers (lent tier
+        # memory, staging) stay alive until then: counted per connection.
+        self._sending: list[_Unsent] = []
         self._unsent_bytes: dict[bytes, int] = {}
+        # Ended sessions whose lent replies were still unsent: sid -> (when their
+        # connections are shut down if those replies are still there, why it ended).
+        self._unread_after_end: dict[str, tuple[float, str]] = {}
+        self.metrics.set("reply_bytes_lent", 0)  # in stats from the start, like the counter beside it
+        self.metrics.inc("unread_connections_shut_total", 0)
         self._done: list[int] = []  # serials of parked requests whose op finished
         self._zctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -442,6 +471,8 @@ class Server:
             expired = self.sessions.sweep()
             if expired:
                 self.metrics.inc("lease_expiries_total", len(expired))
+            if self._unread_after_end:
+                self._shut_unread_connections(now_s)
             self._close_expired_pools(now_s)
         self.metrics.set("sessions", len(self.sessions))
         self.metrics.set("requests_in_flight", len(self._parked))
@@ -519,7 +550,12 @@ class Server:
             self._send_error(identity, req.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", op=req.op)
             return
         if isinstance(result, Reply):
-            self._send_ok(identity, req, result, started_s)
+            lender = None
+            if result.on_sent is not None and session is not None:
+                # Lent tier memory: if the session ends with this reply unread,
+                # this connection is shut down to get the blocks back (_shut_unread_connections).
+                lender = (session.sid, connection_of(frames[1]))
+            self._send_ok(identity, req, result, started_s, lender)
             return
         serial = next(self._serial)
         self._parked[serial] = _Parked(identity, req, result, session, started_s)
@@ -592,7 +628,8 @@ class Server:
     # ---- replies -------------------------------------------------------------
 
     def _send(self, identity: bytes, header: dict[str, Any], frames: list[Any],
-              on_sent: Callable[[], None] | None = None) -> None:
+              on_sent: Callable[[], None] | None = None,
+              lender: tuple[str, Connection | None] | None = None) -> None:
         assert self._sock is not None
         nbytes = sum(frame_nbytes(f) for f in frames)
         try:
@@ -609,7 +646,8 @@ class Server:
                 on_sent()
             return
         if on_sent is not None or nbytes > 0:
-            self._sending.append((tracker, on_sent, identity, nbytes))
+            sid, conn = lender if lender is not None else (None, None)
+            self._sending.append(_Unsent(tracker, on_sent, identity, nbytes, sid, conn))
             self._unsent_bytes[identity] = self._unsent_bytes.get(identity, 0) + nbytes
 
     def _release_sent(self) -> None:
@@ -617,10 +655,13 @@ class Server:
         if not self._sending:
             return
         still = []
+        lent_bytes = 0
         for item in self._sending:
-            tracker, on_sent, identity, nbytes = item
+            tracker, on_sent, identity, nbytes, _sid, _conn = item
             if not tracker.done:
                 still.append(item)
+                if on_sent is not None:
+                    lent_bytes += nbytes
                 continue
             if on_sent is not None:
                 on_sent()
@@ -631,14 +672,40 @@ class Server:
                 self._unsent_bytes.pop(identity, None)
         self._sending = still
         self.metrics.set("reply_bytes_unsent", sum(self._unsent_bytes.values()))
+        self.metrics.set("reply_bytes_lent", lent_bytes)
 
-    def _send_ok(self, identity: bytes, req: Request, reply: Reply, started_s: float) -> None:
+    def _shut_unread_connections(self, now_s: float) -> None:
+        """Shut down the connections that still queue lent replies of sessions ended a while ago.
+
+        Those replies keep tier blocks lent (not evictable, not reusable) for as
+        long as libzmq holds them, and a client that does not read holds them
+        until its socket closes. Shut down, the connection fails: libzmq drops
+        what it queued for it, its trackers complete, and _release_sent gives
+        the blocks back. After a bye the client gets a lease to read first (it
+        may be reading the replies it pipelined before its bye); an expired
+        session's client was silent for a whole lease already.
+        """
+        due = [sid for sid, (deadline_s, _reason) in self._unread_after_end.items() if deadline_s <= now_s]
+        for sid in due:
+            _deadline_s, reason = self._unread_after_end.pop(sid)
+            unread = [u for u in self._sending if u.sid == sid and u.on_sent is not None and not u.tracker.done]
+            conns = {u.conn for u in unread if u.conn is not None}
+            shut = sum(shut_down(conn) for conn in conns)
+            if not shut:
+                continue
+            self.metrics.inc("unread_connections_shut_total", shut)
+            log.info("session %s ended (%s) with %d lent replies unread (%d bytes of tier memory): shut down %d "
+                     "connection(s) to get the blocks back (the client reconnects)",
+                     sid[:8], reason, len(unread), sum(u.nbytes for u in unread), shut)
+
+    def _send_ok(self, identity: bytes, req: Request, reply: Reply, started_s: float,
+                 lender: tuple[str, Connection | None] | None = None) -> None:
         elapsed_s = time.monotonic() - started_s
         self.metrics.inc("request_seconds_total", elapsed_s, op=req.op)
         if log.isEnabledFor(logging.DEBUG):
             n = len(req.fields.get("hashes") or ())
             log.debug("%s id=%d blocks=%d ok in %.3f ms", req.op, req.id, n, elapsed_s * 1e3)
-        self._send(identity, ok_reply(req.id, **reply.fields), reply.frames, reply.on_sent)
+        self._send(identity, ok_reply(req.id, **reply.fields), reply.frames, reply.on_sent, lender)
 
     def _send_error(self, identity: bytes, rid: int, code: ErrorCode, message: str, *, op: str = "") -> None:
         self.metrics.inc("errors_total", code=code.name)
@@ -658,6 +725,11 @@ class Server:
             session.registrations.clear()
             release_arena(self.ctx, session, unlink=False)
             return
+        if any(u.sid == session.sid and u.on_sent is not None for u in self._sending):
+            # Its lent replies are still queued: their blocks come back when the
+            # client reads them, or else when its connection is shut down.
+            grace_s = 0.0 if reason == "expired" else session.lease_s
+            self._unread_after_end[session.sid] = (time.monotonic() + grace_s, reason)
         try:
             entry = self.pools.get(session.pool_name)
         except ProtocolError:
@@ -706,8 +778,9 @@ class Server:
                              "daemon shut down before the copy finished", op=parked.req.op)
         # Replies libzmq still holds are dropped when the socket closes; their
         # lent memory stays alive (the frames reference it) until then.
-        for _tracker, on_sent in self._sending:
-            on_sent()
+        for item in self._sending:
+            if item.on_sent is not None:
+                item.on_sent()
         self._sending = []
         # Pools first: closing waits for (or abandons) the copies still in
         # flight, which may read the sessions' arenas and registered tensors.
