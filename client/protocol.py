@@ -118,6 +118,7 @@ class ErrorCode(IntEnum):
     TOO_MANY_POOLS = 303  # the daemon holds max_pools pools; a hello may join one, not create another
     TOO_MANY_PINS = 304  # the session (or its tenant) holds max_pinned_share of the pool pinned
     UNREAD_REPLIES = 305  # this connection's replies not yet read hold max_unread_reply_bytes
+    TOO_MANY_CONNECTIONS = 306  # the daemon (or this peer) holds as many connections as it may; this one is closed
 
     TRANSFER_FAILED = 400  # a copy failed; nothing was committed
     SHUTTING_DOWN = 401  # the daemon is draining and takes no new work

@@ -108,6 +108,8 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         pool_idle_ttl_s=cfg.pool_idle_ttl_s,
         max_unread_reply_bytes=cfg.max_unread_reply_bytes,
         max_pools=cfg.max_pools,
+        max_connections=cfg.max_connections,
+        max_connections_per_peer=cfg.max_connections_per_peer,
         hash_algo=cfg.hash_algo,
         socket_mode=cfg.socket_mode,
         curve=curve,

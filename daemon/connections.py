@@ -18,6 +18,13 @@ Contract:
   its own. Only the loop thread calls this; the descriptor itself stays
   libzmq's (a duplicate is shut down and closed: shutdown acts on the
   socket, not on the descriptor).
+- ``shut_down_now(conn) -> bool``: the same without the duplicate, for a
+  thread that must shed connections when no descriptor is left to dup
+  (the connection guard at the fd limit): the inode is checked and the
+  socket shut down through libzmq's descriptor itself. If libzmq closed the
+  connection and reused the number for a new one in the microseconds
+  between the two system calls, that new connection is shut down instead;
+  its client reconnects.
 """
 
 from __future__ import annotations
@@ -70,3 +77,21 @@ def shut_down(conn: Connection) -> bool:
         return False  # not connected any more
     finally:
         sock.close()
+
+
+def shut_down_now(conn: Connection) -> bool:
+    """See the module docstring."""
+    try:
+        st = os.fstat(conn.fd)
+    except OSError:
+        return False
+    if (st.st_dev, st.st_ino) != (conn.dev, conn.ino):
+        return False
+    sock = socket.socket(fileno=conn.fd)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()  # the descriptor stays libzmq's

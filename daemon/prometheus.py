@@ -218,6 +218,9 @@ DAEMON_DEFAULTS: dict[str, Any] = {
     "requests_in_flight": 0,
     "learn_backlog_keys": 0,
 }
+    "connections": 0,
+    "connections_busiest_peer": 0,
+    "connections_refused_total": {},
 DAEMON_HELP: dict[str, str] = {
     "requests_total": "Requests that passed validation, by verb.",
     "errors_total": "Error replies sent, by error code name.",
@@ -234,6 +237,9 @@ DAEMON_HELP: dict[str, str] = {
     "requests_in_flight": "Requests waiting for their copies to finish.",
     "learn_backlog_keys": "Block keys counted but not yet fed to the CPU-tier policy (its bookkeeping waits for idle moments).",
 }
+    "connections": "Client connections admitted now (at most max_connections).",
+    "connections_busiest_peer": "Connections of the peer (uid on ipc, IP address on tcp) that holds the most (at most max_connections_per_peer).",
+    "connections_refused_total": "Connections closed as they were accepted: reason=total (max_connections) or peer (max_connections_per_peer).",
 
 
 # The ``tenants`` map of ``stats`` (daemons with tenants): (key, kind, help), exported

@@ -77,7 +77,9 @@ from kvtier.client.protocol import (
     recoverable_id,
     validate_request,
 )
+from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits
 from kvtier.daemon.connections import Connection, connection_of, shut_down
+from kvtier.daemon.descriptors import FdBudget, auto_per_peer
 from kvtier.daemon.handlers import (HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_arena, release_registration,
                                     stats_fields)
 from kvtier.daemon.lifecycle import StopFlag
@@ -133,6 +135,8 @@ class ServeOptions:
     cpu_budget_bytes: int | None = None  # all pools' CPU tiers together; None: no budget but host memory
     pool_idle_ttl_s: float = 3600.0  # a pool without sessions keeps its blocks this long
     max_unread_reply_bytes: int = 512 << 20  # payload bytes of replies one connection has not read
+    max_connections: int | None = None  # client connections at once; None: a quarter of the descriptors (FdBudget)
+    max_connections_per_peer: int | None = None  # of one uid (ipc) or IP address (tcp); None: auto_per_peer
 
 
 
@@ -183,27 +187,6 @@ def _error_code_for(exc: BaseException) -> ErrorCode:
     return ErrorCode.INTERNAL
 
 
-# Descriptors kept free of shared-memory mappings: client connections (libzmq
-# aborts the process when it cannot get one), pools' threads and files.
-SPARE_FDS = 512
-
-
-def _file_budget() -> int:
-    """How many shared-memory files all sessions may map: the soft fd limit, raised to the hard one, less spares."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    # Half of what is left after the spares: connections need theirs too.
-    return max(16, (soft - SPARE_FDS) // 2)
-
-
 def _message(exc: BaseException) -> str:
     # KeyError's str() adds quotes around its message.
     return exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
@@ -216,6 +199,12 @@ class Server:
                  notifier: Notifier | None = None) -> None:
         self.options = options
         self.stop = stop
+        self.fds = FdBudget.at_start()
+        max_connections = options.max_connections if options.max_connections is not None else self.fds.connections
+        self.connection_limits = ConnectionLimits(
+            max_connections,
+            options.max_connections_per_peer if options.max_connections_per_peer is not None
+            else auto_per_peer(max_connections))
         self.notifier = notifier or Notifier(None)
         self.metrics = Counters()
         # Refusals a client can cause at will: a line each up to a cap, then a count (daemon/log_limit.py).
@@ -249,7 +238,7 @@ class Server:
             max_shm_files_per_session=options.max_shm_files_per_session,
             max_registrations_per_session=options.max_registrations_per_session,
             max_pinned_share=options.max_pinned_share,
-            max_shm_files_total=_file_budget(),
+            max_shm_files_total=self.fds.shm_files,
         )
         self._serial = itertools.count(1)
         self._parked: dict[int, _Parked] = {}
@@ -268,6 +257,7 @@ class Server:
         self._poller: zmq.Poller | None = None
         self._ipc_path: str | None = None
         self._curve_guard: CurveGuard | None = None
+        self._connection_guard: ConnectionGuard | None = None
         self._ipc = options.endpoint.startswith("ipc://")  # peers have a uid (SO_PEERCRED)
         # An abstract socket has no file, hence no permissions: any local user
         # could connect. Without CURVE it serves the daemon's own user (and root).
@@ -374,6 +364,12 @@ class Server:
         # a frame above this makes libzmq drop the sender's connection.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(MAX_HEADER_BYTES, self.options.max_payload_bytes))
         sock.setsockopt(zmq.LINGER, 0)
+        # Watching connections must start before the first one is accepted.
+        self._connection_guard = ConnectionGuard.start(self._zctx, sock, self.connection_limits)
+        if self.fds.small:
+            log.warning("only %d file descriptors (RLIMIT_NOFILE): room for %d client connections and %d "
+                        "shared-memory files; raise LimitNOFILE= (systemd) or ulimit -n",
+                        self.fds.limit_fds, self.fds.connections, self.fds.shm_files)
         endpoint = self.options.endpoint
         if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
             self._ipc_path = endpoint[len("ipc://"):]
@@ -396,6 +392,9 @@ class Server:
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
 
     def close(self, linger_s: float) -> None:
+        if self._connection_guard is not None:
+            self._connection_guard.stop()
+            self._connection_guard = None
         if self._sock is not None:
             self._sock.close(linger=int(max(0.0, linger_s) * 1000))
             self._sock = None
@@ -477,6 +476,8 @@ class Server:
         self.metrics.set("sessions", len(self.sessions))
         self.metrics.set("requests_in_flight", len(self._parked))
         self.metrics.set("learn_backlog_keys", self.pools.learn_backlog_keys())
+        if self._connection_guard is not None:
+            self._connection_guard.publish(self.metrics)
         if self.stats_snapshot.wanted():
             self.stats_snapshot.refresh(lambda: stats_fields(self.ctx))
         if self.notifier.watchdog_due(now_s):
@@ -516,6 +517,11 @@ class Server:
             self._send_error(identity, recoverable_id(header), exc.code, exc.message)
             return
         self.metrics.inc("requests_total", op=req.op)
+        refusal = self._connection_guard.refusal(frames[1]) if self._connection_guard is not None else None
+        if refusal is not None:
+            # Past a connection cap: this connection is closed in a moment; say why first.
+            self._send_error(identity, req.id, ErrorCode.TOO_MANY_CONNECTIONS, refusal, op=req.op)
+            return
         unread = self._unsent_bytes.get(identity, 0)
         if unread >= self.options.max_unread_reply_bytes and req.op not in ("bye", "heartbeat", "health"):
             # A client that does not read its replies would make the daemon hold their buffers without

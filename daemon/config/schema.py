@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import resource
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -40,6 +41,7 @@ import psutil
 
 from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
 from kvtier.daemon.config.errors import ConfigError
+from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer
 from kvtier.daemon.config.units import (
     Coerce,
     CpuBytes,
@@ -54,7 +56,7 @@ from kvtier.daemon.config.units import (
     _as_optional_cpu_size,
     _as_optional_float,
     _as_optional_path,
-    _as_optional_port,
+    _as_optional_int,
     _as_optional_size,
     _as_optional_url,
     _as_share,
@@ -392,6 +394,17 @@ def _cpu_budget_note(cfg: DaemonConfig, available_bytes: int) -> str:
     return f"{CPU_BUDGET_AUTO_FRACTION:.0%} of available memory at start (now {format_gib(budget_bytes, decimals=1)})"
 
 
+def _max_connections_note(cfg: DaemonConfig, available_bytes: int) -> str:
+    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    return f"a quarter of the file descriptors (now {budget.connections} of {budget.limit_fds})"
+
+
+def _per_peer_note(cfg: DaemonConfig, available_bytes: int) -> str:
+    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    total = cfg.max_connections if cfg.max_connections is not None else budget.connections
+    return f"a quarter of max_connections, at most {MAX_AUTO_CONNECTIONS_PER_PEER} (now {auto_per_peer(total)})"
+
+
 def _gpu_bytes_note(cfg: DaemonConfig, available_bytes: int) -> str:
     return f"{format_byte_size(GPU_AUTO_BYTES_CUDA)} on CUDA, {format_byte_size(GPU_AUTO_BYTES_HOST)} without"
 
@@ -552,6 +565,17 @@ class DaemonConfig:
         "bytes of block payload in replies one connection has not read yet; past it its requests get "
         "UNREAD_REPLIES (e.g. 512MiB)", "SIZE",
         group=SERVER, rank=14, check=partial(_check_int, minimum=MIN_MESSAGE_BYTES)))
+    # Both caps shed connections as libzmq accepts them (daemon.connection_limits).
+    max_connections: int | None = field(default=None, metadata=key(
+        _as_optional_int, "client connections held at once; past it new ones get TOO_MANY_CONNECTIONS and are "
+        "closed ('auto' = a quarter of the file descriptors)", "N",
+        group=SERVER, rank=15, check=_optional(partial(_check_int, minimum=1)), unset="auto",
+        auto_note=_max_connections_note))
+    max_connections_per_peer: int | None = field(default=None, metadata=key(
+        _as_optional_int, "client connections one peer (a uid on ipc://, an IP address on tcp://) may hold at "
+        "once ('auto' = a quarter of max_connections, at most 1024)", "N",
+        group=SERVER, rank=16, check=_optional(partial(_check_int, minimum=1)), unset="auto",
+        auto_note=_per_peer_note))
     cpu_budget_bytes: CpuBytes | None = field(default=None, metadata=key(
         _as_optional_cpu_size,
         "all pools' CPU tiers together: bytes, or N%% of available memory ('auto' = 50%% at start); "
@@ -567,7 +591,7 @@ class DaemonConfig:
         _as_device, "'auto' (CUDA if available), 'cpu', or 'cuda:N'", "DEVICE",
         group=RUNTIME, rank=1, check=_check_device))
     metrics_port: int | None = field(default=None, metadata=key(
-        _as_optional_port, "Prometheus endpoint port ('off' = no endpoint)", "PORT",
+        _as_optional_int, "Prometheus endpoint port ('off' = no endpoint)", "PORT",
         group=RUNTIME, rank=4, check=_optional(partial(_check_int, minimum=1, maximum=65535)), unset="off"))
     metrics_host: str = field(default="127.0.0.1", metadata=key(
         _as_str, "address the Prometheus endpoint binds", "HOST", group=RUNTIME, rank=5, check=_check_host))

@@ -121,7 +121,7 @@ def _as_int(value: object, text: bool) -> int:
     return value
 
 
-def _as_optional_port(value: object, text: bool) -> int | None:
+def _as_optional_int(value: object, text: bool) -> int | None:
     if isinstance(value, str) and value.strip().lower() in _UNSET:
         return None
     return _as_int(value, text)

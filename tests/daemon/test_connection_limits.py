@@ -1,0 +1,210 @@
+"""Connection caps (issue 15): a connection flood can neither abort kvtierd nor lock other peers out.
+
+libzmq aborts a process whose ipc accept fails with EMFILE; the daemon's connection guard
+sheds connections past ``max_connections`` / ``max_connections_per_peer`` as libzmq accepts
+them, tells a refused client why (TOO_MANY_CONNECTIONS) and counts exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from kvtier.client.admin import DaemonUnavailable, request
+from kvtier.client.client import DaemonError
+from kvtier.client.protocol import ErrorCode
+from kvtier.daemon.descriptors import FdBudget, auto_per_peer
+from kvtier.testing.daemon import KvtierDaemon
+
+FLAGS = {"cpu_bytes": "1MiB", "gpu_bytes": "256KiB"}
+
+
+def _health(sock: zmq.Socket, rid: int, timeout_s: float = 5.0) -> dict[str, object] | None:
+    sock.send_multipart([msgpack.packb({"v": 1, "op": "health", "id": rid})])
+    if not sock.poll(int(timeout_s * 1000)):
+        return None
+    return msgpack.unpackb(sock.recv_multipart()[0])
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def _conn_stats(daemon: KvtierDaemon) -> dict[str, object]:
+    # Right after a flood this connection may itself be shed (a request on a shed
+    # connection is lost, as on any dropped connection): ask again.
+    for _ in range(10):
+        try:
+            stats = daemon.stats(timeout_s=2.0)
+        except DaemonUnavailable:
+            continue
+        except DaemonError as exc:  # refused while the closed sockets' disconnects are still being counted
+            assert exc.code == ErrorCode.TOO_MANY_CONNECTIONS, exc
+            time.sleep(0.2)
+            continue
+        return {k: v for k, v in stats["daemon"].items() if k.startswith("connections")}
+    raise AssertionError(f"no stats in 10 tries: {daemon.log_tail()}")
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 1 << 16)
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def _dealers(ctx: zmq.Context, endpoint: str, n: int) -> list[zmq.Socket]:
+    out = []
+    for _ in range(n):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        out.append(s)
+    return out
+
+
+def test_fd_budget_leaves_room_for_a_flood() -> None:
+    for limit in (64, 1024, 20000, 1 << 20):
+        budget = FdBudget.of(limit)
+        assert budget.spare_fds + budget.shm_files + budget.connections + budget.flood_room_fds == limit
+        assert budget.flood_room_fds >= (limit - budget.spare_fds) // 4 - 1
+        assert 1 <= auto_per_peer(budget.connections) <= budget.connections
+    assert FdBudget.of(1024).small and not FdBudget.of(20000).small
+    assert FdBudget.of(1 << 20).connections == 16384  # memory, not descriptors, bounds it there
+
+
+def test_a_connection_flood_on_ipc_does_not_abort_the_daemon(tmp_path: Path, zctx: zmq.Context) -> None:
+    """Before the guard, 600 connections to a daemon limited to 300 descriptors made libzmq abort it."""
+    nofile = 1024
+    daemon = KvtierDaemon(tmp_path / "d", flags=FLAGS,
+                          command=["prlimit", f"--nofile={nofile}:{nofile}", sys.executable, "-m", "kvtier.daemon"])
+    if not _prlimit_works():
+        pytest.skip("prlimit(1) is not available")
+    with daemon:
+        budget = FdBudget.of(nofile)
+        socks = _dealers(zctx, daemon.endpoint, 3000)
+        peak_fds = 0
+        for _ in range(20):
+            time.sleep(0.1)
+            assert daemon.alive, daemon.log_tail()
+            peak_fds = max(peak_fds, len(os.listdir(f"/proc/{daemon.pid}/fd")))
+        assert peak_fds < nofile
+        for s in socks:
+            s.close()
+        # Served again once the flood is gone; counts back to at most the stats connection
+        # (the gauge is published once per loop turn: it may not count the asking one yet).
+        assert _wait_for(lambda: _conn_stats(daemon).get("connections", 99) <= 1), _conn_stats(daemon)
+        stats = _conn_stats(daemon)
+        assert stats["connections_refused_total"]["reason=total"] > 0 or stats["connections_refused_total"]["reason=peer"] > 0
+        assert daemon.alive
+        assert "refused client connections" in daemon.log()
+        assert "raise LimitNOFILE" in daemon.log()  # 1024 descriptors leave room for only ~190 connections
+        assert budget.connections < 3000
+
+
+def _prlimit_works() -> bool:
+    import shutil
+
+    return shutil.which("prlimit") is not None
+
+
+def test_a_refused_connection_is_told_why_and_others_are_served(tmp_path: Path, zctx: zmq.Context) -> None:
+    with KvtierDaemon(tmp_path / "d", flags={**FLAGS, "max_connections": 4, "max_connections_per_peer": 4}) as daemon:
+        # spawn()'s health probe has closed its connection; wait for the guard to see it go
+        # (and then the counting probe's own).
+        assert _wait_for(lambda: _probe_count(daemon, zctx) <= 1)
+        time.sleep(0.5)
+        admitted = _dealers(zctx, daemon.endpoint, 4)
+        for i, s in enumerate(admitted):
+            reply = _health(s, 1 + i)
+            assert reply is not None and reply["ok"], reply
+        extra = _dealers(zctx, daemon.endpoint, 1)[0]
+        reply = _health(extra, 99)
+        assert reply is not None and not reply["ok"]
+        assert reply["error"]["code"] == ErrorCode.TOO_MANY_CONNECTIONS, reply
+        assert "max_connections" in reply["error"]["message"] and "4" in reply["error"]["message"]
+        # The admitted ones are not disturbed.
+        assert all((_health(s, 100 + i) or {}).get("ok") for i, s in enumerate(admitted))
+        # One goes: the refused client's socket reconnects by itself and is admitted.
+        admitted.pop().close()
+        deadline_s = time.monotonic() + 10
+        ok = False
+        rid = 200
+        while not ok and time.monotonic() < deadline_s:
+            rid += 1
+            reply = _health(extra, rid, timeout_s=2.0)
+            ok = bool(reply and reply["ok"])
+            if not ok:
+                time.sleep(0.2)
+        assert ok, reply
+        for s in admitted + [extra]:
+            s.close()
+
+
+def _probe_count(daemon: KvtierDaemon, zctx: zmq.Context) -> int:
+    # Count with a throwaway socket, which itself is one of the connections counted.
+    s = _dealers(zctx, daemon.endpoint, 1)[0]
+    s.send_multipart([msgpack.packb({"v": 1, "op": "stats", "id": 1})])
+    n = 10**9
+    if s.poll(5000):
+        reply = msgpack.unpackb(s.recv_multipart()[0])
+        if reply.get("ok"):
+            n = int(reply["daemon"].get("connections", 0))
+    s.close()
+    return n
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_one_peer_flooding_leaves_room_for_other_peers(tmp_path: Path, zctx: zmq.Context) -> None:
+    """On tcp:// a peer is an IP address: a flood from 127.0.0.2 does not lock out 127.0.0.1."""
+    port = _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    with KvtierDaemon(tmp_path / "d", endpoint=endpoint, env={"KVTIER_INSECURE_TCP": "true"},
+                      flags={**FLAGS, "max_connections": 64, "max_connections_per_peer": 8}) as daemon:
+        flood = _dealers(zctx, f"tcp://127.0.0.2:0;127.0.0.1:{port}", 200)
+        assert _wait_for(lambda: _conn_stats(daemon).get("connections_busiest_peer") == 8), _conn_stats(daemon)
+        # Another peer is admitted and served while the flood holds its 8 and retries the rest.
+        for i in range(5):
+            reply = request(endpoint, "health", timeout_s=5.0)
+            assert reply["status"] == "ok"
+        stats = _conn_stats(daemon)
+        assert stats["connections_refused_total"]["reason=peer"] > 0
+        assert stats["connections_refused_total"]["reason=total"] == 0
+        for s in flood:
+            s.close()
+        assert _wait_for(lambda: _conn_stats(daemon).get("connections", 99) <= 1), _conn_stats(daemon)
+
+
+def test_connection_counts_stay_exact_under_churn(tmp_path: Path, zctx: zmq.Context) -> None:
+    """Admitted, refused and held connections come and go; the counts end where they began."""
+    with KvtierDaemon(tmp_path / "d", flags={**FLAGS, "max_connections": 64, "max_connections_per_peer": 16}) as daemon:
+        for round_ in range(20):
+            socks = _dealers(zctx, daemon.endpoint, 25)  # 9 past the peer's cap each round
+            for i, s in enumerate(socks[:3]):
+                assert _health(s, 1 + round_ * 10 + i) is not None  # an answer, or TOO_MANY_CONNECTIONS
+            for s in socks:
+                s.close()
+        assert _wait_for(lambda: _conn_stats(daemon).get("connections", 99) <= 1), _conn_stats(daemon)
+        stats = _conn_stats(daemon)
+        assert stats["connections_busiest_peer"] <= 1
+        assert stats["connections_refused_total"]["reason=peer"] > 0
+        assert stats["connections_refused_total"]["reason=total"] == 0
