@@ -311,7 +311,15 @@ def release_arena(ctx: HandlerContext, session: Session, *, unlink: bool) -> Non
         _release_files(ctx, session, [(arena.inode, arena.file_uid)])
     arena.close()
     if unlink and owned:
-        arena.unlink()
+        try:
+            arena.unlink()
+        except PermissionError:
+            # /dev/shm is sticky: a daemon running as its own user (the documented
+            # multi-user set-up) may not remove an engine's file. The client removes
+            # it when it closes the arena; a crashed client's file stays until its
+            # user (or root) removes it (docs/operating.md, "Clients' shared memory").
+            log.info("session %s: arena file %s is another user's in sticky %s; left to its owner",
+                     session.sid[:8], arena.name, arena.path.parent)
 
 
 def _check_file_budget(ctx: HandlerContext, session: Session, n: int) -> None:
