@@ -7,6 +7,9 @@
 - ``kvtier.testing.cuda_emulation``: the CUDA copy kernel's arithmetic on the CPU.
 - ``kvtier.testing.vllm_requests``: ``FakeRequest``, what the connector reads
   of a vLLM request.
+- ``kvtier.testing.other_uid``: a launcher that runs kvtierd as another
+  uid (root drops privileges in the daemon's own process), for the
+  multi-user set-up.
 
 Nothing here imports pytest (benchmarks and examples use it as plain
 code), and nothing in tiers, client, daemon, tools or integrations imports
