@@ -14,8 +14,9 @@ Contract:
   ``Pending``; the request is parked and its reply sent from the loop when
   the pool reports the op done.
 - Exactly one reply per request, carrying its id: every path through
-  ``_handle`` ends in exactly one ``_send`` or one parking, and every parked
-  request leaves the parking lot through exactly one ``_send``.
+  ``_handle`` ends in exactly one reply (``_send_ok`` / ``_send_error``,
+  through ``daemon.replies.ReplyQueue``) or one parking, and every parked
+  request leaves the parking lot through exactly one reply.
 - Identity: with CURVE configured (``ServeOptions.curve``) the socket is a
   CURVE server and a ZAP handler (``daemon.security``) admits only known
   client keys. Each request's connection User-Id is ``ctx.peer`` while it is
@@ -29,13 +30,13 @@ Contract:
   (``max_unread_reply_bytes``: then UNREAD_REPLIES). Restore replies that
   lend tier memory (zero-copy: the blocks stay held until libzmq lets go of
   the frames) remember their session and the connection their request came
-  on (``daemon.connections``). A session that ends with such replies still
-  unsent has those connections shut down (``shutdown(SHUT_RDWR)``: libzmq
-  drops what it queued for them and the blocks come back): at once when its
-  lease expired, a lease after its bye if they are still unread by then. A
-  line in the log per session, ``unread_connections_shut_total`` per
-  connection; the client's socket reconnects by itself (requests it had in
-  flight on that connection get no reply: its own timeouts apply).
+  on; a session that ends with such replies unsent has those connections
+  shut down (``daemon.replies``). The client's socket reconnects by itself
+  (requests it had in flight on that connection get no reply: its own
+  timeouts apply).
+- Connections: ``daemon.connection_limits`` sheds connections past
+  ``max_connections`` / ``max_connections_per_peer`` as libzmq accepts them;
+  a request on a refused connection gets TOO_MANY_CONNECTIONS.
 - Memory: a pool that a hello would create is checked first
   (``daemon.memory.check_new_pool``: NO_SPACE with the numbers when the
   host cannot take its CPU tier).
@@ -60,7 +61,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import zmq
 
@@ -70,15 +71,14 @@ from kvtier.client.protocol import (
     ProtocolError,
     Request,
     decode_header,
-    encode,
     error_reply,
-    frame_nbytes,
     ok_reply,
     recoverable_id,
     validate_request,
 )
 from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits
-from kvtier.daemon.connections import Connection, connection_of, shut_down
+from kvtier.daemon.connections import Connection, connection_of
+from kvtier.daemon.replies import ReplyQueue
 from kvtier.daemon.descriptors import FdBudget, auto_per_peer
 from kvtier.daemon.handlers import (HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_arena, release_registration,
                                     stats_fields)
@@ -153,17 +153,6 @@ def _free_closed_pools() -> None:
     t0 = time.perf_counter()
     gc.collect()
     log.debug("collected closed pools in %.1f ms", (time.perf_counter() - t0) * 1e3)
-
-
-class _Unsent(NamedTuple):
-    """A reply handed to libzmq with payload it may not have sent yet."""
-
-    tracker: zmq.MessageTracker
-    on_sent: Callable[[], None] | None  # gives lent tier memory back
-    identity: bytes
-    nbytes: int
-    sid: str | None  # lent replies: the session whose request it answers
-    conn: Connection | None  # lent replies: the connection that request came on
 
 
 @dataclass(eq=False)
@@ -242,15 +231,8 @@ class Server:
         )
         self._serial = itertools.count(1)
         self._parked: dict[int, _Parked] = {}
-        # Replies with payload libzmq has not sent yet. Their buffers (lent tier
-        # memory, staging) stay alive until then: counted per connection.
-        self._sending: list[_Unsent] = []
-        self._unsent_bytes: dict[bytes, int] = {}
-        # Ended sessions whose lent replies were still unsent: sid -> (when their
-        # connections are shut down if those replies are still there, why it ended).
-        self._unread_after_end: dict[str, tuple[float, str]] = {}
-        self.metrics.set("reply_bytes_lent", 0)  # in stats from the start, like the counter beside it
-        self.metrics.inc("unread_connections_shut_total", 0)
+        # Replies libzmq has not sent yet: their buffers (lent tier memory, staging).
+        self.replies = ReplyQueue(self.metrics, self._error_log)
         self._done: list[int] = []  # serials of parked requests whose op finished
         self._zctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -387,6 +369,7 @@ class Server:
         else:
             sock.bind(endpoint)
         self._sock = sock
+        self.replies.attach(sock)
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
@@ -433,10 +416,10 @@ class Server:
         assert self._sock is not None and self._poller is not None
         if timeout_ms is None:
             idle_ms = int(self.options.poll_interval_s * 1000)
-            busy = self._parked or self._sending or self.pools.busy()
+            busy = self._parked or self.replies.busy or self.pools.busy()
             timeout_ms = min(BUSY_POLL_MS, idle_ms) if busy else idle_ms
         events = dict(self._poller.poll(timeout_ms))
-        self._release_sent()  # before the requests: they may want those blocks
+        self.replies.release_sent()  # before the requests: they may want those blocks
         handled = 0
         if self._wake_r.fileno() in events:
             try:
@@ -457,7 +440,7 @@ class Server:
                     break
         self.pools.poll()
         self._deliver_done()
-        self._release_sent()
+        self.replies.release_sent()
         # Policy bookkeeping off the reply path: it stops for a waiting request
         # or a client waiting on copies (whose threads need the GIL to finish),
         # unless it has fallen too far behind.
@@ -470,8 +453,8 @@ class Server:
             expired = self.sessions.sweep()
             if expired:
                 self.metrics.inc("lease_expiries_total", len(expired))
-            if self._unread_after_end:
-                self._shut_unread_connections(now_s)
+            if self.replies.sessions_to_shut:
+                self.replies.shut_unread(now_s)
             self._close_expired_pools(now_s)
         self.metrics.set("sessions", len(self.sessions))
         self.metrics.set("requests_in_flight", len(self._parked))
@@ -522,7 +505,7 @@ class Server:
             # Past a connection cap: this connection is closed in a moment; say why first.
             self._send_error(identity, req.id, ErrorCode.TOO_MANY_CONNECTIONS, refusal, op=req.op)
             return
-        unread = self._unsent_bytes.get(identity, 0)
+        unread = self.replies.unsent_bytes(identity)
         if unread >= self.options.max_unread_reply_bytes and req.op not in ("bye", "heartbeat", "health"):
             # A client that does not read its replies would make the daemon hold their buffers without
             # bound; the error reply is small, and the verbs that free things still go through.
@@ -559,7 +542,7 @@ class Server:
             lender = None
             if result.on_sent is not None and session is not None:
                 # Lent tier memory: if the session ends with this reply unread,
-                # this connection is shut down to get the blocks back (_shut_unread_connections).
+                # this connection is shut down to get the blocks back (ReplyQueue.shut_unread).
                 lender = (session.sid, connection_of(frames[1]))
             self._send_ok(identity, req, result, started_s, lender)
             return
@@ -633,77 +616,6 @@ class Server:
 
     # ---- replies -------------------------------------------------------------
 
-    def _send(self, identity: bytes, header: dict[str, Any], frames: list[Any],
-              on_sent: Callable[[], None] | None = None,
-              lender: tuple[str, Connection | None] | None = None) -> None:
-        assert self._sock is not None
-        nbytes = sum(frame_nbytes(f) for f in frames)
-        try:
-            # copy=False: block bytes go out without another copy; pyzmq keeps
-            # the buffers alive until libzmq has sent them. Replies with a
-            # payload are tracked: lent frames hand their memory back once
-            # libzmq let go of it, and unsent bytes count per connection.
-            tracker = self._sock.send_multipart([identity, encode(header), *frames], copy=False,
-                                                track=on_sent is not None or nbytes > 0)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost, not the daemon
-            self.metrics.inc("replies_dropped_total")
-            self._error_log.log("dropped", "reply %s to a client dropped: %s", header.get("id"), exc)
-            if on_sent is not None:
-                on_sent()
-            return
-        if on_sent is not None or nbytes > 0:
-            sid, conn = lender if lender is not None else (None, None)
-            self._sending.append(_Unsent(tracker, on_sent, identity, nbytes, sid, conn))
-            self._unsent_bytes[identity] = self._unsent_bytes.get(identity, 0) + nbytes
-
-    def _release_sent(self) -> None:
-        """Hand back the memory of lent frames libzmq is done with."""
-        if not self._sending:
-            return
-        still = []
-        lent_bytes = 0
-        for item in self._sending:
-            tracker, on_sent, identity, nbytes, _sid, _conn = item
-            if not tracker.done:
-                still.append(item)
-                if on_sent is not None:
-                    lent_bytes += nbytes
-                continue
-            if on_sent is not None:
-                on_sent()
-            left = self._unsent_bytes.get(identity, 0) - nbytes
-            if left > 0:
-                self._unsent_bytes[identity] = left
-            else:
-                self._unsent_bytes.pop(identity, None)
-        self._sending = still
-        self.metrics.set("reply_bytes_unsent", sum(self._unsent_bytes.values()))
-        self.metrics.set("reply_bytes_lent", lent_bytes)
-
-    def _shut_unread_connections(self, now_s: float) -> None:
-        """Shut down the connections that still queue lent replies of sessions ended a while ago.
-
-        Those replies keep tier blocks lent (not evictable, not reusable) for as
-        long as libzmq holds them, and a client that does not read holds them
-        until its socket closes. Shut down, the connection fails: libzmq drops
-        what it queued for it, its trackers complete, and _release_sent gives
-        the blocks back. After a bye the client gets a lease to read first (it
-        may be reading the replies it pipelined before its bye); an expired
-        session's client was silent for a whole lease already.
-        """
-        due = [sid for sid, (deadline_s, _reason) in self._unread_after_end.items() if deadline_s <= now_s]
-        for sid in due:
-            _deadline_s, reason = self._unread_after_end.pop(sid)
-            unread = [u for u in self._sending if u.sid == sid and u.on_sent is not None and not u.tracker.done]
-            conns = {u.conn for u in unread if u.conn is not None}
-            shut = sum(shut_down(conn) for conn in conns)
-            if not shut:
-                continue
-            self.metrics.inc("unread_connections_shut_total", shut)
-            log.info("session %s ended (%s) with %d lent replies unread (%d bytes of tier memory): shut down %d "
-                     "connection(s) to get the blocks back (the client reconnects)",
-                     sid[:8], reason, len(unread), sum(u.nbytes for u in unread), shut)
-
     def _send_ok(self, identity: bytes, req: Request, reply: Reply, started_s: float,
                  lender: tuple[str, Connection | None] | None = None) -> None:
         elapsed_s = time.monotonic() - started_s
@@ -711,13 +623,13 @@ class Server:
         if log.isEnabledFor(logging.DEBUG):
             n = len(req.fields.get("hashes") or ())
             log.debug("%s id=%d blocks=%d ok in %.3f ms", req.op, req.id, n, elapsed_s * 1e3)
-        self._send(identity, ok_reply(req.id, **reply.fields), reply.frames, reply.on_sent, lender)
+        self.replies.send(identity, ok_reply(req.id, **reply.fields), reply.frames, reply.on_sent, lender)
 
     def _send_error(self, identity: bytes, rid: int, code: ErrorCode, message: str, *, op: str = "") -> None:
         self.metrics.inc("errors_total", code=code.name)
         if op:
             self._error_log.log(code.name, "%s id=%d -> %s: %s", op, rid, code.name, message)
-        self._send(identity, error_reply(rid, code, message), [])
+        self.replies.send(identity, error_reply(rid, code, message), [])
 
     # ---- sessions --------------------------------------------------------------
 
@@ -731,11 +643,7 @@ class Server:
             session.registrations.clear()
             release_arena(self.ctx, session, unlink=False)
             return
-        if any(u.sid == session.sid and u.on_sent is not None for u in self._sending):
-            # Its lent replies are still queued: their blocks come back when the
-            # client reads them, or else when its connection is shut down.
-            grace_s = 0.0 if reason == "expired" else session.lease_s
-            self._unread_after_end[session.sid] = (time.monotonic() + grace_s, reason)
+        self.replies.session_ended(session.sid, reason, session.lease_s)
         try:
             entry = self.pools.get(session.pool_name)
         except ProtocolError:
@@ -774,7 +682,7 @@ class Server:
         # Until the copies in flight are done and the socket has nothing queued:
         # requests that reached us before we stopped still get their one reply.
         while time.monotonic() < deadline_s:
-            if not self._turn(BUSY_POLL_MS) and not self._parked and not self._sending:
+            if not self._turn(BUSY_POLL_MS) and not self._parked and not self.replies.busy:
                 break
         for serial in list(self._parked):
             parked = self._parked.pop(serial)
@@ -784,10 +692,7 @@ class Server:
                              "daemon shut down before the copy finished", op=parked.req.op)
         # Replies libzmq still holds are dropped when the socket closes; their
         # lent memory stays alive (the frames reference it) until then.
-        for item in self._sending:
-            if item.on_sent is not None:
-                item.on_sent()
-        self._sending = []
+        self.replies.abandon()
         # Pools first: closing waits for (or abandons) the copies still in
         # flight, which may read the sessions' arenas and registered tensors.
         remaining_s = max(0.5, deadline_s - time.monotonic())

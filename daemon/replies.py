@@ -1,0 +1,170 @@
+"""Replies on their way out: the payload libzmq has not sent yet, per connection, and the tier memory it lends.
+
+Contract (the event loop's thread only):
+
+- ``ReplyQueue(metrics, error_log)``; ``attach(sock)`` once the ROUTER
+  socket exists.
+- ``send(identity, header, frames, on_sent=None, lender=None)``: one reply
+  (header encoded here). Frames go out with ``copy=False``: block bytes
+  are not copied again, and pyzmq keeps their buffers alive until libzmq
+  has sent them. A reply with payload or ``on_sent`` is tracked until then;
+  ``on_sent`` (a restore that lends tier memory) runs once libzmq let go
+  of the frames. ``lender``: ``(sid, connection)`` of a lending reply, so
+  that the session's end can shut that connection down. A reply libzmq
+  refuses (peer gone, queue full) is dropped, never raised:
+  ``replies_dropped_total``, a rate-limited log line, and ``on_sent`` at once.
+- ``unsent_bytes(identity)``: payload bytes handed to libzmq for that
+  connection and not sent yet (the loop caps it: ``max_unread_reply_bytes``).
+- ``release_sent()``: runs ``on_sent`` of the replies libzmq is done with
+  and updates the ``reply_bytes_unsent`` / ``reply_bytes_lent`` gauges.
+- ``session_ended(sid, reason, lease_s)``: when that session still has
+  lent replies unsent, their connections are shut down
+  (``daemon.connections.shut_down``: libzmq drops what it queued, the
+  trackers complete, the blocks come back) by ``shut_unread(now_s)``: at
+  once after a lease expiry, a lease later after ``bye`` (a client that
+  pipelined requests before its bye may still be reading).
+  ``unread_connections_shut_total`` per connection, a log line per session.
+- ``abandon()`` at shutdown: gives every lent buffer back (libzmq drops the
+  replies when the socket closes).
+- ``busy``: anything still unsent; ``sessions_to_shut``: ended sessions waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import zmq
+
+from kvtier.client.protocol import encode, frame_nbytes
+from kvtier.daemon.connections import Connection, shut_down
+from kvtier.daemon.log_limit import RateLimitedLog
+from kvtier.daemon.metrics import Counters
+
+log = logging.getLogger(__name__)
+
+
+class _Unsent(NamedTuple):
+    """A reply handed to libzmq with payload it may not have sent yet."""
+
+    tracker: zmq.MessageTracker
+    on_sent: Callable[[], None] | None  # gives lent tier memory back
+    identity: bytes
+    nbytes: int
+    sid: str | None  # lent replies: the session whose request it answers
+    conn: Connection | None  # lent replies: the connection that request came on
+
+
+class ReplyQueue:
+    """See the module docstring."""
+
+    def __init__(self, metrics: Counters, error_log: RateLimitedLog) -> None:
+        self.metrics = metrics
+        self._error_log = error_log
+        self._sock: zmq.Socket | None = None
+        self._sending: list[_Unsent] = []
+        self._unsent_bytes: dict[bytes, int] = {}
+        # Ended sessions whose lent replies were still unsent: sid -> (when their
+        # connections are shut down if those replies are still there, why it ended).
+        self._unread_after_end: dict[str, tuple[float, str]] = {}
+        self.metrics.set("reply_bytes_lent", 0)  # in stats from the start, like the counter beside it
+        self.metrics.inc("unread_connections_shut_total", 0)
+
+    def attach(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._sending)
+
+    @property
+    def sessions_to_shut(self) -> bool:
+        return bool(self._unread_after_end)
+
+    def unsent_bytes(self, identity: bytes) -> int:
+        return self._unsent_bytes.get(identity, 0)
+
+    def send(self, identity: bytes, header: dict[str, Any], frames: list[Any],
+             on_sent: Callable[[], None] | None = None,
+             lender: tuple[str, Connection | None] | None = None) -> None:
+        """See the module docstring."""
+        assert self._sock is not None
+        nbytes = sum(frame_nbytes(f) for f in frames)
+        track = on_sent is not None or nbytes > 0
+        try:
+            tracker = self._sock.send_multipart([identity, encode(header), *frames], copy=False, track=track)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost, not the daemon
+            self.metrics.inc("replies_dropped_total")
+            self._error_log.log("dropped", "reply %s to a client dropped: %s", header.get("id"), exc)
+            if on_sent is not None:
+                on_sent()
+            return
+        if track:
+            sid, conn = lender if lender is not None else (None, None)
+            self._sending.append(_Unsent(tracker, on_sent, identity, nbytes, sid, conn))
+            self._unsent_bytes[identity] = self._unsent_bytes.get(identity, 0) + nbytes
+
+    def release_sent(self) -> None:
+        """See the module docstring."""
+        if not self._sending:
+            return
+        still = []
+        lent_bytes = 0
+        for item in self._sending:
+            tracker, on_sent, identity, nbytes, _sid, _conn = item
+            if not tracker.done:
+                still.append(item)
+                if on_sent is not None:
+                    lent_bytes += nbytes
+                continue
+            if on_sent is not None:
+                on_sent()
+            left = self._unsent_bytes.get(identity, 0) - nbytes
+            if left > 0:
+                self._unsent_bytes[identity] = left
+            else:
+                self._unsent_bytes.pop(identity, None)
+        self._sending = still
+        self.metrics.set("reply_bytes_unsent", sum(self._unsent_bytes.values()))
+        self.metrics.set("reply_bytes_lent", lent_bytes)
+
+    def session_ended(self, sid: str, reason: str, lease_s: float) -> None:
+        """See the module docstring."""
+        if any(u.sid == sid and u.on_sent is not None for u in self._sending):
+            # Its lent replies are still queued: their blocks come back when the
+            # client reads them, or else when its connection is shut down.
+            grace_s = 0.0 if reason == "expired" else lease_s
+            self._unread_after_end[sid] = (time.monotonic() + grace_s, reason)
+
+    def shut_unread(self, now_s: float) -> None:
+        """Shut down the connections that still queue lent replies of sessions ended a while ago.
+
+        Those replies keep tier blocks lent (not evictable, not reusable) for as
+        long as libzmq holds them, and a client that does not read holds them
+        until its socket closes. Shut down, the connection fails: libzmq drops
+        what it queued for it, its trackers complete, and release_sent gives
+        the blocks back. After a bye the client gets a lease to read first (it
+        may be reading the replies it pipelined before its bye); an expired
+        session's client was silent for a whole lease already.
+        """
+        due = [sid for sid, (deadline_s, _reason) in self._unread_after_end.items() if deadline_s <= now_s]
+        for sid in due:
+            _deadline_s, reason = self._unread_after_end.pop(sid)
+            unread = [u for u in self._sending if u.sid == sid and u.on_sent is not None and not u.tracker.done]
+            conns = {u.conn for u in unread if u.conn is not None}
+            shut = sum(shut_down(conn) for conn in conns)
+            if not shut:
+                continue
+            self.metrics.inc("unread_connections_shut_total", shut)
+            log.info("session %s ended (%s) with %d lent replies unread (%d bytes of tier memory): shut down %d "
+                     "connection(s) to get the blocks back (the client reconnects)",
+                     sid[:8], reason, len(unread), sum(u.nbytes for u in unread), shut)
+
+    def abandon(self) -> None:
+        """See the module docstring."""
+        for item in self._sending:
+            if item.on_sent is not None:
+                item.on_sent()
+        self._sending = []
