@@ -69,6 +69,7 @@ from kvtier.client.hashing import BlockHasher
 from kvtier.client.protocol import OPS, ErrorCode, Hints, KvtierError, ProtocolError, TierList
 from kvtier.client.session import Heartbeat, PoolLayout, Registration, Session, SessionLost
 from kvtier.client.shm_arena import ShmArena
+from kvtier.client.shm_orphans import remove_orphaned_arenas
 from kvtier.client.tokens import TokenChain
 from kvtier.client.transport import DaemonError, KvtierTimeout, Transport, probe_health, reply_fields
 
@@ -437,6 +438,7 @@ class Client:
         if self._session.arena is not None:
             raise KvtierError("this client already has an arena")
         block_bytes = int(self.layout["block_bytes"])
+        remove_orphaned_arenas()  # a crashed predecessor's, which a daemon of another user could not remove
         arena = ShmArena.create(num_slots, block_bytes, name_prefix=f"kvtier-{(self.sid or 'x')[:8]}")
         self._session.arena = arena
         try:

@@ -81,6 +81,7 @@ from kvtier.client.kv_description import (
     validate_tensor_description,
 )
 from kvtier.client.shm_arena import SHM_DIR, ShmArena, ShmArenaError, no_room_message, shm_free_bytes
+from kvtier.client.shm_orphans import remove_orphaned_arenas
 
 if TYPE_CHECKING:
     import torch
@@ -177,6 +178,7 @@ def allocate_shared_kv(
     try:
         # create() reserves every page (posix_fallocate): a /dev/shm too small
         # fails here, naming the sizes, instead of SIGBUS in the engine later.
+        remove_orphaned_arenas()  # a crashed predecessor's, which a daemon of another user could not remove
         arena = ShmArena.create(1, numel * itemsize, name_prefix=name_prefix)
     except ShmArenaError as exc:
         raise KvShareError(f"cannot allocate a shared KV tensor of shape {sizes} ({_dtype_name(torch_dtype)}): "

@@ -39,6 +39,11 @@ bytes.
   therefore can never turn a view into a dangling pointer.
 - Used as a context manager, an arena closes on exit, and the creator also
   unlinks.
+- The creator holds a shared ``flock`` on the file for as long as it maps
+  it; a crashed creator's file that nobody could unlink (a daemon of
+  another user may not, in sticky ``/dev/shm``) is removed by the next
+  arena its user opens on the host (``client.shm_orphans``, called by
+  ``Client.open_arena`` and ``allocate_shared_kv``).
 
 Implementation: ``os.open`` on ``/dev/shm`` plus ``mmap``, not
 ``multiprocessing.shared_memory``. The latter registers every segment with a
@@ -72,6 +77,7 @@ Linux only. Imports no torch (numpy only inside ``as_numpy``).
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -262,6 +268,10 @@ class ShmArena:
         except OSError as exc:
             raise ShmArenaError(f"cannot create shared-memory file {path}: {exc.strerror}") from exc
         try:
+            # "Alive while mapped" (client/shm_orphans.py): the lock belongs to this
+            # open file description, which the mmap keeps through its own duplicate
+            # of fd, so it is held exactly as long as the mapping (or a view of it).
+            fcntl.flock(fd, fcntl.LOCK_SH)
             # Reserve the pages now: a sparse tmpfs file that cannot be
             # backed later kills the writer with SIGBUS instead, and the
             # daemon refuses sparse files.

@@ -32,6 +32,7 @@ import pytest
 from kvtier.client.client import Client, DaemonError, PoolLayout, probe_health
 from kvtier.client.protocol import ErrorCode
 from kvtier.client.shm_arena import SHM_DIR, ShmArena
+from kvtier.client.shm_orphans import remove_orphaned_arenas
 from kvtier.testing.daemon import KvtierDaemon, daemon_available
 from kvtier.testing.other_uid import late_import_failures, other_uid_command
 
@@ -282,6 +283,9 @@ def test_a_crashed_clients_arena_is_released_and_left_to_its_owner(daemon: Kvtie
         # The daemon unmapped it and says why the name stays (docs/operating.md).
         assert f"arena file {name} is another user's in sticky" in daemon.log()
         assert path.exists()
+        # Its user's next arena removes it (client/shm_orphans.py; a minute later, not at once).
+        assert name in remove_orphaned_arenas(min_age_s=0.0)
+        assert not path.exists()
     finally:
         ShmArena.unlink_name(name)  # its user (here root) may
 
