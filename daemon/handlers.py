@@ -19,6 +19,12 @@ Contract:
   through ``_keys`` (the tenant's namespace, ``daemon.tenants``), and no
   reply carries a pool key. ``clear`` and the ``tenants`` part of ``stats``
   are per tenant.
+- Pool names are per tenant (``daemon.pools``): a session works in its own
+  tenant's pool of the name its hello sent, and every reply and error names
+  a pool by that bare name. Only the operator's view (``_viewer`` None:
+  ``stats``, ``health``) names pools by their keys, ``"<tenant>/<name>"``
+  with tenants, so two tenants' same-named pools stay apart there; each
+  pool's ``stats`` entry also says its ``tenant`` and bare ``name`` then.
 - Packed in, packed out: a request whose hashes came packed
   (``Request.packed``) gets its reply's ``tiers`` as packed codes
   (``protocol.pack_tiers``); lookup and pin pack the pool's tiers directly,
@@ -116,12 +122,13 @@ class HandlerContext:
 
 
 def _entry(ctx: HandlerContext, session: Session) -> PoolEntry:
-    return ctx.pools.get(session.pool_name)
+    return ctx.pools.get(session.pool_name)  # the pool's key, never ambiguous between tenants
 
 
 def _require_mode(entry: PoolEntry, mode: str, op: str) -> None:
     if entry.mode != mode:
-        raise ProtocolError(ErrorCode.WRONG_MODE, f"{op} needs a {mode}-mode pool; pool {entry.name!r} is {entry.mode}-mode")
+        raise ProtocolError(ErrorCode.WRONG_MODE,
+                            f"{op} needs a {mode}-mode pool; pool {entry.bare_name!r} is {entry.mode}-mode")
 
 
 def _keys(ctx: HandlerContext, session: Session, hashes: Sequence[bytes]) -> list[bytes]:
@@ -153,13 +160,12 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     if ctx.draining:
         raise ProtocolError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
     f = req.fields
-    # Who it is comes first: an unauthorised hello must not create a pool.
+    # Who it is comes first: an unauthorised hello must not create a pool,
+    # and the pool it opens is that tenant's of that name (no one else's).
     tenant = ctx.tenants.resolve(ctx.peer, f["token"])
-    existing = ctx.pools.find(f["pool"])
-    reveal = tenant == ANONYMOUS or existing is None or tenant in existing.tenants
-    entry = ctx.pools.get_or_create(f["pool"], f["layout"], reveal=reveal)
-    entry.tenants.add(tenant)
+    entry = ctx.pools.get_or_create(f["pool"], f["layout"], tenant=tenant)
     lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
+    # The session remembers the pool's key: every later verb reaches this very pool.
     new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer, uid=ctx.peer_uid)
     entry.sessions.add(new.sid)
     entry.idle_since_s = None
@@ -175,7 +181,7 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
             "daemon_version": DAEMON_VERSION,
             "features": list(FEATURES),
             "pool": {
-                "name": entry.name,
+                "name": entry.bare_name,
                 "mode": entry.mode,
                 "block_bytes": entry.block_bytes,
                 "gpu_blocks": pool.gpu_blocks,
@@ -236,7 +242,7 @@ def register_kv(ctx: HandlerContext, req: Request, session: Session | None) -> R
     if name in session.registrations:
         raise ProtocolError(ErrorCode.INVALID_STATE, f"registration {name!r} exists in this session")
     if entry.mode == "engine" and entry.gpu_owner is not None:
-        raise ProtocolError(ErrorCode.INVALID_STATE, f"pool {entry.name!r} already has a GPU tier registered")
+        raise ProtocolError(ErrorCode.INVALID_STATE, f"pool {entry.bare_name!r} already has a GPU tier registered")
     if len(session.registrations) >= ctx.max_registrations_per_session:
         raise ProtocolError(ErrorCode.TOO_MANY_REGISTRATIONS,
                             f"this session holds {len(session.registrations)} registrations, the most one may "
@@ -417,6 +423,7 @@ def _check_pins(ctx: HandlerContext, session: Session, entry: PoolEntry, more: i
                             f"{entry.capacity_blocks} blocks): unpin first")
     if session.tenant == ANONYMOUS:
         return  # no tenants: one owner, whose sessions share the pool as they see fit
+    # pool_name is the pool's key: the same pool, and (the key says whose) the same tenant's sessions.
     mine = sum(s.num_pins for s in ctx.sessions if s.tenant == session.tenant and s.pool_name == session.pool_name)
     if mine + more > cap:
         raise ProtocolError(ErrorCode.TOO_MANY_PINS,
@@ -715,13 +722,18 @@ def drop_client_memory(ctx: HandlerContext, session: Session, why: str) -> None:
 
 
 def stats_fields(ctx: HandlerContext) -> dict[str, Any]:
-    """The ``stats`` reply's fields; also the snapshot the Prometheus endpoint serves (loop thread only)."""
+    """The ``stats`` reply's fields, the operator's view; also the snapshot the Prometheus endpoint serves
+    (loop thread only). Pools are keyed by ``PoolEntry.name``: with tenants ``"<tenant>/<name>"``, and
+    each says its ``tenant`` and bare ``name`` (what ``stats`` and Prometheus label them with)."""
     pools: dict[str, Any] = {}
     for entry in ctx.pools:
         s = entry.pool.stats()
         s["mode"] = entry.mode
         s["sessions"] = len(entry.sessions)
         s["gpu_registered"] = entry.gpu_owner is not None
+        if ctx.tenants.enabled:  # without tenants the reply stays as it always was
+            s["tenant"] = entry.tenant
+            s["name"] = entry.bare_name
         pools[entry.name] = s
     out = {"pools": pools, "daemon": ctx.metrics.snapshot(), "sessions": len(ctx.sessions)}
     if ctx.tenants.enabled:
@@ -733,9 +745,9 @@ def stats(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     fields = stats_fields(ctx)
     viewer = _viewer(ctx, req)
     if viewer is not None:
-        # A tenant sees the pools its sessions opened and its own counters;
-        # someone who is neither a tenant nor the operator sees no pool or tenant.
-        fields["pools"] = {name: s for name, s in fields["pools"].items() if viewer in ctx.pools.get(name).tenants}
+        # A tenant sees its own pools, by the names its hellos sent, and its own
+        # counters; someone who is neither a tenant nor the operator sees no pool or tenant.
+        fields["pools"] = {s["name"]: s for s in fields["pools"].values() if _sees(viewer, s["tenant"])}
         fields["tenants"] = ctx.tenants.stats(only=viewer) if viewer else {}
         fields["sessions"] = sum(1 for s in ctx.sessions if s.tenant == viewer) if viewer else 0
     return Reply(fields)
@@ -763,20 +775,29 @@ def _viewer(ctx: HandlerContext, req: Request) -> str | None:
     return None if ctx.peer_uid in (os.getuid(), 0) else ""
 
 
+def _sees(viewer: str | None, tenant: str) -> bool:
+    """Whether ``viewer`` (see ``_viewer``) may see what belongs to ``tenant``: the operator all, a tenant its own."""
+    return viewer is None or (viewer != "" and tenant == viewer)
+
+
 def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    viewer = _viewer(ctx, req)
     return Reply(
         {
             "status": "draining" if ctx.draining else "ok",
             "uptime_s": round(time.monotonic() - ctx.started_s, 3),
-            "pools": len(ctx.pools),
-            "sessions": len(ctx.sessions),
+            # Counted in the asker's view too: another tenant's pools and sessions, even
+            # as a number, would tell a tenant when they come and go.
+            "pools": sum(1 for e in ctx.pools if _sees(viewer, e.tenant)),
+            "sessions": sum(1 for s in ctx.sessions if _sees(viewer, s.tenant)),
             "protocol_version": PROTOCOL_VERSION,
             "daemon_version": DAEMON_VERSION,
             "pid": os.getpid(),
             # Per pool with a remote tier: is it reachable now (the daemon
             # serves the GPU and CPU tiers either way and reconnects alone).
-            "remote": {e.name: bool(e.pool.remote.available) for e in ctx.pools
-                       if e.pool.remote is not None and _viewer(ctx, req) in (None, *e.tenants)},
+            # The operator's view names pools by key; a tenant's, its own by their bare names.
+            "remote": {(e.name if viewer is None else e.bare_name): bool(e.pool.remote.available) for e in ctx.pools
+                       if e.pool.remote is not None and _sees(viewer, e.tenant)},
         }
     )
 

@@ -1,14 +1,30 @@
-"""The daemon's pools: name -> TieredPool with the layout that created it.
+"""The daemon's pools: (tenant, name) -> TieredPool with the layout that created it.
 
 Contract:
 
-- ``get_or_create(name, layout)`` returns the pool called ``name``. The first
-  call creates it from ``layout`` (the validated hello layout) with the sizes
-  and policy the daemon was configured with for that name (``sizing_for``);
-  a later call whose layout differs in any field raises LAYOUT_MISMATCH, and
-  the existing pool is untouched. When the daemon is configured with a hash
-  algorithm, a layout naming another one is a LAYOUT_MISMATCH too (an
-  operator who requires sha256 for tenants sharing a daemon gets it).
+- Pool names are per tenant. ``get_or_create(name, layout, tenant=...)``
+  returns tenant ``tenant``'s pool called ``name``: two tenants' pools of one
+  name are two pools, so no tenant can create ("squat") a pool name before
+  another, reach another's pool, or learn whether another's exists. Without
+  tenants every session is the anonymous tenant ``""`` (clients are mutually
+  trusted) and shares pools by name, as always.
+- Names: ``PoolEntry.bare_name`` is the name the hello sent, the only name
+  its tenant ever sees (hello reply, errors). ``PoolEntry.name`` is its key
+  here and the operator's name for it (``pool_key``): the bare name for the
+  anonymous tenant, ``"<tenant>/<bare name>"`` for a tenant's pool. Tenant
+  names never contain ``/`` (configuration refuses them) and a daemon's
+  sessions are either all anonymous (no tenants) or all tenants', so the
+  key is unambiguous: split at the first ``/``. ``get`` / ``close`` /
+  ``find`` take that key (``Session.pool_name`` holds it).
+- The first ``get_or_create`` of a key creates the pool from ``layout``
+  (the validated hello layout) with the sizes and policy the daemon was
+  configured with for the *bare* name (``sizing_for(bare name)``: every
+  tenant's "llama" is sized like the configured "llama"); a later call whose
+  layout differs in any field raises LAYOUT_MISMATCH naming both values (the
+  caller is the pool's own tenant), and the existing pool is untouched. When
+  the daemon is configured with a hash algorithm, a layout naming another
+  one is a LAYOUT_MISMATCH too (an operator who requires sha256 for tenants
+  sharing a daemon gets it).
 - Store-mode pools get a GPU tier the daemon allocates at creation (device
   memory on CUDA; host memory standing in for it without a GPU). Engine-mode
   pools start with a CPU tier only; the engine's registered KV tensors become
@@ -19,7 +35,7 @@ Contract:
   tier) is refused with INVALID_FIELD before anything is allocated.
 - CPU tiers are checked against available host memory before allocation
   (``tiers.host_memory``); a pool that does not fit is refused with NO_SPACE
-  and nothing is created. ``progress(name, done_bytes, total_bytes)``, when
+  and nothing is created. ``progress(key, done_bytes, total_bytes)``, when
   given, is called after each pinned chunk of a new CPU tier.
 - Pools outlive sessions: the cache is the point. An idle one (no session,
   ``idle()``, longest idle first) goes when a new pool needs its memory or
@@ -51,6 +67,19 @@ log = logging.getLogger(__name__)
 # 128 KiB blocks (Llama-3-8B, 16 tokens).
 MAX_BLOCKS_PER_TIER = 1 << 23
 
+ANONYMOUS = ""  # the tenant of every session on a daemon without tenants (daemon.tenants.ANONYMOUS)
+
+
+def pool_key(tenant: str, name: str) -> str:
+    """A pool's key in the registry and its name in the operator's views (stats, metrics, logs).
+
+    The anonymous tenant's pools keep their bare names: a daemon without
+    tenants names everything as it always did. A tenant's pool is
+    ``"<tenant>/<name>"``; tenant names have no ``/``, so the first one
+    splits it back.
+    """
+    return name if tenant == ANONYMOUS else f"{tenant}/{name}"
+
 
 @dataclass(frozen=True)
 class PoolSizing:
@@ -67,15 +96,20 @@ class PoolSizing:
 
 @dataclass(eq=False)
 class PoolEntry:
-    name: str
+    name: str  # its key (pool_key): unique in the daemon, what the operator sees and the server uses
     layout: dict[str, Any]
     pool: TieredPool
     transfer: TransferEngine
+    tenant: str = ANONYMOUS  # whose pool it is: only that tenant's sessions open, see or name it
+    bare_name: str = ""  # the name its hellos send: the only one its tenant sees (== name without tenants)
     # Engine mode: (sid, registration name) whose tensors are the GPU tier.
     gpu_owner: tuple[str, str] | None = None
     sessions: set[str] = field(default_factory=set)
-    tenants: set[str] = field(default_factory=set)  # whose sessions opened it: who may see it in stats
     idle_since_s: float | None = None  # monotonic time its last session ended; None while it has sessions
+
+    def __post_init__(self) -> None:
+        if not self.bare_name:
+            self.bare_name = self.name
 
     @property
     def mode(self) -> str:
@@ -113,12 +147,12 @@ class PoolRegistry:
         self._sizing_for = sizing_for
         self._hash_algo = hash_algo
         self._wakeup = wakeup
-        # (pool name, bytes done, bytes total) after each pinned chunk of a new
+        # (pool key, bytes done, bytes total) after each pinned chunk of a new
         # CPU tier: the daemon reports it (STATUS=) and feeds the watchdog.
         self._progress = progress
         # block_bytes -> what wraps a new pool's CPU-tier policy (tenant quotas), or None
         self._policy_wrapper = policy_wrapper
-        self._pools: dict[str, PoolEntry] = {}
+        self._pools: dict[str, PoolEntry] = {}  # pool_key(tenant, name) -> its pool
 
     def __iter__(self) -> Iterator[PoolEntry]:
         return iter(list(self._pools.values()))
@@ -126,24 +160,27 @@ class PoolRegistry:
     def __len__(self) -> int:
         return len(self._pools)
 
-    def find(self, name: str) -> PoolEntry | None:
-        return self._pools.get(name)
+    def find(self, key: str) -> PoolEntry | None:
+        """The pool with this key (``pool_key``), if any."""
+        return self._pools.get(key)
 
-    def get(self, name: str) -> PoolEntry:
-        entry = self._pools.get(name)
+    def get(self, key: str) -> PoolEntry:
+        """The pool with this key (``pool_key``; a session's ``pool_name``); NOT_FOUND if none."""
+        entry = self._pools.get(key)
         if entry is None:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"no pool {name!r}")
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no pool {key!r}")
         return entry
 
-    def get_or_create(self, name: str, layout: Mapping[str, Any], *, reveal: bool = True) -> PoolEntry:
-        """The pool ``name``, created with ``layout`` if new. ``reveal=False`` (a tenant that never
-        used the pool): a mismatch names the fields that differ, not the pool's values."""
-        entry = self._pools.get(name)
+    def get_or_create(self, name: str, layout: Mapping[str, Any], *, tenant: str = ANONYMOUS) -> PoolEntry:
+        """Tenant ``tenant``'s pool ``name``, created with ``layout`` if new (see the module docstring)."""
+        key = pool_key(tenant, name)
+        entry = self._pools.get(key)
         if entry is not None:
             if entry.layout != dict(layout):
+                # Only the pool's own tenant (or, without tenants, a trusted
+                # client) can get here: it may be told the pool's values.
                 diffs = sorted(k for k in set(entry.layout) | set(layout) if entry.layout.get(k) != layout.get(k))
-                detail = ", ".join(f"{k}: pool has {entry.layout.get(k)!r}, hello has {layout.get(k)!r}" if reveal
-                                   else f"{k}: hello has {layout.get(k)!r}" for k in diffs)
+                detail = ", ".join(f"{k}: pool has {entry.layout.get(k)!r}, hello has {layout.get(k)!r}" for k in diffs)
                 raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"pool {name!r} exists with another layout ({detail})")
             return entry
         if self._hash_algo is not None and layout["hash_algo"] != self._hash_algo:
@@ -151,12 +188,14 @@ class PoolRegistry:
                 ErrorCode.LAYOUT_MISMATCH,
                 f"this daemon is configured for hash_algo {self._hash_algo!r}, hello has {layout['hash_algo']!r}",
             )
-        entry = self._create(name, dict(layout))
-        self._pools[name] = entry
+        entry = self._create(tenant, name, dict(layout))
+        self._pools[key] = entry
         return entry
 
-    def _create(self, name: str, layout: dict[str, Any]) -> PoolEntry:
-        sizing = self._sizing_for(name)
+    def _create(self, tenant: str, name: str, layout: dict[str, Any]) -> PoolEntry:
+        # Errors name the bare name (the caller's); logs and progress the key (the operator's).
+        key = pool_key(tenant, name)
+        sizing = self._sizing_for(name)  # configured per bare name: every tenant's "llama" is sized alike
         block_bytes = int(layout["block_bytes"])
         cpu_blocks = sizing.cpu_bytes // block_bytes
         gpu_blocks = sizing.gpu_bytes // block_bytes
@@ -183,7 +222,7 @@ class PoolRegistry:
             on_chunk = None
             if self._progress is not None:
                 report = self._progress
-                on_chunk = lambda done, total: report(name, done, total)  # noqa: E731
+                on_chunk = lambda done, total: report(key, done, total)  # noqa: E731
             cpu_storage = allocate_host_slab(cpu_blocks, block_bytes, progress=on_chunk) if cpu_blocks else None
         except HostMemoryError as exc:
             raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: {exc}") from None
@@ -198,10 +237,12 @@ class PoolRegistry:
             if isinstance(transfer, ThreadTransferEngine):
                 transfer.fault_hook = sizing.fault_hook
             else:
-                log.warning("pool %r: test fault injection needs the thread copy engine; ignored", name)
+                log.warning("pool %r: test fault injection needs the thread copy engine; ignored", key)
         if self._wakeup is not None:
             transfer.set_wakeup(self._wakeup)
         spec = PoolSpec(
+            # The bare name: the remote tier's key space is per layout (below),
+            # and tenants' blocks there stay apart through their namespaced hashes.
             name=name,
             block_size=int(layout["block_size"]),
             block_bytes=block_bytes,
@@ -231,9 +272,9 @@ class PoolRegistry:
             pool.attach_gpu(gpu_layout)
         log.info(
             "pool %r created: mode=%s block_bytes=%d gpu_blocks=%d cpu_blocks=%d device=%s",
-            name, layout["mode"], block_bytes, gpu_blocks if gpu_layout is not None else 0, cpu_blocks, self.device,
+            key, layout["mode"], block_bytes, gpu_blocks if gpu_layout is not None else 0, cpu_blocks, self.device,
         )
-        return PoolEntry(name, layout, pool, transfer)
+        return PoolEntry(key, layout, pool, transfer, tenant=tenant, bare_name=name)
 
     def attach_engine_gpu(self, entry: PoolEntry, owner: tuple[str, str], layout: BlockLayout) -> None:
         if entry.mode != "engine":
@@ -241,7 +282,7 @@ class PoolRegistry:
         if entry.gpu_owner is not None:
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,
-                f"pool {entry.name!r} already has a GPU tier registered (registration {entry.gpu_owner[1]!r})",
+                f"pool {entry.bare_name!r} already has a GPU tier registered (registration {entry.gpu_owner[1]!r})",
             )
         if layout.num_blocks > MAX_BLOCKS_PER_TIER:
             raise ProtocolError(
@@ -276,9 +317,9 @@ class PoolRegistry:
     def learn_backlog_keys(self) -> int:
         return sum(e.pool.learn_backlog_keys for e in self._pools.values())
 
-    def close(self, name: str, timeout_s: float) -> None:
-        """Drop a pool with its blocks (an idle one: the caller checks it has no session)."""
-        entry = self._pools.pop(name)
+    def close(self, key: str, timeout_s: float) -> None:
+        """Drop the pool with this key (``PoolEntry.name``) with its blocks (an idle one: the caller checks it has no session)."""
+        entry = self._pools.pop(key)
         _close_entry(entry, timeout_s)
 
     def idle(self) -> list[PoolEntry]:

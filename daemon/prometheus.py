@@ -18,6 +18,10 @@ Contract
   Pool counters carry a ``pool`` label; hits are split by ``tier`` so that
   ``sum by (pool)`` of ``kvtier_hit_blocks_total`` plus
   ``kvtier_miss_blocks_total`` equals ``kvtier_looked_up_blocks_total``.
+  On a daemon with tenants pool names are per tenant, so pool series carry
+  a ``tenant`` label too (``pool`` is then the bare name the tenant chose):
+  two tenants' "llama" are two series. Without tenants there is no
+  ``tenant`` label, as before.
   Daemon counters (``daemon.metrics.Counters``) are exported by name:
   ``kvtier_<name>``, a counter when the name ends in ``_total``, else a
   gauge, with the labels they were counted with.
@@ -214,13 +218,13 @@ DAEMON_DEFAULTS: dict[str, Any] = {
     "reply_bytes_lent": 0,
     "unread_connections_shut_total": 0,
     "hints_retain_refused_total": 0,
+    "connections": 0,
+    "connections_busiest_peer": 0,
+    "connections_refused_total": {},
     "sessions": 0,
     "requests_in_flight": 0,
     "learn_backlog_keys": 0,
 }
-    "connections": 0,
-    "connections_busiest_peer": 0,
-    "connections_refused_total": {},
 DAEMON_HELP: dict[str, str] = {
     "requests_total": "Requests that passed validation, by verb.",
     "errors_total": "Error replies sent, by error code name.",
@@ -233,13 +237,13 @@ DAEMON_HELP: dict[str, str] = {
     "unread_connections_shut_total": "Client connections shut down because a session ended with lent replies still unread on them.",
     "pools_reclaimed_total": "Pools without sessions closed with their blocks: reason=memory (a new pool needed the room) or idle (pool_idle_ttl_s).",
     "hints_retain_refused_total": "retain_s hints dropped because the session already retained its share of the pool.",
+    "connections": "Client connections admitted now (at most max_connections).",
+    "connections_busiest_peer": "Connections of the peer (uid on ipc, IP address on tcp) that holds the most (at most max_connections_per_peer).",
+    "connections_refused_total": "Connections closed as they were accepted: reason=total (max_connections) or peer (max_connections_per_peer).",
     "sessions": "Live sessions, all pools.",
     "requests_in_flight": "Requests waiting for their copies to finish.",
     "learn_backlog_keys": "Block keys counted but not yet fed to the CPU-tier policy (its bookkeeping waits for idle moments).",
 }
-    "connections": "Client connections admitted now (at most max_connections).",
-    "connections_busiest_peer": "Connections of the peer (uid on ipc, IP address on tcp) that holds the most (at most max_connections_per_peer).",
-    "connections_refused_total": "Connections closed as they were accepted: reason=total (max_connections) or peer (max_connections_per_peer).",
 
 
 # The ``tenants`` map of ``stats`` (daemons with tenants): (key, kind, help), exported
@@ -301,39 +305,50 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
         return out
 
     pools: Mapping[str, Mapping[str, Any]] = stats.get("pools") or {}
+    # With tenants the stats keys are "<tenant>/<name>" and each pool says its
+    # tenant and bare name: those become the labels, so dashboards group by
+    # pool name and tenants' same-named pools are still separate series.
+    per_tenant = any("tenant" in p for p in pools.values())
+    pool_label_names = ["pool", "tenant"] if per_tenant else ["pool"]
+
+    def pool_labels(key: str) -> list[str]:
+        p = pools[key]
+        return [str(p.get("name", key)), str(p.get("tenant", ""))] if per_tenant else [key]
+
     helps: dict[str, str] = {}
     for spec in POOL_METRICS:
         helps.setdefault(spec.name, spec.help)
     for spec in POOL_METRICS:
-        label_names = ["pool", *(k for k, _ in spec.labels)]
+        label_names = [*pool_label_names, *(k for k, _ in spec.labels)]
         fam = family(spec.name, spec.kind, helps[spec.name], label_names)
         for pool_name in sorted(pools):
             value = pools[pool_name].get(spec.key)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue  # a key this pool lacks (no transfer engine, older daemon)
-            fam.add_metric([pool_name, *(v for _, v in spec.labels)], value)
+            fam.add_metric([*pool_labels(pool_name), *(v for _, v in spec.labels)], value)
 
-    blocks = family("blocks", "gauge", BLOCKS_HELP, ["pool", "tier", "state"])
+    blocks = family("blocks", "gauge", BLOCKS_HELP, [*pool_label_names, "tier", "state"])
     up = family("remote_up", "gauge",
-                "1 when the pool's remote tier is reachable, 0 when not (absent: no remote tier).", ["pool"])
+                "1 when the pool's remote tier is reachable, 0 when not (absent: no remote tier).", pool_label_names)
     attached = family("gpu_attached", "gauge",
                       "1 when the pool has a GPU tier (store mode: always; engine mode: while the engine's KV "
-                      "tensors are registered).", ["pool"])
+                      "tensors are registered).", pool_label_names)
     info = family("pool_info", "gauge", "Always 1; the labels say the pool's mode (store or engine).",
-                  ["pool", "mode"])
+                  [*pool_label_names, "mode"])
     for pool_name in sorted(pools):
         p = pools[pool_name]
+        labels = pool_labels(pool_name)
         gpu_blocks, gpu_free = int(p.get("gpu_blocks", 0)), int(p.get("gpu_free_blocks", 0))
         cpu_blocks, cpu_used = int(p.get("cpu_blocks", 0)), int(p.get("cpu_used_blocks", 0))
-        blocks.add_metric([pool_name, "gpu", "used"], gpu_blocks - gpu_free)
-        blocks.add_metric([pool_name, "gpu", "free"], gpu_free)
-        blocks.add_metric([pool_name, "cpu", "used"], cpu_used)
-        blocks.add_metric([pool_name, "cpu", "free"], cpu_blocks - cpu_used)
-        attached.add_metric([pool_name], 1.0 if p.get("mode") == "store" or p.get("gpu_registered") else 0.0)
-        info.add_metric([pool_name, str(p.get("mode", ""))], 1.0)
+        blocks.add_metric([*labels, "gpu", "used"], gpu_blocks - gpu_free)
+        blocks.add_metric([*labels, "gpu", "free"], gpu_free)
+        blocks.add_metric([*labels, "cpu", "used"], cpu_used)
+        blocks.add_metric([*labels, "cpu", "free"], cpu_blocks - cpu_used)
+        attached.add_metric(labels, 1.0 if p.get("mode") == "store" or p.get("gpu_registered") else 0.0)
+        info.add_metric([*labels, str(p.get("mode", ""))], 1.0)
         remote = p.get("remote")
         if isinstance(remote, Mapping):
-            up.add_metric([pool_name], 1.0 if remote.get("available") else 0.0)
+            up.add_metric(labels, 1.0 if remote.get("available") else 0.0)
 
     tenants: Mapping[str, Mapping[str, Any]] = stats.get("tenants") or {}
     if tenants:

@@ -60,7 +60,7 @@ class Registration:
 @dataclass(eq=False)
 class Session:
     sid: str
-    pool_name: str
+    pool_name: str  # the pool's key (daemon.pools.pool_key: "<tenant>/<name>" with tenants), for PoolRegistry.get
     client: str
     lease_s: float
     expires_at_s: float
