@@ -282,8 +282,8 @@ class Server:
             # a bound every new pool name a client sends costs tiers and threads.
             self.metrics.inc("pools_refused_total")
             raise ProtocolError(ErrorCode.TOO_MANY_POOLS,
-                                f"this daemon holds {len(self.pools)} pools, its limit (max_pools); join an existing "
-                                "pool or ask the operator")
+                                f"this daemon holds as many pools as it may (max_pools {self.options.max_pools}), "
+                                "all with sessions; join an existing pool or ask the operator")
         existing = {e.name: e.cpu_bytes for e in self.pools}
         try:  # the host first: a pool the machine cannot hold is refused for that, whatever the budget
             check_new_pool(name, sizing.cpu_bytes, existing)
@@ -294,8 +294,7 @@ class Server:
             raise ProtocolError(ErrorCode.NO_SPACE,
                                 f"pool {name!r} needs a {gib(sizing.cpu_bytes)} ({sizing.cpu_bytes} bytes) CPU tier; "
                                 f"the daemon's CPU tiers hold {gib(sum(existing.values()))} of its {gib(budget)} "
-                                f"budget (cpu_budget_bytes) in {len(existing)} pools with sessions; end one, or ask "
-                                "the operator")
+                                "budget (cpu_budget_bytes), all in pools with sessions; end one, or ask the operator")
         self.notifier.status(f"allocating the CPU tier of pool {name!r}: {gib(sizing.cpu_bytes)}")
         self._status_text = ""  # the next summary goes out even if it did not change
         return sizing
