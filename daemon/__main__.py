@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         kv_import=_import_kv_tensor, notifier=notifier)
         exporter = None
         if cfg.metrics_port is not None:
-            from kvtier.daemon.prometheus import start_exporter
+            from kvtier.daemon.metrics_endpoint import start_exporter
 
             exporter = start_exporter(cfg.metrics_host, cfg.metrics_port, server.stats_snapshot)
         try:

@@ -25,14 +25,7 @@ Contract
   Daemon counters (``daemon.metrics.Counters``) are exported by name:
   ``kvtier_<name>``, a counter when the name ends in ``_total``, else a
   gauge, with the labels they were counted with.
-- ``start_exporter(host, port, snapshot)`` serves ``/metrics`` on
-  ``host:port`` from a daemon thread and returns an ``Exporter`` whose
-  ``close()`` stops it. At most ``MAX_CONNECTIONS`` connections are served
-  at once (one thread each; more are closed at once) and each is dropped
-  after ``CONNECTION_TIMEOUT_S`` of silence, so idle connections can
-  neither pile up threads and descriptors nor hold the endpoint. It raises ``OSError`` when the port is taken and
-  ``RuntimeError`` when prometheus-client (a dependency of kvtier) cannot be
-  imported: kvtierd treats both as "cannot serve" (exit 1).
+- The HTTP endpoint that serves these families is ``daemon.metrics_endpoint``.
 
 Importing this module imports neither torch nor prometheus-client; the
 server imports ``StatsSnapshot`` whether or not the endpoint is on.
@@ -380,99 +373,3 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
         for labels, v in series:
             fam.add_metric([labels.get(k, "") for k in label_names], v)
     return out + list(families.values())
-
-
-# --------------------------------------------------------------------------------------------
-# The HTTP endpoint
-
-
-@dataclass
-class Exporter:
-    """A running ``/metrics`` endpoint; ``close()`` stops it."""
-
-    host: str
-    port: int
-    _server: Any
-    _thread: threading.Thread
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
-
-    def close(self, timeout_s: float = 2.0) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout_s)
-
-
-# A scrape is one small request: a connection that says nothing for this long
-# is dropped, and no more than this many are served at once (each holds a
-# thread and a descriptor). Past the cap a connection is closed at once.
-CONNECTION_TIMEOUT_S = 5.0
-MAX_CONNECTIONS = 8
-
-
-def _bounded_server_types() -> tuple[type, type]:
-    """The WSGI server and handler classes: threads bounded in number and time (built lazily: wsgiref)."""
-    import socketserver
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
-
-    class Handler(WSGIRequestHandler):
-        timeout = CONNECTION_TIMEOUT_S  # socketserver sets it on the connection: reads and writes time out
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-            return None  # no line per scrape
-
-    class Server(socketserver.ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-        block_on_close = False  # close() does not wait for a silent connection's timeout
-        refused = 0
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-            super().__init__(*args, **kwargs)
-
-        def process_request(self, request: Any, client_address: Any) -> None:
-            if not self._slots.acquire(blocking=False):
-                self.refused += 1
-                self.shutdown_request(request)
-                return
-            super().process_request(request, client_address)
-
-        def process_request_thread(self, request: Any, client_address: Any) -> None:
-            try:
-                super().process_request_thread(request, client_address)
-            finally:
-                self._slots.release()
-
-    return Server, Handler
-
-
-def start_exporter(host: str, port: int, snapshot: StatsSnapshot, *, wait_s: float = DEFAULT_WAIT_S,
-                   process_metrics: bool = True) -> Exporter:
-    """Serve ``http://host:port/metrics`` from a daemon thread; see the module docstring."""
-    try:
-        from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
-    except ImportError as exc:
-        raise RuntimeError(f"metrics_port is set but prometheus-client, a kvtier dependency, cannot be imported "
-                           f"({exc}; pip install 'prometheus-client>=0.17', or leave metrics_port off)") from exc
-    import socket
-    from wsgiref.simple_server import make_server
-
-    # A registry of our own: the default one would add this process's Python
-    # GC and platform series and anything else that registered globally.
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(snapshot, wait_s=wait_s))  # type: ignore[arg-type]
-    if process_metrics:
-        ProcessCollector(registry=registry)  # process_resident_memory_bytes, cpu seconds, open fds
-    server_type, handler_type = _bounded_server_types()
-    if ":" in host:
-        server_type.address_family = socket.AF_INET6
-    server = make_server(host, port, make_wsgi_app(registry), server_type, handler_class=handler_type)
-    thread = threading.Thread(target=server.serve_forever, name="kvtier-metrics", daemon=True)
-    thread.start()
-    bound_port = int(server.server_address[1])
-    exporter = Exporter(host, bound_port, server, thread)
-    log.info("metrics at %s", exporter.url)
-    return exporter

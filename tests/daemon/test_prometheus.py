@@ -6,6 +6,7 @@ import re
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -304,30 +305,40 @@ def test_no_metrics_port_no_endpoint(kvtierd) -> None:  # type: ignore[no-untype
     assert "metrics at" not in kvtierd.log()
 
 
-def test_idle_connections_cost_a_bounded_number_of_threads_and_time_out(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
-    from kvtier.daemon.prometheus import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
+def test_idle_connections_cost_no_thread_and_do_not_hold_the_endpoint(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    from kvtier.daemon.metrics_endpoint import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
 
     port = free_port()
     daemon = kvtierd_factory(metrics_port=port)
     tasks = Path(f"/proc/{daemon.proc.pid}/task")
+    assert "kvtier_sessions" in scrape(port)  # the renderer's thread exists from here on
     threads_before = len(list(tasks.iterdir()))
     idle = []
     try:
-        for _ in range(60):  # far more than the cap; each says nothing
+        for _ in range(MAX_CONNECTIONS - 4):  # each says nothing
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
             idle.append(s)
+        half = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+        idle.append(half)
         time.sleep(0.5)
-        assert len(list(tasks.iterdir())) <= threads_before + MAX_CONNECTIONS
+        assert len(list(tasks.iterdir())) == threads_before  # no thread per connection
+        # Scrapes go on beside them, and a path other than /metrics is a 404.
+        for _ in range(3):
+            assert "kvtier_sessions" in scrape(port)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/nothing", timeout=5)
+        assert err.value.code == 404
+        # Past the cap a new connection is closed at once; the silent ones are dropped after the timeout.
+        extra = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(8)]
+        idle.extend(extra)
+        assert extra[-1].recv(1) == b""  # the 68th: closed at once
+        deadline_s = time.monotonic() + CONNECTION_TIMEOUT_S + 5
+        for s in idle[:MAX_CONNECTIONS - 4]:
+            s.settimeout(max(0.1, deadline_s - time.monotonic()))
+            assert s.recv(1) == b""  # the daemon closed it: silent for CONNECTION_TIMEOUT_S
+        assert "kvtier_sessions" in scrape(port)
         assert daemon.alive
-        # Once the silent ones time out, scrapes are served again.
-        deadline = time.monotonic() + CONNECTION_TIMEOUT_S + 10
-        while True:
-            try:
-                assert "kvtier_sessions" in scrape(port)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the endpoint never came back"
-                time.sleep(0.5)
     finally:
         for s in idle:
             s.close()
