@@ -55,6 +55,7 @@ from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.daemon.tenant_ids import TAG_BYTES, tenant_tag
 
 from kvtier.tiers.eviction import EvictionPolicy  # stdlib only: no torch
+from kvtier.tiers.hints import RequestHints
 
 if TYPE_CHECKING:
     from kvtier.daemon.config import TenantConfig
@@ -337,6 +338,12 @@ class TenantQuotaPolicy(EvictionPolicy):
         # Forwarded explicitly: the base class's one-step default would hide the wrapped policy's steps.
         self._in_batch = False
         yield from self.inner.record_request_steps(keys, chunk_keys)
+
+    # Forwarded explicitly, like the steps: the base class's default would swallow it (hints never
+    # reached a session-aware policy under tenants before).
+    def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
+        self._in_batch = False
+        self.inner.record_hints(keys, hints)
 
     def keys_of(self, tenant: str) -> list[bytes]:
         return list(self.keys_by_tenant.get(tenant, ()))

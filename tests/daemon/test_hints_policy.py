@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from kvtier.client.client import Client, PoolLayout
 from kvtier.client.protocol import Hints
 
@@ -17,10 +20,10 @@ def chain(tag: int, n: int) -> list[bytes]:
     return [bytes([tag, i]) * 8 for i in range(n)]
 
 
-def run(daemon, pool: str, retain: bool) -> tuple[list[str], list[str]]:  # type: ignore[no-untyped-def]
+def run(daemon, pool: str, retain: bool, token: str | None = None) -> tuple[list[str], list[str]]:  # type: ignore[no-untyped-def]
     """Store a chain R (retained or not), then a chain U, then fillers that overflow the CPU tier; R's and U's tiers."""
     r, u = chain(1, 2), chain(2, 2)
-    with Client(daemon.endpoint, pool, layout()) as c:
+    with Client(daemon.endpoint, pool, layout(), **({"token": token} if token else {})) as c:
         c.store(r, bytes(2 * BLOCK), hints=Hints(session="r", retain_s=600.0) if retain else None)
         c.store(u, bytes(2 * BLOCK))
         for tag in range(10, 18):  # 16 more blocks through a 2-block GPU tier and an 8-block CPU tier
@@ -36,3 +39,16 @@ def test_a_retained_chain_outlives_an_older_unhinted_one_under_lru_session(kvtie
     # The same traffic without the hint: plain LRU order, R (older) goes first.
     kept, _ = run(d, "without-hint", retain=False)
     assert kept == [], kept
+
+
+def test_hints_reach_the_policy_under_tenant_quotas(kvtierd_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """With tenants the pool's policy is wrapped for quotas; the wrapper passes the hints on (it once dropped them)."""
+    token = "alice-token-0123456789abcdef0123"
+    config = tmp_path / "tenants.toml"
+    config.write_text(f'[tenants.alice]\ntoken = "{token}"\n')
+    os.chmod(config, 0o600)
+    d = kvtierd_factory(gpu_bytes=2 * BLOCK, cpu_bytes=8 * BLOCK, policy="lru+session", clean_ahead_blocks=0,
+                        config=config)
+    kept, lost = run(d, "with-hint", retain=True, token=token)
+    assert kept == ["cpu", "cpu"], kept
+    assert lost == [], lost
