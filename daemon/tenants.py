@@ -339,11 +339,19 @@ class TenantQuotaPolicy(EvictionPolicy):
         self._in_batch = False
         yield from self.inner.record_request_steps(keys, chunk_keys)
 
-    # Forwarded explicitly, like the steps: the base class's default would swallow it (hints never
+    # Forwarded explicitly, like the steps: the base class's defaults would swallow them (hints never
     # reached a session-aware policy under tenants before).
     def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
         self._in_batch = False
         self.inner.record_hints(keys, hints)
+
+    def on_promote(self, keys: Sequence[bytes]) -> None:
+        self._in_batch = False
+        self.inner.on_promote(keys)
+
+    def on_gpu_drop(self, keys: Sequence[bytes]) -> None:
+        self._in_batch = False
+        self.inner.on_gpu_drop(keys)
 
     def keys_of(self, tenant: str) -> list[bytes]:
         return list(self.keys_by_tenant.get(tenant, ()))

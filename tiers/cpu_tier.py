@@ -17,6 +17,9 @@ Contract (the pool is the only caller; one thread):
   ``abort(entry)`` frees a reserved slot whose write failed.
 - ``begin_read`` / ``end_read`` bracket a copy out of a slot; ``pin`` /
   ``unpin`` bracket a client's hold. Neither kind of entry is evicted.
+- ``promoted(keys)`` / ``gpu_dropped(keys)``: the pool says that resident
+  keys were restored into the GPU tier, and that the GPU tier let keys go;
+  both only inform the policy (``EvictionPolicy.on_promote``/``on_gpu_drop``).
 - ``on_evict(entry)``, when set, is called for each victim just before its
   slot is reused (the remote tier's write-back copies the bytes there).
 - ``storage`` is a ``BlockLayout`` slab of ``capacity_blocks`` rows, or None
@@ -151,6 +154,14 @@ class CpuTier:
 
     def hit(self, key: bytes) -> None:
         self.policy.on_hit(key)
+
+    def promoted(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self.policy.on_promote(keys)
+
+    def gpu_dropped(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self.policy.on_gpu_drop(keys)
 
     def begin_read(self, entry: CpuEntry) -> None:
         entry.readers += 1

@@ -183,9 +183,9 @@ def test_admission_follows_the_order_when_full() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4), st.integers(1, 6), st.booleans()), max_size=80),
+@given(ops=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 4), st.integers(1, 6), st.booleans()), max_size=80),
        seed=st.integers(0, 1000))
-def test_victims_lists_every_resident_key_once(ops: list[tuple[int, int, int, bool]], seed: int) -> None:
+def test_victims_lists_every_resident_key_once_and_spares_stay_consistent(ops: list[tuple[int, int, int, bool]], seed: int) -> None:
     rng = random.Random(seed)
     p = SessionWrapper(LRUPolicy(12), max_streams=3)
     resident_keys: set[bytes] = set()
@@ -208,11 +208,76 @@ def test_victims_lists_every_resident_key_once(ops: list[tuple[int, int, int, bo
             victim = next(iter(p.victims()))
             p.on_remove(victim)
             resident_keys.discard(victim)
-        else:
+        elif kind == 5:
             for key in keys:
                 p.on_remove(key)
                 resident_keys.discard(key)
+        elif kind == 6:  # restored into the GPU tier
+            p.on_promote(keys)
+        else:  # the GPU tier let them go
+            p.on_gpu_drop(keys)
         order = list(p.victims())
         assert len(order) == len(set(order)) and set(order) == resident_keys
         assert p._hinted_resident == sum(1 for key in resident_keys if key in p._owner)
         assert p._retained_blocks <= p.retained_cap_blocks
+        spares, above, coming = p.spares._spares, p.spares._above, p.spares._coming
+        assert set(spares) <= resident_keys and not set(above) & resident_keys and coming <= set(above)
+        for stream in set(above.values()):
+            assert stream.above_blocks == sum(1 for s in above.values() if s is stream)
+
+
+def test_a_spare_goes_first_and_its_stream_stays_cached_while_the_gpu_tier_holds_it() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    chains = requests_every(p, {"a": (10, 0, 1000), "b": (50, 0, 1000)}, n=3)  # b ranks below a
+    a, b = chains["a"], chains["b"]
+    p.on_promote(a[::-1])  # a's request restored its chain into the GPU tier, tail first
+    # spares first, the latest promoted first (the GPU tier keeps its copy longest), then the order
+    assert list(p.victims()) == a + b[::-1]
+    evicted_before = sum(map(sum, p.model.evicted))
+    for key in a:  # evicted here as spares: the GPU tier still holds them
+        p.on_remove(key)
+    s = p._owner[a[0]][0]
+    assert s.resident_blocks == 0 and s.above_blocks == 3
+    assert sum(map(sum, p.model.evicted)) == evicted_before  # no life ended: a is still cached
+    assert list(p.victims()) == b[::-1]
+    # The GPU tier evicts a1 and a2: a2's demotion is admitted and lands; a1's is not admitted.
+    assert p.admit(a[2])
+    p.on_insert(a[2])
+    p.on_gpu_drop([a[2], a[1]])
+    assert s.resident_blocks == 1 and s.above_blocks == 1
+    assert list(p.victims()) == b[::-1] + [a[2]]
+    p.on_remove(a[2])  # not a spare any more: its life here ends...
+    assert sum(map(sum, p.model.evicted)) == evicted_before
+    p.on_gpu_drop([a[0]])  # ...and with a0 gone from the GPU tier, nothing of a is cached
+    assert s.above_blocks == 0 and sum(map(sum, p.model.evicted)) == evicted_before + 1
+
+
+def test_without_hints_a_promotion_changes_nothing() -> None:
+    p = SessionWrapper(LRUPolicy(10))
+    u = chain_of("u", 3)
+    p.record_request(u)
+    resident(p, u)
+    p.on_promote(u)
+    assert list(p.victims()) == u and not p.spares  # LRU's order: as inserted
+    p.on_remove(u[0])
+    p.on_gpu_drop(u[:1])
+    assert not p.spares._above
+
+
+@pytest.mark.parametrize("kind", ["admit2", "tenant", "tenant+admit2"])
+def test_wrappers_forward_hints_and_the_gpu_tier_calls(kind: str) -> None:
+    from kvtier.daemon.tenants import TenantQuotaPolicy, TenantRegistry
+    from kvtier.tiers.policies.admit2 import AdmissionWrapper
+
+    session = SessionWrapper(LRUPolicy(10))
+    p = session if kind == "tenant" else AdmissionWrapper(session)
+    if kind.startswith("tenant"):
+        p = TenantQuotaPolicy(p, TenantRegistry(), 4096, None)
+    a = chain_of("a", 2)
+    p.record_hints(a, RequestHints(session=b"A", at_s=1.0))
+    for key in a:
+        p.on_insert(key)
+    p.on_promote(a[1:])
+    assert session._streams and list(session.spares._spares) == [a[1]]
+    p.on_gpu_drop(a[1:])
+    assert not session.spares

@@ -116,6 +116,12 @@ class AdmissionWrapper(EvictionPolicy):
     def on_remove(self, key: bytes) -> None:
         self.inner.on_remove(key)
 
+    def on_promote(self, keys: Sequence[bytes]) -> None:
+        self.inner.on_promote(keys)
+
+    def on_gpu_drop(self, keys: Sequence[bytes]) -> None:
+        self.inner.on_gpu_drop(keys)
+
     def victims(self) -> Iterator[bytes]:
         return self.inner.victims()
 

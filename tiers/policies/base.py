@@ -44,6 +44,23 @@ Who calls what (always from the tier's single owner thread):
                        nothing, so a policy without hints support behaves
                        exactly as before. Wrappers forward it.
 
+The GPU tier above (the pool calls these; a policy may ignore both, and
+wrappers forward them):
+
+- ``on_promote(keys)`` resident keys were just restored into the GPU tier
+                       for a request (in the order of the hits: tail first).
+                       While the GPU tier keeps such a copy, this one is a
+                       *spare*: evicting it loses no hit, since the GPU tier
+                       demotes the block again when it evicts it (the price
+                       is that device-to-host copy). Default: nothing.
+- ``on_gpu_drop(keys)`` the GPU tier no longer holds these keys (evicted,
+                       withdrawn or cleared), whether this tier holds them or
+                       not. Keys this tier holds come before any victim is
+                       chosen to make room for the demotions of the same
+                       eviction; keys it does not hold, after their demotions
+                       were planned, so their ``admit`` (and, once the copy
+                       lands, ``on_insert``) may come first. Default: nothing.
+
 Policies are chosen by name through ``kvtier.tiers.policies.registry``.
 Extra behaviour wraps a policy; it does not subclass one.
 """
@@ -92,6 +109,12 @@ class EvictionPolicy(ABC):
         return None
 
     def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
+        return None
+
+    def on_promote(self, keys: Sequence[bytes]) -> None:
+        return None
+
+    def on_gpu_drop(self, keys: Sequence[bytes]) -> None:
         return None
 
     def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:

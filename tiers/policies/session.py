@@ -26,7 +26,8 @@ al., NSDI 2018) per stream, i.e. the chance that it comes back before the
 cache lets it go, per second of cache time that costs, given its class
 (latest silence, forked, parent) and how long it has been silent. The model
 learns from every stream's silences: when they ended with a return, and, for
-streams with cached blocks, when they ended with the last block evicted;
+streams with cached blocks, when they ended with the last block evicted (a
+spare evicted here while the GPU tier holds its block, below, is not gone);
 silences still running count as far as they got. So "think and tool time", "a sub-agent is done once it reports
 back" and "a session gone quiet for longer than it ever did is finished" are
 learned from the traffic, not written in as thresholds.
@@ -35,7 +36,12 @@ Eviction order (``victims()``), best victim first:
 
 1. *orphans*: hinted blocks whose stream was forgotten (``max_streams``) or
    that left their stream's latest chain;
-2. streams in rank order; each stream's resident blocks deepest first (a
+2. *spares*: a stream's blocks restored into the GPU tier that it still
+   holds (``on_promote`` until ``on_gpu_drop``), the latest promoted first.
+   Evicting one costs no hit: the GPU tier demotes the block again when it
+   evicts it, and that demotion is admitted or not by the rank below, like
+   any other (``spares.Spares``);
+3. streams in rank order; each stream's resident blocks deepest first (a
    chain loses its tail before its head). The rank, lowest evicted first, is
    ``(retained, priority, band, density)``:
    - ``retained``: 1 while the stream's ``retain_s`` runs (see below);
@@ -43,7 +49,7 @@ Eviction order (``victims()``), best victim first:
    - ``band``: 0 for a stream worth less than the average stream
      (``ReturnModel.typical_density``), 2 otherwise;
    - ``density``: its hit density now;
-3. blocks no hinted request named (*unhinted*) sit at rank ``(0, 0, 1)``:
+4. blocks no hinted request named (*unhinted*) sit at rank ``(0, 0, 1)``:
    after the streams of priority <= 0 worth less than average, before the
    others; among themselves in the wrapped policy's order. So a session that
    said nothing is treated as the wrapped policy treats it, and a session
@@ -55,10 +61,13 @@ per silence), when its retention ends, and when the model is refreshed
 (every ``REFRESH_REQUESTS`` requests; all ranked streams are re-ranked).
 
 Measured (``kvtier replay claude_code_even --gpu-tokens 500k --cpu-tokens 4M
---hints session``, block hit rate): chain+session 0.6435, chain 0.5934, lru
-0.5568, Belady 0.7808 (one cache of GPU + CPU blocks); the CPU tier ranked by
-each block's true next use, inside the same two tiers, 0.748
-(bench/results/replay-claude_code_even.json).
+--hints session``, block hit rate): chain+session 0.6491 (0.6435 before
+spares), chain 0.5934, lru 0.5568, Belady 0.7808 (one cache of GPU + CPU
+blocks); the CPU tier ranked by each block's true next use, inside the same
+two tiers, 0.748 (bench/results/replay-claude_code_even.json); this policy
+with each stream ranked by its true next return, ORACLE_PLACEHOLDER
+(``bench/session_oracle.py``): the prediction, not the structure, is what
+is left.
 
 Alternatives measured on the way (same setting), so the next engineer need
 not: ranking by the smoothed gap alone (RFC 6298's ``srtt``; slowest first,
@@ -80,7 +89,19 @@ length as one more class dimension (an engine knows it when the request
 ends; in this trace it explains more of the next gap than the last silence
 does, R^2 0.106 vs 0.063, mostly generation time): 0.6484 with buckets
 < 256 / < 1024 / more tokens, but 0.6428 with five log2 buckets and 0.6421
-with two (< / >= 128): no gain that holds across bucketings, so left out.
+with two (< / >= 128): no gain that holds across bucketings, so left out. With
+spares (all at 0.6491 as the reference): the latest request's growth in
+blocks as a class dimension 0.6516 (buckets < 2 / < 8 / more) and 0.6503
+(< 1 / < 4 / < 16 / more), no gain that holds; spares evicted first but
+their eviction counted as the end of the stream's life in the return model
+0.6254 (the model then learns that restored streams are evicted at once);
+any demotion admitted while a spare is evictable 0.6358 (admission off in
+effect); spares after the streams worth less than average, not first,
+0.6441; the earliest promoted spare first 0.6505 (more copies); a stream
+counted as cached while the GPU tier holds any block of its latest chain
+0.6508; a stream's silence started at the end of its latest request's
+generation (arrival + output tokens / 50 or 100 tokens/s, as an engine would
+know it) 0.559-0.566 (a drop this large was not explained; not pursued).
 
 ``retain_s``: a request's stream is retained until ``at_s + retain_s``: its
 blocks go only after every block that is not retained. The retained blocks
@@ -105,10 +126,11 @@ Cost: ``record_hints`` O(len(keys) + log S) (S: streams with resident
 blocks), plus a refresh every ``REFRESH_REQUESTS`` requests: O(classes x
 buckets + S log S); each age event O(log S); ``on_insert``/``on_remove``/
 ``on_hit`` O(1) plus the wrapped policy's, and O(log S) when a stream gains
-its first or loses its last resident block; ``admit`` O(log S) amortized.
-``victims()`` walks the streams in rank order with a heap (O(log S) per
-stream visited) and each stream's chain from a cursor that only moves down
-between requests (amortized O(1) per block). With unhinted blocks resident
+its first or loses its last resident block; ``admit`` O(log S) amortized;
+``on_promote``/``on_gpu_drop`` O(len(keys)). ``victims()`` lists the spares
+(at most the GPU tier's blocks), then walks the streams in rank order with a
+heap (O(log S) per stream visited) and each stream's chain from a cursor
+that only moves down between requests (amortized O(1) per block). With unhinted blocks resident
 beside hinted ones, it walks the wrapped policy's order and skips the hinted
 keys in it (the wrapped policy cannot filter): O(hinted keys ranked before)
 in that mixed case only. Memory: one record per stream seen within the last
@@ -128,6 +150,7 @@ from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies.base import EvictionPolicy
 from kvtier.tiers.policies.session_returns import (AGE_EDGES_S, NUM_BUCKETS, REFRESH_REQUESTS, ReturnModel, age_bucket,
                                                    stream_class)
+from kvtier.tiers.policies.spares import Spares
 
 __all__ = ["SessionWrapper"]
 
@@ -150,6 +173,7 @@ class _Stream:
     chain: Sequence[bytes] = ()  # the keys of its latest request
     cursor: int = -1  # no resident block of its chain lies deeper than this
     resident_blocks: int = 0
+    above_blocks: int = 0  # its spares evicted here while the GPU tier still holds them
     rank: tuple[int, int, int, float] = _UNHINTED_RANK
     heap_seq: int = -1  # the seq of its valid entry in the order heap; -1: not in it
     forked: bool = False  # it was forked off another stream
@@ -178,6 +202,7 @@ class SessionWrapper(EvictionPolicy):
         self._resident: set[bytes] = set()  # every resident key, hinted or not
         self._hinted_resident = 0  # resident keys with an owner, orphans included
         self._orphans: OrderedDict[bytes, None] = OrderedDict()  # resident hinted keys without a stream
+        self.spares: Spares[_Stream] = Spares(inner.capacity_blocks)  # restored blocks the GPU tier holds
         self._order: list[tuple[tuple[int, int, int, float], int, _Stream]] = []  # heap by rank, lazy deletion
         # (time the stream's rank may change, seq, stream, its age epoch; -1: a retention's end)
         self._events: list[tuple[float, int, _Stream, int]] = []
@@ -201,7 +226,7 @@ class SessionWrapper(EvictionPolicy):
             gap_s = max(0.0, hints.at_s - s.last_at_s)
             s.last_gap_s = gap_s
             bucket = age_bucket(gap_s)
-            cached = s.resident_blocks > 0
+            cached = _cached(s)
             for k in range(s.age_bucket + 1, bucket + 1):  # edges crossed since the last _advance
                 model.on_age(s.cls, k, cached)
             model.on_return(s.cls, bucket)
@@ -260,7 +285,7 @@ class SessionWrapper(EvictionPolicy):
         """The stream just made a request: it is at risk of returning from age 0, in its current class.
         Each age bucket edge it later crosses silent is an event (``_advance``)."""
         s.cls = stream_class(s.last_gap_s, s.forked, s.parent)
-        self.model.on_request(s.cls, s.resident_blocks > 0)
+        self.model.on_request(s.cls, _cached(s))
         s.age_bucket = 0
         s.age_epoch += 1
         heapq.heappush(self._events, (s.last_at_s + AGE_EDGES_S[1], next(self._seq), s, s.age_epoch))
@@ -319,6 +344,7 @@ class SessionWrapper(EvictionPolicy):
         if key in self._resident:
             return
         self._resident.add(key)
+        self.spares.landed(key)
         own = self._owner.get(key)
         if own is None:
             return
@@ -345,11 +371,36 @@ class SessionWrapper(EvictionPolicy):
         self._hinted_resident -= 1
         s, _ = own
         if s is _ORPHAN:
+            self.spares.forget(key)
             del self._orphans[key]
             del self._owner[key]
             return
         self._add_resident(s, -1)
-        if s.resident_blocks == 0 and s.age_epoch >= 0:
+        if not self.spares.evicted(key, s):  # a spare: the GPU tier still holds it, s is still cached
+            self._life_may_end(s)
+
+    def on_promote(self, keys: Sequence[bytes]) -> None:
+        self.inner.on_promote(keys)
+        owner, resident, promote = self._owner, self._resident, self.spares.promote
+        for key in keys:
+            own = owner.get(key)
+            if own is not None and own[0] is not _ORPHAN and key in resident:
+                promote(key)
+
+    def on_gpu_drop(self, keys: Sequence[bytes]) -> None:
+        self.inner.on_gpu_drop(keys)
+        if not self.spares.tracked:
+            return
+        dropped = self.spares.gpu_dropped
+        for key in keys:
+            s = dropped(key)
+            if s is not None:
+                self._life_may_end(s)
+
+    def _life_may_end(self, s: _Stream) -> None:
+        """A block of ``s`` left the cache: with none left (here or as a spare above), its blocks'
+        life in the cache ended without a hit."""
+        if s.resident_blocks == 0 and s.above_blocks == 0 and s.age_epoch >= 0:
             self.model.on_evict(s.cls, s.age_bucket)
 
     def __len__(self) -> int:
@@ -399,7 +450,7 @@ class SessionWrapper(EvictionPolicy):
                 if epoch != s.age_epoch:
                     continue
                 s.age_bucket += 1
-                self.model.on_age(s.cls, s.age_bucket, s.resident_blocks > 0)
+                self.model.on_age(s.cls, s.age_bucket, _cached(s))
                 if s.age_bucket + 1 < NUM_BUCKETS:
                     heapq.heappush(events, (s.last_at_s + AGE_EDGES_S[s.age_bucket + 1], next(self._seq), s, epoch))
             if s.retain_until_s <= self.now_s and self._retained.pop(s.ident, None) is not None:
@@ -457,7 +508,7 @@ class SessionWrapper(EvictionPolicy):
 
     def _stream_keys(self, s: _Stream) -> Iterator[bytes]:
         """A stream's resident blocks, deepest first. The cursor skips the tail already gone."""
-        chain, owner, resident = s.chain, self._owner, self._resident
+        chain, owner, resident, spares = s.chain, self._owner, self._resident, self.spares
         depth = s.cursor
         top = True  # the cursor may drop past non-resident blocks only while none above it is resident
         while depth >= 0:
@@ -466,7 +517,8 @@ class SessionWrapper(EvictionPolicy):
                 own = owner.get(key)
                 if own is not None and own[0] is s and own[1] == depth:
                     top = False
-                    yield key
+                    if key not in spares:  # spares were offered first
+                        yield key
             elif top:
                 s.cursor = depth - 1
             depth -= 1
@@ -481,7 +533,11 @@ class SessionWrapper(EvictionPolicy):
         if self._hinted_resident == 0:  # no hints: the wrapped policy's order, untouched
             yield from self.inner.victims()
             return
-        yield from self._orphans
+        orphans = self._orphans
+        yield from orphans
+        for key in self.spares.victims():
+            if key not in orphans:  # a spare that left its stream's chain was offered as an orphan
+                yield key
         unhinted_left = len(self._resident) > self._hinted_resident
         for s in self._streams_in_order():
             if unhinted_left and s.rank > _UNHINTED_RANK:
@@ -495,6 +551,12 @@ class SessionWrapper(EvictionPolicy):
         own = self._owner.get(key)
         if own is None:
             return self.inner.admit(key)
+        if not self._admit_hinted(key, own):
+            return False
+        self.spares.admitted(key)
+        return True
+
+    def _admit_hinted(self, key: bytes, own: tuple[_Stream, int]) -> bool:
         if not self.admission or len(self._resident) < self.capacity_blocks:
             return True
         s, depth = own
@@ -515,3 +577,8 @@ class SessionWrapper(EvictionPolicy):
 
 # The owner of a hinted resident block whose stream let it go (an older branch, a forgotten stream).
 _ORPHAN = _Stream((b"", b""))
+
+
+def _cached(s: _Stream) -> bool:
+    """Whether any block of the stream is still cached: here, or as an evicted spare in the GPU tier."""
+    return s.resident_blocks > 0 or s.above_blocks > 0

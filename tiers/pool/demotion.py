@@ -9,6 +9,12 @@
   blocks nearest the head of the GPU free queue (up to the pool's
   ``clean_ahead_blocks``), so an allocation in steady state finds them in the
   CPU tier already and waits for no device-to-host copy.
+- ``dropped(hashes)``: the GPU tier let these hashes go without a demotion
+  (withdrawn, cleared, detached); each one it holds no copy of any more is
+  reported to the CPU tier's policy (``on_gpu_drop``). ``vacate`` reports
+  its own evictions: those the CPU tier holds before it picks any victim
+  (a spare must not be evicted at the moment its GPU copy goes), the others
+  after their demotions were planned.
 - ``protected``: the calling op's keys (a store's); the room made in the CPU
   tier for these demotions is never made by evicting them.
 - A demotion the CPU tier's policy does not admit, or that finds no room, is
@@ -38,20 +44,28 @@ class Demoter:
         pool = self.pool
         copies = pool._copies
         cpu = pool.cpu
+        bm = pool.bm
         must_follow: set[Copy] = set()
         urgent: list[Evicted] = []
         urgent_keys: set[bytes] = set()
+        held: list[bytes] = []  # CPU copies of blocks the GPU tier now holds no copy of
         for ev in evicted:
+            h = ev.block_hash
             must_follow |= copies.busy_copies([ev.block_id])
-            if cpu.get(ev.block_hash) is not None:
+            if cpu.get(h) is not None:
                 pool.counters.demotions_skipped_clean += 1
-            elif pool.bm is not None and pool.bm.get_cached(ev.block_hash) is not None:
+                if bm is None or bm.get_cached(h) is None:
+                    held.append(h)
+            elif bm is not None and bm.get_cached(h) is not None:
                 continue  # a duplicate copy still lives in the GPU tier
-            elif ev.block_hash in urgent_keys:
+            elif h in urgent_keys:
                 continue  # two copies of one hash evicted at once: one demotion
             else:
                 urgent.append(ev)
-                urgent_keys.add(ev.block_hash)
+                urgent_keys.add(h)
+        # Those CPU copies are spares no more: the policy hears it before the demotions below
+        # choose any victim. It hears of the demoted blocks once their demotions are planned.
+        cpu.gpu_dropped(held)
         if urgent:
             demote = self.demote(urgent, high_priority=True, protected=protected)
             if demote is not None:
@@ -59,7 +73,13 @@ class Demoter:
         # The caller writes the reused slots once the op is done: it waits for
         # these copies, but their failure (a lost demotion) is not its failure.
         copies.wait_for(op, must_follow)
+        cpu.gpu_dropped([ev.block_hash for ev in urgent])
         return must_follow
+
+    def dropped(self, hashes: Sequence[bytes]) -> None:
+        """The GPU tier let ``hashes`` go without demoting them (withdrawn, cleared, detached)."""
+        bm = self.pool.bm
+        self.pool.cpu.gpu_dropped(list(hashes) if bm is None else [h for h in hashes if bm.get_cached(h) is None])
 
     def demote(self, evicted: Sequence[Evicted], *, high_priority: bool,
                protected: frozenset[bytes] = frozenset()) -> Copy | None:

@@ -59,6 +59,7 @@ def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tok
     # recent, so an eviction takes the tail, not the head the rest of the chain needs (prefix-stop).
     for e in reversed(entries):
         cpu.hit(e.key)
+    cpu.promoted([e.key for e in reversed(entries)])
     # A GPU hit whose bytes are still being written (another op's restore or
     # store) is only as good as that write: the op fails if it fails.
     for c in copies.busy_copies(alloc.block_ids[: alloc.num_hit_blocks], writes_only=True):
@@ -84,9 +85,12 @@ def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tok
             return
         # Withdraw the hashes whose bytes never arrived, also when the
         # request was freed while the copy was in flight.
+        withdrawn = []
         for block_id, key in committed:
             if bm.blocks[block_id].block_hash == key:
                 bm.discard_hash(bm.blocks[block_id])
+                withdrawn.append(key)
+        pool._demoter.dropped(withdrawn)
         if bm.has_request(request_id):
             bm.free(request_id)
 

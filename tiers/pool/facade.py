@@ -171,7 +171,9 @@ class TieredPool:
             return
         self.wait_idle(timeout_s)
         self._pins.detach_gpu()
+        held = [b.block_hash for b in self.bm.blocks if b.block_hash is not None]
         self.bm = None
+        self._demoter.dropped(held)
         self.gpu = None
         self._copies.detach_gpu()
 
@@ -309,7 +311,9 @@ class TieredPool:
         """Drop every cached block no one holds (no demotion); returns the count."""
         dropped = 0
         if self.bm is not None:
-            dropped += len(self.bm.evict_free_cached())
+            gone = self.bm.evict_free_cached()
+            self._demoter.dropped([ev.block_hash for ev in gone])
+            dropped += len(gone)
         dropped += self.cpu.clear()
         return dropped
 
@@ -320,10 +324,13 @@ class TieredPool:
         bm = self.bm
         if bm is not None:
             # Blocks in the free queue are unreferenced; their hash goes.
+            gone = []
             for block in list(bm.iter_free()):
                 if block.block_hash is not None and match(block.block_hash):
+                    gone.append(block.block_hash)
                     bm.discard_hash(block)
-                    dropped += 1
+            self._demoter.dropped(gone)
+            dropped += len(gone)
         return dropped + self.cpu.discard(cpu_keys)
 
     def poll(self, wait_s: float = 0.0) -> list[Op]:

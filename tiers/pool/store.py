@@ -126,8 +126,10 @@ def _store_gpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: Bloc
         # (and another store may already be acknowledged for them).
         bm = pool.bm
         if not ok and bm is not None:
+            gone = [block.block_hash for block in blocks if block.block_hash is not None]
             for block in blocks:
                 bm.discard_hash(block)
+            pool._demoter.dropped(gone)
 
     copy.on_done.append(forget)
 
