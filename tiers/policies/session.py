@@ -65,7 +65,7 @@ Measured (``kvtier replay claude_code_even --gpu-tokens 500k --cpu-tokens 4M
 spares), chain 0.5934, lru 0.5568, Belady 0.7808 (one cache of GPU + CPU
 blocks); the CPU tier ranked by each block's true next use, inside the same
 two tiers, 0.748 (bench/results/replay-claude_code_even.json); this policy
-with each stream ranked by its true next return, ORACLE_PLACEHOLDER
+with each stream ranked by its true next return, 0.7590
 (``bench/session_oracle.py``): the prediction, not the structure, is what
 is left.
 
