@@ -69,6 +69,7 @@ from types import ModuleType
 LATE_MODULES = (
     "torch",
     "numpy",
+    "numpy.ma",  # numpy loads it lazily, on first use; the daemon's first store gets there
     "resource",  # daemon/server.py, the descriptor limit
     "socket",
     "socketserver",
