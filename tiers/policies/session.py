@@ -130,10 +130,10 @@ its first or loses its last resident block; ``admit`` O(log S) amortized;
 ``on_promote``/``on_gpu_drop`` O(len(keys)). ``victims()`` lists the spares
 (at most the GPU tier's blocks), then walks the streams in rank order with a
 heap (O(log S) per stream visited) and each stream's chain from a cursor
-that only moves down between requests (amortized O(1) per block). With unhinted blocks resident
-beside hinted ones, it walks the wrapped policy's order and skips the hinted
-keys in it (the wrapped policy cannot filter): O(hinted keys ranked before)
-in that mixed case only. Memory: one record per stream seen within the last
+that only moves down between requests (amortized O(1) per block). With
+unhinted blocks resident beside hinted ones, it walks the wrapped policy's
+order and skips the hinted keys in it (the wrapped policy cannot filter):
+O(hinted keys ranked before) in that mixed case only. Memory: one record per stream seen within the last
 ``max_streams`` streams, one entry per key of a stream's latest chain, and
 the model's tables (56 classes x 30 buckets).
 """
@@ -376,7 +376,7 @@ class SessionWrapper(EvictionPolicy):
             del self._owner[key]
             return
         self._add_resident(s, -1)
-        if not self.spares.evicted(key, s):  # a spare: the GPU tier still holds it, s is still cached
+        if not self.spares.evicted(key, s):  # an evicted spare leaves s cached: the GPU tier holds it
             self._life_may_end(s)
 
     def on_promote(self, keys: Sequence[bytes]) -> None:
@@ -400,7 +400,7 @@ class SessionWrapper(EvictionPolicy):
     def _life_may_end(self, s: _Stream) -> None:
         """A block of ``s`` left the cache: with none left (here or as a spare above), its blocks'
         life in the cache ended without a hit."""
-        if s.resident_blocks == 0 and s.above_blocks == 0 and s.age_epoch >= 0:
+        if not _cached(s) and s.age_epoch >= 0:
             self.model.on_evict(s.cls, s.age_bucket)
 
     def __len__(self) -> int:
