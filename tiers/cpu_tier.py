@@ -102,6 +102,12 @@ class CpuTier:
         self.not_admitted += 1
         return False
 
+    def admit_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """``admit`` for one batch of demotions, asked before any of them is reserved."""
+        answers = self.policy.admit_many(keys)
+        self.not_admitted += answers.count(False)
+        return answers
+
     def reserve(self, keys: Sequence[bytes], protected: Collection[bytes] = ()) -> list[CpuEntry]:
         if len(set(keys)) != len(keys):
             raise ValueError("reserve got the same key twice")

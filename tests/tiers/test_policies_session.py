@@ -200,6 +200,7 @@ def test_victims_lists_every_resident_key_once_and_spares_stay_consistent(ops: l
             else:
                 p.record_request(keys)
         elif kind == 3:
+            assert p.admit_many(keys) == [p.admit(key) for key in keys]  # one batch, the same answers
             for key in keys:
                 if key not in resident_keys and len(resident_keys) < 12 and p.admit(key):
                     p.on_insert(key)

@@ -16,6 +16,11 @@ Who calls what (always from the tier's single owner thread):
                        cache this key" (the tier counts it as not admitted).
                        Plain policies admit everything; admission filters wrap
                        a policy and decide (see ``AdmissionWrapper``).
+- ``admit_many(keys)`` ``admit`` for each key of one batch of demotions, as a
+                       list of answers in order, all asked before any of them
+                       is inserted. Default: ``admit`` per key. A policy whose
+                       answer costs a ranking may answer the batch at once;
+                       its answers must be those ``admit`` would give.
 - ``record_request(keys)``  the hashes of one request, in order, as looked up
                        (hit or miss). Lets frequency- and history-based
                        policies learn what is asked for, not only what is
@@ -104,6 +109,10 @@ class EvictionPolicy(ABC):
 
     def admit(self, key: bytes) -> bool:
         return True
+
+    def admit_many(self, keys: Sequence[bytes]) -> list[bool]:
+        admit = self.admit
+        return [admit(key) for key in keys]
 
     def record_request(self, keys: Sequence[bytes]) -> None:
         return None

@@ -126,16 +126,18 @@ Cost: ``record_hints`` O(len(keys) + log S) (S: streams with resident
 blocks), plus a refresh every ``REFRESH_REQUESTS`` requests: O(classes x
 buckets + S log S); each age event O(log S); ``on_insert``/``on_remove``/
 ``on_hit`` O(1) plus the wrapped policy's, and O(log S) when a stream gains
-its first or loses its last resident block; ``admit`` O(log S) amortized;
+its first or loses its last resident block; ``admit_many`` O(log S)
+amortized per batch plus O(1) per key;
 ``on_promote``/``on_gpu_drop`` O(len(keys)). ``victims()`` lists the spares
 (at most the GPU tier's blocks), then walks the streams in rank order with a
 heap (O(log S) per stream visited) and each stream's chain from a cursor
 that only moves down between requests (amortized O(1) per block). With
 unhinted blocks resident beside hinted ones, it walks the wrapped policy's
 order and skips the hinted keys in it (the wrapped policy cannot filter):
-O(hinted keys ranked before) in that mixed case only. Memory: one record per stream seen within the last
-``max_streams`` streams, one entry per key of a stream's latest chain, and
-the model's tables (56 classes x 30 buckets).
+O(hinted keys ranked before) in that mixed case only. Memory: one record
+per stream seen within the last ``max_streams`` streams, one entry per key
+of a stream's latest chain, and the model's tables (56 classes x 30
+buckets).
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ from dataclasses import dataclass
 
 from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies.base import EvictionPolicy
+from kvtier.tiers.policies.rank_order import Rank, RankOrder
 from kvtier.tiers.policies.session_returns import (AGE_EDGES_S, NUM_BUCKETS, REFRESH_REQUESTS, ReturnModel, age_bucket,
                                                    stream_class)
 from kvtier.tiers.policies.spares import Spares
@@ -158,7 +161,7 @@ __all__ = ["SessionWrapper"]
 _BAND_BELOW_AVERAGE = 0
 _BAND_UNHINTED = 1
 _BAND_ABOVE_AVERAGE = 2
-_UNHINTED_RANK: tuple[int, int, int, float] = (0, 0, _BAND_UNHINTED, 0.0)
+_UNHINTED_RANK: Rank = (0, 0, _BAND_UNHINTED, 0.0)
 
 @dataclass(slots=True, eq=False)
 class _Stream:
@@ -174,8 +177,8 @@ class _Stream:
     cursor: int = -1  # no resident block of its chain lies deeper than this
     resident_blocks: int = 0
     above_blocks: int = 0  # its spares evicted here while the GPU tier still holds them
-    rank: tuple[int, int, int, float] = _UNHINTED_RANK
-    heap_seq: int = -1  # the seq of its valid entry in the order heap; -1: not in it
+    rank: Rank = _UNHINTED_RANK
+    heap_seq: int = -1  # the sequence number of its live entry in the rank order; -1: not in it
     forked: bool = False  # it was forked off another stream
     parent: bool = False  # another stream was forked off it
     cls: int = 0  # its class in the return model
@@ -203,7 +206,7 @@ class SessionWrapper(EvictionPolicy):
         self._hinted_resident = 0  # resident keys with an owner, orphans included
         self._orphans: OrderedDict[bytes, None] = OrderedDict()  # resident hinted keys without a stream
         self.spares: Spares[_Stream] = Spares(inner.capacity_blocks)  # restored blocks the GPU tier holds
-        self._order: list[tuple[tuple[int, int, int, float], int, _Stream]] = []  # heap by rank, lazy deletion
+        self._order: RankOrder[_Stream] = RankOrder()  # streams with resident blocks, by rank
         # (time the stream's rank may change, seq, stream, its age epoch; -1: a retention's end)
         self._events: list[tuple[float, int, _Stream, int]] = []
         self._retained: OrderedDict[tuple[bytes, bytes], _Stream] = OrderedDict()  # by retention start
@@ -238,9 +241,8 @@ class SessionWrapper(EvictionPolicy):
         n = self._requests_seen
         if n % REFRESH_REQUESTS == 0 or n & (n - 1) == 0:  # and early on at powers of two, to start soon
             model.refresh()
-            for _, seq, other in list(self._order):
-                if other.heap_seq == seq:
-                    self._rerank(other)
+            for other in self._order.live():
+                self._rerank(other)
         if hints.retain_s > 0.0:
             until_s = hints.at_s + hints.retain_s
             if until_s > s.retain_until_s:
@@ -417,25 +419,18 @@ class SessionWrapper(EvictionPolicy):
         if before == 0 and s.resident_blocks > 0:
             self._push(s)
         elif s.resident_blocks == 0:
-            s.heap_seq = -1  # its heap entry is skipped from now on
+            self._order.remove(s)
 
     # ---- ranking ----------------------------------------------------------------------
 
-    def _rank_of(self, s: _Stream) -> tuple[int, int, int, float]:
+    def _rank_of(self, s: _Stream) -> Rank:
         retained = 1 if s.retain_until_s > self.now_s else 0
         density = self.model.density(s.cls, s.age_bucket)
         band = _BAND_ABOVE_AVERAGE if density >= self.model.typical_density() else _BAND_BELOW_AVERAGE
         return (retained, s.priority, band, density)
 
     def _push(self, s: _Stream) -> None:
-        s.rank = self._rank_of(s)
-        s.heap_seq = next(self._seq)
-        heapq.heappush(self._order, (s.rank, s.heap_seq, s))
-        # Lazy deletion leaves dead entries; rebuild once they outnumber the live ones.
-        if len(self._order) > 2 * len(self._streams) + 64:
-            live = [e for e in self._order if e[2].heap_seq == e[1]]
-            heapq.heapify(live)
-            self._order = live
+        self._order.push(s, self._rank_of(s), len(self._streams))
 
     def _rerank(self, s: _Stream) -> None:
         if s.resident_blocks > 0 and self._rank_of(s) != s.rank:
@@ -482,29 +477,8 @@ class SessionWrapper(EvictionPolicy):
                 else:
                     del self._owner[key]
             s.resident_blocks = 0
-            s.heap_seq = -1
+            self._order.remove(s)
             s.age_epoch = -1
-
-    def _first_stream(self) -> _Stream | None:
-        order = self._order
-        while order and order[0][2].heap_seq != order[0][1]:
-            heapq.heappop(order)
-        return order[0][2] if order else None
-
-    def _streams_in_order(self) -> Iterator[_Stream]:
-        """The heap's live entries, lowest rank first, without popping: a frontier of heap indices."""
-        order = self._order
-        if not order:
-            return
-        frontier = [(order[0][0], order[0][1], 0)]
-        while frontier:
-            _, _, i = heapq.heappop(frontier)
-            rank, seq, s = order[i]
-            for child in (2 * i + 1, 2 * i + 2):
-                if child < len(order):
-                    heapq.heappush(frontier, (order[child][0], order[child][1], child))
-            if s.heap_seq == seq:
-                yield s
 
     def _stream_keys(self, s: _Stream) -> Iterator[bytes]:
         """A stream's resident blocks, deepest first. The cursor skips the tail already gone."""
@@ -539,7 +513,7 @@ class SessionWrapper(EvictionPolicy):
             if key not in orphans:  # a spare that left its stream's chain was offered as an orphan
                 yield key
         unhinted_left = len(self._resident) > self._hinted_resident
-        for s in self._streams_in_order():
+        for s in self._order:
             if unhinted_left and s.rank > _UNHINTED_RANK:
                 unhinted_left = False
                 yield from self._unhinted()
@@ -548,31 +522,54 @@ class SessionWrapper(EvictionPolicy):
             yield from self._unhinted()
 
     def admit(self, key: bytes) -> bool:
-        own = self._owner.get(key)
-        if own is None:
-            return self.inner.admit(key)
-        if not self._admit_hinted(key, own):
-            return False
-        self.spares.admitted(key)
-        return True
+        return self.admit_many((key,))[0]
 
-    def _admit_hinted(self, key: bytes, own: tuple[_Stream, int]) -> bool:
-        if not self.admission or len(self._resident) < self.capacity_blocks:
-            return True
-        s, depth = own
-        if s is _ORPHAN:
-            return False
-        if self._orphans:
-            return True  # something already ranks below every stream
-        first = self._first_stream()
+    def admit_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """``admit`` per key. No answer changes what the next one reads, so the first victim is found
+        once per batch and each stream ranked once."""
+        owner, inner, admitted = self._owner, self.inner, self.spares.admitted
+        if not owner:  # no hints: the wrapped policy's answers
+            return inner.admit_many(keys)
+        open_door = not self.admission or len(self._resident) < self.capacity_blocks
+        bar: tuple[_Stream | None, Rank | None] | None = None
+        above: dict[_Stream, bool] = {}  # stream -> whether it ranks above the bar
+        answers: list[bool] = []
+        for key in keys:
+            own = owner.get(key)
+            if own is None:
+                answers.append(inner.admit(key))
+                continue
+            s, depth = own
+            if open_door:
+                yes = True
+            elif s is _ORPHAN:
+                yes = False
+            elif self._orphans:
+                yes = True  # something already ranks below every stream
+            else:
+                if bar is None:
+                    bar = self._admission_bar()
+                first, head = bar
+                if head is None:
+                    yes = True
+                elif first is s:
+                    yes = depth < s.cursor  # its own stream goes first: only if it is not the deepest
+                else:
+                    yes = above.get(s)  # type: ignore[assignment]
+                    if yes is None:
+                        yes = above[s] = self._rank_of(s) > head
+            if yes:
+                admitted(key)
+            answers.append(yes)
+        return answers
+
+    def _admission_bar(self) -> tuple[_Stream | None, Rank | None]:
+        """The first stream to go and the rank a full tier's demotion must beat (None: nothing ranked)."""
+        first = self._order.first()
         head = first.rank if first is not None else None
         if len(self._resident) > self._hinted_resident and (head is None or _UNHINTED_RANK < head):
             head = _UNHINTED_RANK
-        if head is None:
-            return True
-        if first is s:
-            return depth < s.cursor  # its own stream goes first: only if it is not the deepest
-        return self._rank_of(s) > head
+        return first, head
 
 
 # The owner of a hinted resident block whose stream let it go (an older branch, a forgotten stream).
