@@ -98,6 +98,21 @@ def test_a_stream_silent_past_its_habit_goes_before_one_expected_back() -> None:
     assert order[:2] == chains["a"][::-1] and order.index(chains["b"][1]) < order.index(chains["b"][0])
 
 
+def test_within_a_class_the_stream_that_usually_comes_back_later_goes_first() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    a, b = chain_of("a", 2), chain_of("b", 2)
+    # Both came back after ~20 s last time (one class), b just after a (a would go first on a tie).
+    # But a always comes back after 20 s, and b had waited ~200 s every time before.
+    events = [(20.0 * i, "a") for i in range(41)] + [(t, "b") for t in (0.0, 200.0, 400.0, 600.0, 780.0, 800.5)]
+    for at_s, name in sorted(events):
+        keys = a if name == "a" else b
+        request(p, keys, name.upper().encode(), at_s)
+        resident(p, [key for key in keys if key not in p._resident])
+    sa, sb = p._owner[a[0]][0], p._owner[b[0]][0]
+    assert sa.cls == sb.cls and sa.age_bucket == sb.age_bucket == 0
+    assert list(p.victims()) == b[::-1] + a[::-1]
+
+
 def test_unhinted_blocks_sit_between_streams_below_and_above_the_average_density() -> None:
     p = SessionWrapper(LRUPolicy(100))
     # a stopped long ago (density ~0); b comes back every 10 s, faster than the average stream.

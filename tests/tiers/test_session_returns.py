@@ -115,3 +115,37 @@ def test_counts_halve_once_enough_streams_were_seen() -> None:
     before = model.at_risk[cls][0]
     model.refresh()
     assert model.at_risk[cls][0] == before / 2 and model.returned[cls][age_bucket(10.0)] == pytest.approx(before / 2)
+
+
+def test_a_stream_with_no_returns_of_its_own_is_worth_its_class() -> None:
+    model = ReturnModel()
+    cls = stream_class(10.0, False, False)
+    silences(model, cls, 80, return_s=10.0)
+    silences(model, cls, 20, evicted_s=60.0)
+    model.refresh()
+    none = [0] * NUM_BUCKETS
+    assert model.own_densities(cls, none) == [model.density(cls, k) for k in range(NUM_BUCKETS)]
+
+
+def test_a_stream_is_ranked_by_its_own_habit_once_it_showed_one() -> None:
+    model = ReturnModel()
+    cls = stream_class(10.0, False, False)
+    silences(model, cls, 200, return_s=10.0)  # its class comes back after 10 s or not at all
+    silences(model, cls, 50, evicted_s=300.0)
+    model.refresh()
+    slow = [0] * NUM_BUCKETS
+    slow[age_bucket(100.0)] = 3
+    # three returns after 100 s already pull it below its class; three hundred make it a 100-s stream
+    assert model.own_densities(cls, slow)[0] < 0.8 * model.density(cls, 0)
+    slow[age_bucket(100.0)] = 300
+    assert model.own_densities(cls, slow)[0] == pytest.approx(1 / 100, rel=0.3)
+    # and past the ages its class comes back at, its own habit still says it will
+    assert model.own_densities(cls, slow)[age_bucket(30.0)] > 0.0 == model.density(cls, age_bucket(30.0))
+
+
+def test_every_refresh_moves_the_version() -> None:
+    model = ReturnModel()
+    before = model.version
+    model.refresh()
+    model.refresh()
+    assert model.version == before + 2

@@ -28,9 +28,12 @@ cache lets it go, per second of cache time that costs, given its class
 learns from every stream's silences: when they ended with a return, and, for
 streams with cached blocks, when they ended with the last block evicted (a
 spare evicted here while the GPU tier holds its block, below, is not gone);
-silences still running count as far as they got. So "think and tool time", "a sub-agent is done once it reports
-back" and "a session gone quiet for longer than it ever did is finished" are
-learned from the traffic, not written in as thresholds.
+silences still running count as far as they got. Once a stream has come
+back, its own returns count too: its return hazard is its own, shrunk
+towards its class's (``ReturnModel.own_densities``), so it is ranked by its
+own habit as it shows one. So "think and tool time", "a sub-agent is done
+once it reports back" and "a session gone quiet for longer than it ever did
+is finished" are learned from the traffic, not written in as thresholds.
 
 Eviction order (``victims()``), best victim first:
 
@@ -61,8 +64,8 @@ per silence), when its retention ends, and when the model is refreshed
 (every ``REFRESH_REQUESTS`` requests; all ranked streams are re-ranked).
 
 Measured (``kvtier replay claude_code_even --gpu-tokens 500k --cpu-tokens 4M
---hints session``, block hit rate): chain+session 0.6491 (0.6435 before
-spares), chain 0.5934, lru 0.5568, Belady 0.7808 (one cache of GPU + CPU
+--hints session``, block hit rate): chain+session 0.6599 (0.6491 before a
+stream's own returns counted, 0.6435 before spares), chain 0.5934, lru 0.5568, Belady 0.7808 (one cache of GPU + CPU
 blocks); the CPU tier ranked by each block's true next use, inside the same
 two tiers, 0.748 (bench/results/replay-claude_code_even.json); this policy
 with each stream ranked by its true next return, 0.7590
@@ -102,6 +105,17 @@ counted as cached while the GPU tier holds any block of its latest chain
 0.6508; a stream's silence started at the end of its latest request's
 generation (arrival + output tokens / 50 or 100 tokens/s, as an engine would
 know it) 0.559-0.566 (a drop this large was not explained; not pursued).
+With spares, before each stream's own returns counted (0.6491), by the prior
+``OWN_PRIOR_SILENCES`` the own returns are shrunk with: 2 0.6566, 4 0.6587,
+8 0.6599, 16 0.6603, 32 0.6583. The prior was chosen on half of the sessions
+(``session % 4 == 0``, at half the capacity, 250k + 2M tokens: 0.5982
+without own returns; 4 0.6089, 8 0.6101, 16 0.6107, 32 0.6063) and checked
+on the other half (0.6404 without, 0.6515 with 16). A fork starting from its
+parent's own returns 0.6583 (prior 4, against 0.6587: no gain); sparse
+classes shrunk towards their gap class before the pool 0.6601 (prior 8,
+against 0.6599: no gain). With the prior at 16 (0.6599): the own returns
+decayed by 1/16 at each return (a window of about the prior) 0.6602; the
+silence still running counted as at risk in its own table 0.6597: no gain.
 
 ``retain_s``: a request's stream is retained until ``at_s + retain_s``: its
 blocks go only after every block that is not retained. The retained blocks
@@ -122,9 +136,10 @@ Ownership: a block belongs to the stream whose request named it last (a
 shared system prompt moves to the latest user); a block named again by an
 unhinted request keeps its stream.
 
-Cost: ``record_hints`` O(len(keys) + log S) (S: streams with resident
-blocks), plus a refresh every ``REFRESH_REQUESTS`` requests: O(classes x
-buckets + S log S); each age event O(log S); ``on_insert``/``on_remove``/
+Cost: ``record_hints`` O(len(keys) + log S + buckets) (S: streams with
+resident blocks; the stream's own density row is recomputed), plus a refresh
+every ``REFRESH_REQUESTS`` requests: O(classes x buckets + S x buckets + S
+log S); each age event O(log S); ``on_insert``/``on_remove``/
 ``on_hit`` O(1) plus the wrapped policy's, and O(log S) when a stream gains
 its first or loses its last resident block; ``admit_many`` O(log S)
 amortized per batch plus O(1) per key;
@@ -135,9 +150,9 @@ that only moves down between requests (amortized O(1) per block). With
 unhinted blocks resident beside hinted ones, it walks the wrapped policy's
 order and skips the hinted keys in it (the wrapped policy cannot filter):
 O(hinted keys ranked before) in that mixed case only. Memory: one record
-per stream seen within the last ``max_streams`` streams, one entry per key
-of a stream's latest chain, and the model's tables (56 classes x 30
-buckets).
+per stream seen within the last ``max_streams`` streams (with two rows of 30
+buckets once it came back), one entry per key of a stream's latest chain,
+and the model's tables (56 classes x 30 buckets).
 """
 
 from __future__ import annotations
@@ -184,6 +199,9 @@ class _Stream:
     cls: int = 0  # its class in the return model
     age_bucket: int = 0  # the age bucket of its current silence
     age_epoch: int = 0  # age events of an earlier silence carry an older epoch; -1: forgotten
+    own_returns: list[int] | None = None  # its silences that ended with a return, per age bucket
+    densities_for: tuple[int, int, int] = (-1, -1, -1)  # (model version, requests, class) of ``densities``
+    densities: list[float] | None = None  # its hit density per age bucket, from its own returns
 
 
 class SessionWrapper(EvictionPolicy):
@@ -233,6 +251,9 @@ class SessionWrapper(EvictionPolicy):
             for k in range(s.age_bucket + 1, bucket + 1):  # edges crossed since the last _advance
                 model.on_age(s.cls, k, cached)
             model.on_return(s.cls, bucket)
+            if s.own_returns is None:
+                s.own_returns = [0] * NUM_BUCKETS
+            s.own_returns[bucket] += 1
         s.requests += 1
         s.last_at_s = max(s.last_at_s, hints.at_s)
         s.priority = hints.priority
@@ -425,9 +446,20 @@ class SessionWrapper(EvictionPolicy):
 
     def _rank_of(self, s: _Stream) -> Rank:
         retained = 1 if s.retain_until_s > self.now_s else 0
-        density = self.model.density(s.cls, s.age_bucket)
+        density = self._density(s)
         band = _BAND_ABOVE_AVERAGE if density >= self.model.typical_density() else _BAND_BELOW_AVERAGE
         return (retained, s.priority, band, density)
+
+    def _density(self, s: _Stream) -> float:
+        """The stream's hit density now: its class's until it came back once, then its own row
+        (``ReturnModel.own_densities``), computed again only after a refresh, a request or a new class."""
+        if s.own_returns is None:
+            return self.model.density(s.cls, s.age_bucket)
+        key = (self.model.version, s.requests, s.cls)  # a fork off it changes its class, not its requests
+        if s.densities_for != key:
+            s.densities_for = key
+            s.densities = self.model.own_densities(s.cls, s.own_returns)
+        return s.densities[s.age_bucket]
 
     def _push(self, s: _Stream) -> None:
         self._order.push(s, self._rank_of(s), len(self._streams))

@@ -45,10 +45,20 @@ counts halve once ``HALF_LIFE_STREAMS`` silences started, so the model
 follows a workload that drifts. Nothing here is fitted to a trace: the edges
 are a geometric grid, the prior and the half-life are round numbers.
 
+Streams of one class still differ in habit (one user thinks longer than
+another; one repository's tests run slower), and a stream that came back
+often has shown its own. ``own_densities(cls, own_returns)`` ranks such
+a stream by its own life table: the caller keeps, per stream, how many of its
+silences ended in each bucket, and its return hazard is its own, shrunk
+towards its class's with a prior worth ``OWN_PRIOR_SILENCES`` silences, the
+way a sparse class borrows from the pool. The eviction hazard stays the
+class's: it is the cache's doing, not the stream's.
+
 ``refresh()`` recomputes the density table (O(classes x buckets)); the
 caller decides when (the wrapper: every ``REFRESH_REQUESTS`` requests, and at
 powers of two before that) and re-ranks its streams afterwards.
-``density(cls, bucket)`` is a table lookup; ``typical_density()`` is the
+``density(cls, bucket)`` is a table lookup, ``own_densities`` O(buckets)
+(``version`` counts refreshes, so a caller may cache its row); ``typical_density()`` is the
 pooled density at age 0, the average stream's worth. Before anything was
 learned every density is 0.0 (no preference).
 """
@@ -65,6 +75,10 @@ NUM_BUCKETS = len(AGE_EDGES_S)
 _GAP_CLASSES = 14  # no return yet; then the latest silence in log2 buckets: < 2 s, 2-4 s, ..., >= 2**12 s
 NUM_CLASSES = 4 * _GAP_CLASSES  # x forked x parent
 PRIOR_STREAMS = 4.0
+# A stream's own returns outweigh its class's hazard after this many. The one constant here chosen
+# by measurement: the best of 4, 8, 16 and 32 on half of the Claude Code file's sessions, checked on
+# the other half (numbers in tiers/policies/session.py).
+OWN_PRIOR_SILENCES = 16.0
 HALF_LIFE_STREAMS = 4096.0
 REFRESH_REQUESTS = 128
 
@@ -97,6 +111,9 @@ class ReturnModel:
         self.evicted = [[0.0] * NUM_BUCKETS for _ in range(NUM_CLASSES)]
         self._table = [[0.0] * NUM_BUCKETS for _ in range(NUM_CLASSES)]
         self._pooled_table = [0.0] * NUM_BUCKETS
+        self._return_hazard = [[0.0] * NUM_BUCKETS for _ in range(NUM_CLASSES)]
+        self._evict_hazard = [[0.0] * NUM_BUCKETS for _ in range(NUM_CLASSES)]
+        self.version = 0  # bumped by every refresh: densities computed before it are stale
 
     def on_request(self, cls: int, cached: bool = True) -> None:
         """A stream of class ``cls`` made a request: it is at risk of returning from age 0."""
@@ -122,6 +139,22 @@ class ReturnModel:
     def density(self, cls: int, bucket: int) -> float:
         return self._table[cls][bucket]
 
+    def own_densities(self, cls: int, own_returns: list[int]) -> list[float]:
+        """``density(cls, k)`` for every bucket ``k``, for one stream with a history of its own:
+        ``own_returns[k]`` of its earlier silences ended with a return in bucket ``k``. Its return
+        hazard in bucket ``k`` is its own (returns there over its silences that reached ``k``), shrunk
+        towards its class's with a prior worth ``OWN_PRIOR_SILENCES`` silences; its eviction hazard is
+        its class's (the cache's doing, not the stream's). With no own returns it is its class's row.
+        O(NUM_BUCKETS); valid until the next ``refresh``."""
+        rh = self._return_hazard[cls]
+        m = OWN_PRIOR_SILENCES
+        hazard = [0.0] * NUM_BUCKETS
+        reached = 0  # its silences that reached bucket k: those that ended there or later
+        for k in range(NUM_BUCKETS - 1, -1, -1):
+            reached += own_returns[k]
+            hazard[k] = (own_returns[k] + m * rh[k]) / (reached + m)
+        return _densities(hazard, self._evict_hazard[cls])
+
     def typical_density(self) -> float:
         """The density of an average stream over its whole silence: the pooled class at age 0, i.e.
         returns per second of silence, all streams together. The wrapper ranks blocks no hinted
@@ -141,8 +174,11 @@ class ReturnModel:
         m = PRIOR_STREAMS
         for c in range(NUM_CLASSES):
             risk, cached, ret, ev = self.at_risk[c], self.cached_at_risk[c], self.returned[c], self.evicted[c]
-            self._table[c] = _densities([(ret[k] + m * ret_hazard[k]) / (risk[k] + m) for k in range(NUM_BUCKETS)],
-                                        [(ev[k] + m * ev_hazard[k]) / (cached[k] + m) for k in range(NUM_BUCKETS)])
+            rh = [(ret[k] + m * ret_hazard[k]) / (risk[k] + m) for k in range(NUM_BUCKETS)]
+            eh = [(ev[k] + m * ev_hazard[k]) / (cached[k] + m) for k in range(NUM_BUCKETS)]
+            self._return_hazard[c], self._evict_hazard[c] = rh, eh
+            self._table[c] = _densities(rh, eh)
+        self.version += 1
         if risk_pooled[0] > HALF_LIFE_STREAMS:
             for rows in (self.at_risk, self.cached_at_risk, self.returned, self.evicted):
                 for row in rows:
