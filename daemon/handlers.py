@@ -84,6 +84,11 @@ class Pending:
     finish: Callable[[Op], Reply]
     on_error: Callable[[Op], None] | None = None
     keep: Any = None
+    # Payload bytes the reply will carry. They count against the connection's
+    # unread budget while the copy runs: a client that sends restores faster
+    # than their copies finish (a GPU tier's blocks are copied, never lent)
+    # must not park unbounded replies the budget never saw.
+    reply_bytes: int = 0
 
 
 Result = Reply | Pending
@@ -596,7 +601,7 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
             frames = [staging.slab()[:got].numpy()] if got else []
             return Reply({"tiers": list(o.result["tiers"])}, frames)
 
-        return _done_or_pending(op, finish, keep=staging)
+        return _done_or_pending(op, finish, keep=staging, reply_bytes=k * entry.block_bytes)
     dst, slots = _plane_layout(ctx, req, session, n)
     files = _plane_files(session, req)
     if not client_memory.is_client_host_memory(dst):

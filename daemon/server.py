@@ -26,7 +26,8 @@ Contract:
   request came on, ``security.peer_uid``): a sid sent by another user gets
   FOREIGN_SESSION. Tenants (``ServeOptions.tenants``) are
   resolved at hello and applied by the handlers.
-- Unread replies: the unsent payload of one connection's replies is capped
+- Unread replies: the unsent payload of one connection's replies, and the
+  payload its parked replies will carry once their copies finish, is capped
   (``max_unread_reply_bytes``: then UNREAD_REPLIES). Restore replies that
   lend tier memory (zero-copy: the blocks stay held until libzmq lets go of
   the frames) remember their session and the connection their request came
@@ -231,6 +232,7 @@ class Server:
         )
         self._serial = itertools.count(1)
         self._parked: dict[int, _Parked] = {}
+        self._parked_reply_bytes: dict[bytes, int] = {}  # per connection: see Pending.reply_bytes
         # Replies libzmq has not sent yet: their buffers (lent tier memory, staging).
         self.replies = ReplyQueue(self.metrics, self._error_log)
         self._done: list[int] = []  # serials of parked requests whose op finished
@@ -504,7 +506,7 @@ class Server:
             # Past a connection cap: this connection is closed in a moment; say why first.
             self._send_error(identity, req.id, ErrorCode.TOO_MANY_CONNECTIONS, refusal, op=req.op)
             return
-        unread = self.replies.unsent_bytes(identity)
+        unread = self.replies.unsent_bytes(identity) + self._parked_reply_bytes.get(identity, 0)
         if unread >= self.options.max_unread_reply_bytes and req.op not in ("bye", "heartbeat", "health"):
             # A client that does not read its replies would make the daemon hold their buffers without
             # bound; the error reply is small, and the verbs that free things still go through.
@@ -547,6 +549,8 @@ class Server:
             return
         serial = next(self._serial)
         self._parked[serial] = _Parked(identity, req, result, session, started_s)
+        if result.reply_bytes:
+            self._parked_reply_bytes[identity] = self._parked_reply_bytes.get(identity, 0) + result.reply_bytes
         if session is not None:
             session.in_flight += 1
         result.op.add_done_callback(lambda _op, s=serial: self._done.append(s))
@@ -586,9 +590,19 @@ class Server:
         if self.sessions.num_ending:
             self.sessions.sweep_ending()
 
-    def _finish_parked(self, parked: _Parked) -> None:
+    def _unpark(self, parked: _Parked) -> None:
         if parked.session is not None:
             parked.session.in_flight -= 1
+        nbytes = parked.pending.reply_bytes
+        if nbytes:
+            left = self._parked_reply_bytes[parked.identity] - nbytes
+            if left:
+                self._parked_reply_bytes[parked.identity] = left
+            else:
+                del self._parked_reply_bytes[parked.identity]
+
+    def _finish_parked(self, parked: _Parked) -> None:
+        self._unpark(parked)
         op: Op = parked.pending.op
         req = parked.req
         if op.error is not None:
@@ -685,8 +699,7 @@ class Server:
                 break
         for serial in list(self._parked):
             parked = self._parked.pop(serial)
-            if parked.session is not None:
-                parked.session.in_flight -= 1
+            self._unpark(parked)
             self._send_error(parked.identity, parked.req.id, ErrorCode.SHUTTING_DOWN,
                              "daemon shut down before the copy finished", op=parked.req.op)
         # Replies libzmq still holds are dropped when the socket closes; their

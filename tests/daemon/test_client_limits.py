@@ -366,19 +366,31 @@ def test_a_file_the_daemon_may_not_open_is_access_denied_with_its_mode(kvtierd_f
 # ---- replies a client does not read (item 4) ------------------------------------------------------
 
 
-def test_a_client_that_does_not_read_its_replies_holds_a_bounded_number_of_bytes(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("held", ["one_run", "scattered"])
+def test_a_client_that_does_not_read_its_replies_holds_a_bounded_number_of_bytes(kvtierd_factory, held: str) -> None:  # type: ignore[no-untyped-def]
+    """Replies lent in place, and replies whose copies are still running, count against the budget.
+
+    ``one_run``: the 8 blocks lie in one run of host slots, so each restore
+    reply lends them in place. ``scattered``: stored between other blocks,
+    they are gathered by a copy first, as a CUDA GPU tier's always are (it
+    cannot lend device memory); replies waiting for their copies count too.
+    """
     import zmq
 
     from kvtier.client.protocol import decode, encode
 
     block = 64 * 1024
     limit = 1 << 20
-    d = kvtierd_factory(gpu_bytes=16 * block, cpu_bytes=16 * block, max_unread_reply_bytes=limit)
+    d = kvtierd_factory(gpu_bytes=16 * block, cpu_bytes=16 * block, max_unread_reply_bytes=limit, device="cpu")
     lay = PoolLayout(model="m", block_size=4, block_bytes=block, dtype="bfloat16", num_layers=1, kv_heads=1,
                      head_dim=8, mode="store")
     hs = [bytes([5, i]) * 8 for i in range(8)]
     with Client(d.endpoint, "unread", lay) as owner:
-        owner.store(hs, bytes(8 * block))
+        if held == "one_run":
+            owner.store(hs, bytes(8 * block))
+        else:
+            for i, h in enumerate(hs):
+                owner.store([h, bytes([6, i]) * 8], bytes(2 * block))
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, 1)  # reads nothing, queues almost nothing
