@@ -287,5 +287,10 @@ def test_cuda_engine_round_trip_device_and_pinned_host_every_byte() -> None:
             seen.extend(eng.poll())
             time.sleep(0.001)
         assert {id(t) for t in seen} == {id(down), id(up), id(d2d), id(h2h)}
+        # Every copy counts in the engine's totals (the pool's copy_bytes), the
+        # host-to-host one too, though a host worker ran it (seen missing on an H100).
+        bb = gpu.block_bytes
+        assert eng.bytes_by_kind == {CopyKind.DEMOTE: 5 * bb, CopyKind.RESTORE: 7 * bb, CopyKind.STORE: bb,
+                                     CopyKind.LOAD: 0}
     finally:
         eng.close()
