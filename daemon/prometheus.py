@@ -147,6 +147,9 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
     PoolMetric("miss_blocks", "miss_blocks", "counter",
                "Looked-up blocks past the longest held prefix (not found, or after the first gap)."),
     PoolMetric("demotions", "demotions", "counter", "Blocks copied from the GPU tier into the CPU tier."),
+    PoolMetric("demotions_urgent", "demotions_urgent", "counter",
+               "Blocks demoted on the spot because an eviction found them not yet in the CPU tier "
+               "(the op waited for the copy); clean-ahead keeps this near zero in steady state."),
     PoolMetric("demotions_skipped_clean", "demotions_skipped", "counter",
                "Evicted GPU blocks not demoted: clean (already in the CPU tier), refused by the CPU "
                "admission policy, or dropped because the CPU tier was full of pinned/busy blocks.",

@@ -229,10 +229,12 @@ def test_reference_worked_example_through_pool_moves_block_3_to_cpu(hasher: Bloc
         if clean_ahead == 0:
             # Block 3 had to be demoted on the spot: exactly one urgent demotion.
             assert pool.counters["demotions"] == demotions_before + 1
+            assert pool.counters["demotions_urgent"] == 1
         else:
             # Clean-ahead had already copied it: the eviction needed no copy.
             assert pool.counters["demotions"] == demotions_before
             assert pool.counters["demotions_skipped_clean"] >= 1
+            assert pool.counters["demotions_urgent"] == 0
         assert pool.wait_idle(10)
         # Block 3's bytes are in the CPU tier, byte-exact.
         entry = pool.cpu.get_ready(h3)

@@ -289,6 +289,7 @@ def test_clean_ahead_demotes_head_blocks_in_background(make) -> None:
     op = hx.pool.allocate("s", chain("s", 2), 8)
     assert op.done and op.error is None
     assert hx.pool.counters["demotions_skipped_clean"] == 2
+    assert hx.pool.counters["demotions_urgent"] == 0
     assert op.result["block_ids"] == [3, 2]
     hx.compute(op.result["block_ids"], chain("s", 2), 0)
     # Clean-ahead moved on to the new head (blocks 1 0) in the background.

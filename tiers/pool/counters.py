@@ -26,6 +26,9 @@ class Counters:
     remote_write_backs: int = 0
     demotions: int = 0  # blocks copied GPU -> CPU
     demotions_skipped_clean: int = 0  # evicted blocks the CPU tier already held
+    # Demotions an eviction had to make on the spot (the op waits for them):
+    # clean-ahead keeps this near zero in steady state.
+    demotions_urgent: int = 0
     demotions_not_admitted: int = 0
     demotions_dropped_full: int = 0
     restores: int = 0  # blocks copied CPU -> GPU for an allocation

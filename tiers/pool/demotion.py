@@ -69,6 +69,7 @@ class Demoter:
         if urgent:
             demote = self.demote(urgent, high_priority=True, protected=protected)
             if demote is not None:
+                pool.counters.demotions_urgent += len(demote.src_slots)
                 must_follow.add(demote)
         # The caller writes the reused slots once the op is done: it waits for
         # these copies, but their failure (a lost demotion) is not its failure.
