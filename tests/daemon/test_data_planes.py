@@ -61,11 +61,15 @@ def test_inline_store_restore_through_cpu_tier(daemon) -> None:  # type: ignore[
         assert stats["demotions"] >= 8 and stats["copy_failures"] == 0
 
 
-def test_inline_restore_lends_one_run_in_place_and_gives_it_back(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_inline_restore_lends_one_run_in_place_and_gives_it_back(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
     # A prefix in one run of one tier's slots is sent straight from the tier
     # (lent_bytes); one spread over both tiers is gathered into a staging
     # buffer (load copy bytes). Both byte-exact; once the replies have left,
-    # the daemon holds nothing: clear drops every block.
+    # the daemon holds nothing: clear drops every block. Only host memory is
+    # lent, so this daemon runs on the CPU everywhere (on CUDA the GPU tier's
+    # blocks are always copied: test_inline_store_restore_through_cpu_tier).
+    daemon = kvtierd_factory(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES,
+                             max_message_bytes=8 * BLOCK_BYTES, device="cpu")
     rng = random.Random(7)
     with Client(daemon.endpoint, "inline-lent", layout()) as c:
         a, b = chain(rng, 4), chain(rng, 2)

@@ -1,12 +1,15 @@
 """Engine-managed mode: the worked example of vLLM's "Automatic Prefix Caching" design doc, driven through the client.
 
-The "engine" is this test: it registers a shared-memory KV tensor of 10
-blocks (block size 4) as the pool's GPU tier, asks the daemon for block
-tables, and writes each token's KV into its slot the way a model would.
+The "engine" is this test: it registers a KV tensor of 10 blocks (block
+size 4) as the pool's GPU tier, asks the daemon for block tables, and writes
+each token's KV into its slot the way a model would. The tensor is shared
+memory, or on a GPU a CUDA tensor the daemon opens by CUDA IPC (the daemon
+then runs on CUDA too: its device is 'auto').
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.client.client import Client, PoolLayout
@@ -43,13 +46,25 @@ class Engine:
                 self.kv[layer, 0, slot, offset] = value + layer
                 self.kv[layer, 1, slot, offset] = -value - layer
 
+    def synchronize(self) -> None:
+        if self.kv.is_cuda:
+            torch.cuda.synchronize(self.kv.device)
+
     def block_bytes(self, slot: int) -> bytes:
-        return self.kv.select(BLOCK_DIM, slot).contiguous().view(torch.uint8).numpy().tobytes()
+        return self.kv.select(BLOCK_DIM, slot).contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
-def test_worked_example_of_reference_doc_000(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
-    daemon = kvtierd_factory(cpu_bytes=16 * BLOCK_BYTES)
+def engine_kv(kind: str) -> torch.Tensor:
+    if kind == "cuda":
+        return torch.zeros(SHAPE, dtype=torch.float16, device="cuda")
     kv, _handle = allocate_shared_kv(SHAPE, "float16", BLOCK_DIM)
+    return kv
+
+
+@pytest.mark.parametrize("kind", ["shm", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_worked_example_of_reference_doc_000(kvtierd_factory, kind: str) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(cpu_bytes=16 * BLOCK_BYTES)
+    kv = engine_kv(kind)
     engine = Engine(kv)
     r0 = list(range(1000, 1017))  # request 0: 15 prompt tokens, then 2 decoded
     r1 = r0[:10] + [2000, 2001, 2002, 2003]  # 14 tokens, the first 10 shared with request 0
@@ -75,7 +90,9 @@ def test_worked_example_of_reference_doc_000(kvtierd_factory) -> None:  # type: 
         assert alloc.block_ids == [0, 1, 5, 6] and alloc.tiers == ["gpu", "gpu"]
         engine.compute(alloc.block_ids, r1, start=8)
 
-        # Times 5-6: both finish; free queue 7 8 9 4 3 2 6 5 1 0.
+        # Times 5-6: both finish; free queue 7 8 9 4 3 2 6 5 1 0. Freed blocks
+        # may be demoted at once: an engine's writes are complete before it frees.
+        engine.synchronize()
         c.free("r0")
         c.free("r1")
 
@@ -99,6 +116,7 @@ def test_worked_example_of_reference_doc_000(kvtierd_factory) -> None:  # type: 
 
         stats = c.stats()["pools"]["example"]
         assert stats["restores"] >= 1 and stats["gpu_blocks"] == NUM_BLOCKS and stats["gpu_registered"]
+        engine.synchronize()
         c.free("r2")
         c.free("r3")
         c.unregister_kv("kv")

@@ -79,7 +79,9 @@ def test_a_thousand_hellos_with_distinct_layouts_stay_within_the_budget(kvtierd_
     import psutil
 
     mib = 1 << 20
-    d = kvtierd_factory(cpu_bytes=mib, gpu_bytes=mib, cpu_budget_bytes=16 * mib)
+    # On the CPU everywhere: the bounds below are of host memory and copy threads
+    # (a CUDA pool's GPU tier is device memory, and its engine has five threads).
+    d = kvtierd_factory(cpu_bytes=mib, gpu_bytes=mib, cpu_budget_bytes=16 * mib, device="cpu")
     proc = psutil.Process(d.proc.pid)
     with Client(d.endpoint, "steady", layout("steady")) as steady:
         steady.store([b"k" * 16], bytes(BLOCK))

@@ -18,6 +18,10 @@ from kvtier.client.protocol import decode, encode
 BLOCK_BYTES = 64 * 1024
 TIER_BLOCKS = 16  # each tier; the test's pool holds at most 2 * TIER_BLOCKS blocks
 LEASE_S = 2.0  # the non-reading client's lease: room for one fill of the pool while it lives
+# Lending is of host memory: a CUDA GPU tier's blocks are copied, never lent
+# (tests/daemon/test_client_limits.py bounds those replies). So these daemons
+# run on the CPU on every machine.
+DEVICE = "cpu"
 
 
 def layout() -> PoolLayout:
@@ -47,7 +51,8 @@ def fill_the_pool(client: Client, seed: int) -> None:
 @pytest.mark.parametrize("ending", ["expiry", "bye"])
 def test_a_non_reading_client_gets_its_connection_shut_and_its_lent_blocks_return_within_a_lease(
         kvtierd_factory, ending: str) -> None:  # type: ignore[no-untyped-def]
-    d = kvtierd_factory(gpu_bytes=TIER_BLOCKS * BLOCK_BYTES, cpu_bytes=TIER_BLOCKS * BLOCK_BYTES, lease_s=5.0)
+    d = kvtierd_factory(gpu_bytes=TIER_BLOCKS * BLOCK_BYTES, cpu_bytes=TIER_BLOCKS * BLOCK_BYTES, lease_s=5.0,
+                        device=DEVICE)
     hs = [bytes([7, i]) * 8 for i in range(8)]
     with Client(d.endpoint, "lent", layout()) as owner:
         owner.store(hs, bytes(8 * BLOCK_BYTES))
@@ -96,7 +101,8 @@ def test_a_non_reading_client_gets_its_connection_shut_and_its_lent_blocks_retur
 
 
 def test_a_client_that_reads_its_replies_is_never_shut_down(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
-    d = kvtierd_factory(gpu_bytes=TIER_BLOCKS * BLOCK_BYTES, cpu_bytes=TIER_BLOCKS * BLOCK_BYTES, lease_s=1.0)
+    d = kvtierd_factory(gpu_bytes=TIER_BLOCKS * BLOCK_BYTES, cpu_bytes=TIER_BLOCKS * BLOCK_BYTES, lease_s=1.0,
+                        device=DEVICE)
     hs = [bytes([8, i]) * 8 for i in range(8)]
     with Client(d.endpoint, "reads", layout()) as watcher:
         with Client(d.endpoint, "reads", layout()) as reader:
