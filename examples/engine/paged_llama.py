@@ -64,6 +64,11 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     # The benchmark model of issue 5: ~200M parameters, 12 layers, 4 KV heads.
     "200m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                  num_key_value_heads=4, vocab_size=32000),
+    # A GPU's benchmark model: Llama-3.2-1B's shape (~1.2B parameters, 16 layers,
+    # 8 KV heads, 64 KiB of float32 KV per token), where an 8k-token prefill
+    # costs a GPU real time. Too slow for a 2-core CPU.
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
 }
 
 
@@ -84,7 +89,11 @@ def build_model(preset: str, *, seed: int = 0, device: str | torch.device = "cpu
     """A random-init float32 Llama of the given preset, in eval mode (see the module docstring)."""
     config = model_config(preset, attn_implementation=attn_implementation)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    # Initialised on its device: a 1B model's random init takes the CPU many
+    # seconds, the GPU milliseconds. The same seed gives the same weights on
+    # one device, which is all a comparison within one run needs.
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
     return model.to(device=device, dtype=torch.float32).eval()
 
 
