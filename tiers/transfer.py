@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -121,11 +122,22 @@ class CudaTransferEngine(TransferEngine):
 
     QoS: high-priority transfers (restores, loads) launch on the caller's
     thread onto the high-priority stream. Low-priority ones (demotions,
-    stores) launch from a pacing thread onto the low-priority stream; with
-    ``demote_bandwidth_cap_bytes_per_s`` they are cut into
-    ``demote_chunk_bytes`` pieces whose launches a token bucket spaces out,
-    and ``low_priority_max_blocks`` caps the kernel's grid, so decode steps
-    keep their SMs and copy bandwidth. Neither ever blocks the caller.
+    stores) launch from a pacing thread onto the low-priority stream, cut
+    into ``demote_chunk_bytes`` pieces:
+
+    - at most ``low_priority_queue_parts`` pieces are queued on the device
+      at a time, and no piece is launched while a high-priority transfer is
+      in flight (for at most ``restore_yield_max_s`` per piece, so a stream
+      of restores cannot starve demotions). Stream priorities order kernels'
+      blocks, not the copy engines or the PCIe link: on an H100 a restore
+      took 1.64x as long while demotions queued back to back
+      (``bench/gpu_qos.py``), so restores are given the link by not feeding
+      it demotions while they run;
+    - with ``demote_bandwidth_cap_bytes_per_s`` a token bucket spaces the
+      pieces' launches out, and ``low_priority_max_blocks`` caps the kernel's
+      grid, so decode steps keep their SMs and copy bandwidth.
+
+    None of it ever blocks the caller.
 
     Completion: timing events around each transfer, waited on by one thread
     per stream so each stream's transfers finish in order; ``device_stats()``
@@ -142,12 +154,17 @@ class CudaTransferEngine(TransferEngine):
         copy_method: str = "auto",
         demote_method: str | None = None,
         demote_bandwidth_cap_bytes_per_s: float | None = None,
-        demote_chunk_bytes: int = 16 << 20,
+        demote_chunk_bytes: int = 8 << 20,
         low_priority_max_blocks: int | None = None,
+        low_priority_queue_parts: int = 2,
+        restore_yield_max_s: float = 0.02,
     ) -> None:
         super().__init__()
         if demote_chunk_bytes < 1:
             raise ValueError(f"demote_chunk_bytes must be >= 1, got {demote_chunk_bytes}")
+        if low_priority_queue_parts < 1 or restore_yield_max_s < 0:
+            raise ValueError("need low_priority_queue_parts >= 1 and restore_yield_max_s >= 0, got "
+                             f"{low_priority_queue_parts} and {restore_yield_max_s}")
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -170,6 +187,14 @@ class CudaTransferEngine(TransferEngine):
         }
         self.demote_chunk_bytes = demote_chunk_bytes
         self.low_priority_max_blocks = low_priority_max_blocks
+        self.low_priority_queue_parts = low_priority_queue_parts
+        self.restore_yield_max_s = restore_yield_max_s
+        # High-priority transfers launched and not yet seen complete; the
+        # launcher of low-priority pieces waits on this condition.
+        self._high_in_flight = 0
+        self._high_cv = threading.Condition()
+        # End events of the low-priority pieces queued on the device (launcher thread only).
+        self._low_marks: deque = deque()
         self.pacer = cuda_copy.BandwidthPacer(demote_bandwidth_cap_bytes_per_s, burst_bytes=demote_chunk_bytes)
         self._stats_lock = threading.Lock()
         self._device_stats = {d: {"bytes": 0, "seconds": 0.0, "transfers": 0} for d in ("h2d", "d2h", "d2d")}
@@ -269,6 +294,9 @@ class CudaTransferEngine(TransferEngine):
         waiter; ``end`` is None when nothing could be recorded at all.
         """
         stream = self._streams[high]
+        if high:
+            with self._high_cv:
+                self._high_in_flight += 1  # _wait_events takes it off: every high launch reaches it
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         keep: list = []
@@ -296,7 +324,6 @@ class CudaTransferEngine(TransferEngine):
         from kvtier.tiers.copy_plan import NotPlannable, plan_block_copy
 
         src, dst = job.src, job.dst
-        pacer = None if high else self.pacer
         executor = self._executors[high]
         plan = None
         if executor is not None and executor.plannable(src, dst):
@@ -306,15 +333,37 @@ class CudaTransferEngine(TransferEngine):
                 log.debug("staging path for %s: %s", job.transfer.kind.value, exc)
         if plan is not None:
             assert executor is not None
-            capped = pacer is not None and pacer.rate_bytes_per_s is not None and not self._draining
-            for part in plan.split(self.demote_chunk_bytes) if capped else [plan]:
-                if capped:
-                    pacer.pace(part.nbytes)
-                keep += executor.launch(part, stream, max_blocks=None if high else self.low_priority_max_blocks)
+            if high:
+                keep += executor.launch(plan, stream, max_blocks=None)
+                return
+            for part in plan.split(self.demote_chunk_bytes):
+                self._before_low_piece(part.nbytes, stream)
+                keep += executor.launch(part, stream, max_blocks=self.low_priority_max_blocks)
+                self._after_low_piece(stream)
             return
-        if pacer is not None and not self._draining:
-            pacer.pace(job.transfer.nbytes)
+        if high:
+            keep += self._launch_staged(job)
+            return
+        self._before_low_piece(job.transfer.nbytes, stream)
         keep += self._launch_staged(job)
+        self._after_low_piece(stream)
+
+    def _before_low_piece(self, nbytes: int, stream: torch.cuda.Stream) -> None:
+        """On the launcher thread, before a low-priority piece: queue depth, restores in flight, the cap."""
+        if self._draining:
+            return
+        while len(self._low_marks) >= self.low_priority_queue_parts:
+            self._low_marks.popleft().synchronize()
+        with self._high_cv:
+            self._high_cv.wait_for(lambda: self._high_in_flight == 0 or self._draining,
+                                   timeout=self.restore_yield_max_s)
+        if self.pacer.rate_bytes_per_s is not None:
+            self.pacer.pace(nbytes)
+
+    def _after_low_piece(self, stream: torch.cuda.Stream) -> None:
+        mark = torch.cuda.Event()
+        mark.record(stream)
+        self._low_marks.append(mark)
 
     def _launch_staged(self, job: _Job) -> list[torch.Tensor]:
         src, dst = job.src, job.dst
@@ -357,13 +406,19 @@ class CudaTransferEngine(TransferEngine):
                     s["seconds"] += seconds
                     s["transfers"] += 1
             del keep_alive  # the copy is done (or never ran): staging and descriptor buffers may go
+            if high:
+                with self._high_cv:
+                    self._high_in_flight -= 1
+                    self._high_cv.notify_all()
             self._complete(transfer, error)
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self._closed:
             return
         self._closed = True
-        self._draining = True  # queued demotions launch without pacing
+        self._draining = True  # queued demotions launch without pacing or yielding
+        with self._high_cv:
+            self._high_cv.notify_all()
         deadline = time.monotonic() + timeout_s
         self._low_jobs.put(None)
         self._launcher.join(max(0.0, deadline - time.monotonic()))

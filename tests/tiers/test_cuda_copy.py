@@ -230,14 +230,21 @@ class FakeStream:
 
 
 class FakeEvent:
+    # stream -> threading.Event: events recorded on that stream complete only once it is set
+    gates: dict[object, threading.Event] = {}
+
     def __init__(self, enable_timing: bool = False, **_kw: object) -> None:
         self.t: float | None = None
+        self.stream: object = None
 
     def record(self, stream: object = None) -> None:
         self.t = time.monotonic()
+        self.stream = stream
 
     def synchronize(self) -> None:
-        pass
+        gate = FakeEvent.gates.get(self.stream)
+        if gate is not None:
+            assert gate.wait(30)
 
     def elapsed_time(self, end: FakeEvent) -> float:
         assert self.t is not None and end.t is not None
@@ -248,6 +255,7 @@ class CpuExecutor:
     """Stands in for CudaPlanExecutor: moves the planned runs at launch, on the CPU, and logs launches."""
 
     log: list[dict] = []
+    self_tests = 0
     fail_self_test: set[str] = set()
     fail_launch: list[int] = []  # launch numbers (0-based, global) that raise
 
@@ -255,6 +263,7 @@ class CpuExecutor:
         self.method = method
 
     def self_test(self) -> None:
+        CpuExecutor.self_tests += 1
         if self.method in CpuExecutor.fail_self_test:
             raise RuntimeError("self-test mismatch")
 
@@ -276,8 +285,10 @@ class CpuExecutor:
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch):
     CpuExecutor.log = []
+    CpuExecutor.self_tests = 0
     CpuExecutor.fail_self_test = set()
     CpuExecutor.fail_launch = []
+    FakeEvent.gates = {}
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "device", lambda *_a, **_k: contextlib.nullcontext())
@@ -285,7 +296,10 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_copy, "available_methods", lambda: ["kernel", "memcpy"])
     monkeypatch.setattr(cuda_copy, "CudaPlanExecutor", CpuExecutor)
+    from kvtier.tiers import transfer
     from kvtier.tiers.transfer import CudaTransferEngine
+
+    monkeypatch.setattr(transfer, "_SELF_TESTED", set())  # each test sees its executors' self-tests
 
     engines = []
 
@@ -295,6 +309,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch):
         return eng
 
     yield make
+    for gate in FakeEvent.gates.values():
+        gate.set()
     for eng in engines:
         eng.close()
 
@@ -363,6 +379,41 @@ def test_capped_demotions_are_cut_into_chunks_and_paced_off_the_caller(fake_cuda
     assert [e["nbytes"] for e in CpuExecutor.log] == [nb * gpu.block_bytes]
 
 
+def test_demotions_are_cut_into_pieces_that_wait_while_a_restore_is_in_flight(fake_cuda) -> None:
+    chunk = 256 * 1024
+    eng = fake_cuda(demote_chunk_bytes=chunk, restore_yield_max_s=5.0)  # no cap
+    nb, layers, frag = 8, 4, 32 * 1024  # 256 KiB blocks: one piece each
+    gpu, _, twin = gpu_labelled("kv_first", nb, layers, frag, seed=4)
+    host = BlockLayout.contiguous(nb, gpu.block_bytes)
+    gate = FakeEvent.gates[eng.stream(True)] = threading.Event()
+    up = eng.submit(CopyKind.RESTORE, host, [7], gpu, [7])  # on the device until the gate opens
+    down = eng.submit(CopyKind.DEMOTE, gpu, list(range(4)), host, list(range(4)))
+    time.sleep(0.2)
+
+    def pieces() -> list[dict]:
+        return [e for e in CpuExecutor.log if e["stream"] is eng.stream(False)]
+
+    assert pieces() == [] and not down.done()  # the link is the restore's
+    gate.set()
+    assert up.wait(10) and down.wait(10) and up.error is None and down.error is None
+    assert [e["nbytes"] for e in pieces()] == [chunk] * 4
+    assert torch.equal(host.slab()[:4], twin.gather(list(range(4))))
+
+
+def test_restores_in_flight_hold_each_demotion_piece_back_for_a_bounded_time(fake_cuda) -> None:
+    chunk = 256 * 1024
+    eng = fake_cuda(demote_chunk_bytes=chunk, restore_yield_max_s=0.05)
+    gpu, _, twin = gpu_labelled("kv_first", 4, 4, 32 * 1024, seed=6)
+    host = BlockLayout.contiguous(4, gpu.block_bytes)
+    FakeEvent.gates[eng.stream(True)] = threading.Event()  # the restore never completes in this test
+    eng.submit(CopyKind.RESTORE, host, [3], gpu, [3])
+    t0 = time.monotonic()
+    down = eng.submit(CopyKind.DEMOTE, gpu, [0, 1], host, [0, 1])
+    assert down.wait(10) and down.error is None  # not starved
+    assert 0.09 <= time.monotonic() - t0 < 5  # each of the two pieces waited its 50 ms
+    assert torch.equal(host.slab()[:2], twin.gather([0, 1]))
+
+
 def test_a_failed_launch_fails_its_transfer_only(fake_cuda) -> None:
     eng = fake_cuda(demote_bandwidth_cap_bytes_per_s=1e12, demote_chunk_bytes=64 * 1024)
     gpu, _, twin = gpu_labelled("kv_first", 4, 2, 32 * 1024, seed=2)
@@ -386,8 +437,11 @@ def test_a_failed_launch_fails_its_transfer_only(fake_cuda) -> None:
 
 
 def test_methods_that_fail_their_self_test_are_never_used(fake_cuda) -> None:
+    from kvtier.tiers import transfer
+
     CpuExecutor.fail_self_test = {"kernel"}
     assert fake_cuda().copy_methods == {"high": "memcpy", "low": "memcpy"}
+    transfer._SELF_TESTED.clear()  # as in a new process: memcpy's pass above is remembered otherwise
     CpuExecutor.fail_self_test = {"kernel", "memcpy"}
     assert fake_cuda().copy_methods == {"high": "staging", "low": "staging"}
     assert fake_cuda(copy_method="kernel").copy_methods == {"high": "staging", "low": "staging"}
@@ -396,6 +450,18 @@ def test_methods_that_fail_their_self_test_are_never_used(fake_cuda) -> None:
     assert fake_cuda(copy_method="staging").copy_methods == {"high": "staging", "low": "staging"}
     with pytest.raises(ValueError, match="copy method"):
         fake_cuda(copy_method="dma-please")
+
+
+def test_a_method_is_self_tested_once_per_process_until_it_passes(fake_cuda) -> None:
+    # A daemon makes an engine per pool: a hello must not wait for the self-tests again.
+    CpuExecutor.fail_self_test = {"kernel"}
+    assert fake_cuda(copy_method="kernel").copy_methods["high"] == "staging"
+    assert fake_cuda(copy_method="kernel").copy_methods["high"] == "staging"
+    assert CpuExecutor.self_tests == 2  # a failure is not remembered: tried again
+    CpuExecutor.fail_self_test = set()
+    for _ in range(3):
+        assert fake_cuda(copy_method="kernel").copy_methods["high"] == "kernel"
+    assert CpuExecutor.self_tests == 3
 
 
 def test_wait_event_goes_on_the_stream_of_its_class(fake_cuda) -> None:
