@@ -31,7 +31,7 @@ import torch
 from kvtier.tiers.copy_types import CopyKind, Transfer, TransferEngine, TransferError, _Job
 
 __all__ = ["CopyKind", "CudaTransferEngine", "ThreadTransferEngine", "Transfer", "TransferEngine", "TransferError",
-           "background_copy_method", "copy_host_blocks", "make_transfer_engine"]
+           "BACKGROUND", "copy_host_blocks", "make_transfer_engine"]
 from kvtier.tiers.layout import BlockLayout, copy_blocks
 
 if TYPE_CHECKING:
@@ -213,7 +213,10 @@ class CudaTransferEngine(TransferEngine):
             t.start()
 
     def _make_executor(self, method: str) -> CudaPlanExecutor | None:
-        """The plan executor for ``method`` ("auto": kernel, then memcpy), or None for the staging path.
+        """The plan executor for ``method``, or None for the staging path.
+
+        "auto": the fastest, kernel then memcpy. "background": the copy
+        engines, batch then memcpy, then the kernel (see ``BACKGROUND``).
 
         Every candidate must pass its byte-exact self-test on this GPU first;
         one that fails is logged and skipped, never used. A pass holds for the
@@ -222,13 +225,14 @@ class CudaTransferEngine(TransferEngine):
         """
         from kvtier.tiers import cuda_copy
 
-        valid = ("auto", "staging", *cuda_copy.METHODS)
+        valid = ("auto", BACKGROUND, "staging", *cuda_copy.METHODS)
         if method not in valid:
             raise ValueError(f"copy method must be one of {valid}, got {method!r}")
         if method == "staging":
             return None
         available = cuda_copy.available_methods()
-        candidates = [m for m in ("kernel", "memcpy") if m in available] if method == "auto" else [method]
+        order = {"auto": ("kernel", "memcpy"), BACKGROUND: ("batch", "memcpy", "kernel")}.get(method)
+        candidates = [m for m in order if m in available] if order else [method]
         for m in candidates:
             try:
                 executor = cuda_copy.CudaPlanExecutor(self.device, method=m)
@@ -238,7 +242,7 @@ class CudaTransferEngine(TransferEngine):
                 return executor
             except Exception as exc:
                 log.warning("copy method %r unusable on %s (%s); falling back", m, self.device, exc)
-        if method != "auto":
+        if order is None:
             log.warning("copy method %r unavailable on %s; using the staging path", method, self.device)
         return None
 
@@ -445,23 +449,14 @@ def _row_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
 _SELF_TESTED: set[tuple[str, str]] = set()
 
 
-def background_copy_method() -> str:
-    """The method for low-priority copies (demotions, stores): the copy engines where they run.
-
-    The copy kernel is the fastest path for fragmented blocks, but it runs on
-    the SMs the model needs. Measured on an H100 (bench/gpu.py,
-    ``bench/results/gpu-NVIDIA-H100-80GB-HBM3.json``): kernel demotions at full
-    speed slowed a bf16 matmul loop 2.3x, ``batch`` (cudaMemcpyBatchAsync, copy
-    engines) not measurably, at 21 GB/s of 32 KiB fragments. Background
-    copies have time; the model's forward does not.
-    """
-    from kvtier.tiers import cuda_copy
-
-    available = cuda_copy.available_methods()
-    for method in ("batch", "memcpy"):
-        if method in available:
-            return method
-    return "auto"
+# The method choice for low-priority copies (demotions, stores): the copy
+# engines first. The copy kernel is the fastest path for fragmented blocks, but
+# it runs on the SMs the model needs. Measured on an H100 (bench/gpu.py,
+# bench/results/gpu-NVIDIA-H100-80GB-HBM3.json): kernel demotions at full speed
+# slowed a bf16 matmul loop 2.3x, batch (cudaMemcpyBatchAsync, copy engines) not
+# measurably, at 21 GB/s of 32 KiB fragments. Background copies have time; the
+# model's forward does not.
+BACKGROUND = "background"
 
 
 def make_transfer_engine(device: torch.device | str = "cpu") -> TransferEngine:
@@ -469,9 +464,9 @@ def make_transfer_engine(device: torch.device | str = "cpu") -> TransferEngine:
 
     On CUDA, critical-path copies (restores, loads, urgent demotions) use the
     fastest method ("auto": the copy kernel); background ones the copy engines
-    (``background_copy_method``), so they take no SMs from the model.
+    (``BACKGROUND``), so they take no SMs from the model.
     """
     device = torch.device(device)
     if device.type == "cuda":
-        return CudaTransferEngine(device, demote_method=background_copy_method())
+        return CudaTransferEngine(device, demote_method=BACKGROUND)
     return ThreadTransferEngine()

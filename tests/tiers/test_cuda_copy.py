@@ -464,6 +464,17 @@ def test_a_method_is_self_tested_once_per_process_until_it_passes(fake_cuda) -> 
     assert CpuExecutor.self_tests == 3
 
 
+def test_background_copies_prefer_the_copy_engines_and_fall_back_to_the_kernel(fake_cuda) -> None:
+    from kvtier.tiers import transfer
+    from kvtier.tiers.transfer import BACKGROUND
+
+    # No "batch" here (available_methods is kernel and memcpy): memcpy is the first copy-engine method.
+    assert fake_cuda(demote_method=BACKGROUND).copy_methods == {"high": "kernel", "low": "memcpy"}
+    transfer._SELF_TESTED.clear()  # as in a new process
+    CpuExecutor.fail_self_test = {"memcpy"}
+    assert fake_cuda(demote_method=BACKGROUND).copy_methods == {"high": "kernel", "low": "kernel"}
+
+
 def test_wait_event_goes_on_the_stream_of_its_class(fake_cuda) -> None:
     eng = fake_cuda()
     ev = FakeEvent()
