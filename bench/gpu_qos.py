@@ -180,24 +180,17 @@ def clean_ahead_run(make_engine: Callable[[], object], device: str, clean_ahead:
 def matmul_interference(make_engine: Callable[[], object], gpu, host, iters: int) -> dict:
     import torch  # noqa: PLC0415
 
-    def run_ms() -> float:
-        a0, a1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a0.record()
-        for _ in range(iters):
-            torch.matmul(a, b)
-        a1.record()
-        a1.synchronize()
-        return a0.elapsed_time(a1) / iters
+    from gpu import matmul_ms  # noqa: PLC0415  (bench/gpu.py: the same loop its interference section times)
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
-        run_ms()
-    alone = statistics.median(run_ms() for _ in range(5))
+        matmul_ms(a, b, iters)
+    alone = statistics.median(matmul_ms(a, b, iters) for _ in range(5))
     engine = make_engine()
     with DemotionLoad(engine, gpu, host, 32, seed=5) as load:
         t0, m0 = time.perf_counter(), load.moved_bytes
-        loaded = statistics.median(run_ms() for _ in range(5))
+        loaded = statistics.median(matmul_ms(a, b, iters) for _ in range(5))
         gbps = (load.moved_bytes - m0) / (time.perf_counter() - t0) / 1e9
     methods = dict(engine.copy_methods)
     engine.close()
