@@ -307,6 +307,11 @@ class PoolRegistry:
         for entry in self._pools.values():
             entry.pool.poll()
 
+    def clean_when_idle(self) -> None:
+        """The loop has nothing else to do: each pool demotes ahead of its next allocations (``TieredPool.clean_when_idle``)."""
+        for entry in self._pools.values():
+            entry.pool.clean_when_idle()
+
     def learn(self, should_yield: Callable[[], bool] | None = None) -> bool:
         """Policy bookkeeping of every pool (see ``TieredPool.learn``); True when none is left."""
         for entry in self._pools.values():

@@ -448,6 +448,9 @@ class Server:
         backlog = self.pools.learn_backlog_keys()
         if backlog:
             self.pools.learn(self._clients_waiting if backlog <= MAX_LEARN_BACKLOG_KEYS else None)
+        if not handled and not self._parked and not self.stop.requested:
+            # Nothing asked this turn: demote ahead of the next long allocation (low priority, batched).
+            self.pools.clean_when_idle()
         now_s = time.monotonic()
         if now_s >= self._next_sweep_s:
             self._next_sweep_s = now_s + self._sweep_every_s

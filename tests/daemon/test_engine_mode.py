@@ -9,6 +9,8 @@ then runs on CUDA too: its device is 'auto').
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -162,3 +164,29 @@ def test_free_with_valid_tokens_keeps_unwritten_blocks_out_of_the_cache(kvtierd_
         retry = c.allocate_tokens("b", tokens)
         assert retry.tiers == ["gpu", "gpu"] and retry.block_ids[:2] == alloc.block_ids[:2]
         c.free("b")
+
+
+def test_an_idle_daemon_demotes_ahead_so_the_next_long_allocation_waits_for_none(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    # Clean-ahead after each call keeps 2 blocks clean here; a request of all
+    # 10 would wait for 8 urgent demotions, unless the daemon used its idle time.
+    daemon = kvtierd_factory(cpu_bytes=32 * BLOCK_BYTES, clean_ahead_blocks=2)
+    kv, _handle = allocate_shared_kv(SHAPE, "float16", BLOCK_DIM)
+    engine = Engine(kv)
+    first = list(range(5000, 5000 + NUM_BLOCKS * BLOCK_SIZE))
+    second = list(range(6000, 6000 + NUM_BLOCKS * BLOCK_SIZE))
+    with Client(daemon.endpoint, "idle", layout(), lease_s=5.0) as c:
+        c.register_kv("kv", [kv], BLOCK_DIM)
+        alloc = c.allocate_tokens("r", first)
+        engine.compute(alloc.block_ids, first)
+        c.free("r")
+
+        def pool() -> dict:
+            return c.stats()["pools"]["idle"]
+
+        deadline = time.monotonic() + 10
+        while pool()["demotions"] < NUM_BLOCKS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool()["demotions"] == NUM_BLOCKS and pool()["demotions_urgent"] == 0
+        alloc = c.allocate_tokens("s", second)  # evicts all ten: none waits for a copy
+        assert pool()["demotions_urgent"] == 0
+        assert c.lookup(c.hashes_for(first)) == ["cpu"] * NUM_BLOCKS

@@ -300,6 +300,63 @@ def test_clean_ahead_demotes_head_blocks_in_background(make) -> None:
     hx.check()
 
 
+def test_clean_when_idle_demotes_down_the_free_queue_so_a_long_allocation_waits_for_none(make) -> None:
+    hx = make(gpu_blocks=8, cpu_blocks=32, clean_ahead=2)
+    a = chain("a", 8)
+    hx.allocate("r", a, 32)
+    hx.pool.free("r")
+    assert hx.pool.wait_idle(10)
+    assert hx.pool.counters["demotions"] == 2  # the call's own clean-ahead: two blocks
+    calls = 0
+    while not hx.pool.clean_when_idle(batch_blocks=4):  # the caller is idle: deeper, 4 at a time
+        calls += 1
+        assert calls < 10
+        hx.pool.poll(wait_s=0.01)
+    assert hx.pool.wait_idle(10)
+    assert hx.pool.counters["demotions"] == 8 and all(hx.pool.cpu.contains(k) for k in a)
+    assert hx.pool.clean_when_idle()  # nothing to do until the next call
+    assert hx.pool.counters["demotions"] == 8
+    hx.check()
+    # A request that evicts all eight waits for no demotion.
+    op = hx.pool.allocate("s", chain("s", 8), 32)
+    assert op.done and op.error is None
+    assert hx.pool.counters["demotions_urgent"] == 0
+    hx.compute(op.result["block_ids"], chain("s", 8), 0)
+    assert hx.restore_check(a[:2]) == ["cpu", "cpu"]
+    hx.check()
+
+
+def test_clean_when_idle_asks_about_a_refused_block_once(make, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Refusals are counted (demotions_not_admitted, a tenant's dropped_demotions): an idle
+    # daemon must not ask the CPU tier again and again about the same blocks.
+    hx = make(gpu_blocks=4, cpu_blocks=8, clean_ahead=1)
+    asked: list[bytes] = []
+
+    def refuse(keys: list[bytes]) -> list[bool]:
+        asked.extend(keys)
+        return [False] * len(keys)
+
+    monkeypatch.setattr(hx.pool.cpu, "admit_many", refuse)
+    hx.allocate("r", chain("r", 4), 16)
+    hx.pool.free("r")
+    assert len(asked) == 1  # the call's own clean-ahead: the head block
+    assert hx.pool.clean_when_idle()  # all four asked, all refused: nothing left to do
+    assert len(asked) == 5
+    hx.pool.unpin_all("nobody")  # any call: the idle pass has work again ...
+    assert hx.pool.clean_when_idle()
+    assert len(asked) == 6  # ... but asks only the call's own clean-ahead's block again
+    assert hx.pool.counters["demotions"] == 0
+
+
+def test_clean_when_idle_does_nothing_in_bookkeeping_mode_or_without_a_call_since(make) -> None:
+    hx = make(gpu_blocks=4, cpu_blocks=8, clean_ahead=0, data=False)
+    hx.pool.allocate("r", chain("r", 4), 16)
+    hx.pool.free("r")
+    assert hx.pool.clean_when_idle() and hx.pool.counters["demotions"] == 0  # replay never demotes ahead
+    hx = make(gpu_blocks=4, cpu_blocks=8, clean_ahead=0)
+    assert hx.pool.clean_when_idle() and hx.pool.counters["demotions"] == 0  # no call, nothing pending
+
+
 def test_store_that_cannot_make_room_raises_nospace_with_nothing_changed(make) -> None:
     hx = make(gpu_blocks=3, cpu_blocks=4)
     hx.store(chain("x", 2)).wait(10)

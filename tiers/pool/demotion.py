@@ -8,7 +8,9 @@
 - ``clean_ahead()``: after each call, demote at low priority the cached
   blocks nearest the head of the GPU free queue (up to the pool's
   ``clean_ahead_blocks``), so an allocation in steady state finds them in the
-  CPU tier already and waits for no device-to-host copy.
+  CPU tier already and waits for no device-to-host copy. With
+  ``depth_blocks``/``max_blocks`` it goes deeper in bounded batches: the
+  pool's idle-time pass (``TieredPool.clean_when_idle``).
 - ``dropped(hashes)``: the GPU tier let these hashes go without a demotion
   (withdrawn, cleared, detached); each one it holds no copy of any more is
   reported to the CPU tier's policy (``on_gpu_drop``). ``vacate`` reports
@@ -107,25 +109,43 @@ class Demoter:
         counters.demotions += len(admitted)
         return copy
 
-    def clean_ahead(self, protected: frozenset[bytes] = frozenset()) -> None:
-        """Demote the cached blocks the next allocations will evict, before they do."""
+    def clean_ahead(self, protected: frozenset[bytes] = frozenset(), *, depth_blocks: int | None = None,
+                    max_blocks: int | None = None, asked: set[tuple[int, bytes]] | None = None) -> tuple[int, int]:
+        """Demote the cached blocks the next allocations will evict, before they do.
+
+        Those the CPU tier lacks among the first ``depth_blocks`` of the free
+        queue (default: the pool's ``clean_ahead_blocks``), at most
+        ``max_blocks`` of them, skipping the (block, hash) pairs in ``asked``
+        and adding those it demotes or the CPU tier refuses. Returns (blocks
+        found to demote, blocks whose demotion was submitted).
+        """
         pool = self.pool
         bm = pool.bm
         cpu = pool.cpu
-        if bm is None or pool.clean_ahead_blocks <= 0 or cpu.capacity_blocks == 0:
-            return
+        if depth_blocks is None:
+            depth_blocks = pool.clean_ahead_blocks
+            pool.idle_clean_pending = True  # a call changed the free queue: the idle pass has work again
+        if bm is None or depth_blocks <= 0 or cpu.capacity_blocks == 0:
+            return 0, 0
         busy = pool._copies.gpu_busy
         dirty: list[Evicted] = []
         for i, block in enumerate(bm.iter_free()):
-            if i >= pool.clean_ahead_blocks:
+            if i >= depth_blocks or (max_blocks is not None and len(dirty) >= max_blocks):
                 break
             h = block.block_hash
             if h is None or cpu.get(h) is not None or block.block_id in busy:
                 continue
             if bm.get_cached(h) is not block:
                 continue  # a duplicate: its twin carries the hash
+            if asked is not None:
+                if (block.block_id, h) in asked:
+                    continue
+                asked.add((block.block_id, h))
             dirty.append(Evicted(block.block_id, h))
-        if dirty:
-            copy = self.demote(dirty, high_priority=False, protected=protected)
-            if copy is not None:
-                pool._copies.submit_ready()
+        if not dirty:
+            return 0, 0
+        copy = self.demote(dirty, high_priority=False, protected=protected)
+        if copy is None:
+            return len(dirty), 0
+        pool._copies.submit_ready()
+        return len(dirty), len(copy.src_slots)

@@ -49,7 +49,9 @@ Contract:
 - Clean-ahead: after each call the pool demotes, in the background and at
   low priority, the cached blocks nearest the head of the free queue, so
   that an allocation in steady state finds them already in the CPU tier and
-  waits for no device-to-host copy.
+  waits for no device-to-host copy. ``clean_when_idle()``, called by a
+  caller with nothing else to do, goes deeper (``idle_clean_blocks``): a
+  long request's allocation after a pause then waits for no demotion either.
 - Remote tier (optional, ``remote=RemoteTier``): lookups continue past the
   CPU tier with one pipelined existence probe; allocate/restore fetch the
   remote run into the CPU tier (checksummed; a bad or missing value ends the
@@ -85,6 +87,9 @@ if TYPE_CHECKING:
     from kvtier.tiers.layout import BlockLayout
     from kvtier.tiers.remote_store import RemoteStore
 
+# Blocks one idle-time clean-ahead call demotes at most (one batched copy: 256 MiB of 1 MiB blocks).
+IDLE_CLEAN_BATCH_BLOCKS = 256
+
 # Wraps the CPU tier's eviction policy as the pool is built (the daemon's
 # tenant quotas): gets the policy made from ``policy`` and the CPU tier it orders.
 PolicyWrapper = Callable[[EvictionPolicy, CpuTier], EvictionPolicy]
@@ -111,6 +116,7 @@ class TieredPool:
         cpu_storage: BlockLayout | None = None,
         enable_caching: bool = True,
         clean_ahead_blocks: int = 64,
+        idle_clean_blocks: int | None = None,
         remote: RemoteStore | None = None,
         defer_learning: bool = False,
         policy_wrapper: PolicyWrapper | None = None,
@@ -126,6 +132,12 @@ class TieredPool:
         self.transfer = transfer
         self.enable_caching = enable_caching
         self.clean_ahead_blocks = clean_ahead_blocks
+        # None: the GPU tier's size, at most half the CPU tier (see clean_when_idle).
+        self.idle_clean_blocks = idle_clean_blocks
+        self.idle_clean_pending = False  # set by every call's clean-ahead, cleared when the idle pass is done
+        # (block, hash) pairs the idle pass asked the CPU tier about: a refusal is not asked again
+        # (a policy's or a tenant quota's refusals are counted), nor a block in flight twice.
+        self._idle_asked: set[tuple[int, bytes]] = set()
         # History-based policies learn from every request (hundreds of
         # microseconds for a long one); a server defers that until its replies
         # are out and calls learn() between requests.
@@ -347,6 +359,36 @@ class TieredPool:
             return completed
         finally:
             copies.completed = None
+
+    def clean_when_idle(self, batch_blocks: int = IDLE_CLEAN_BATCH_BLOCKS) -> bool:
+        """Idle time's clean-ahead; True when it has nothing to do until the next call.
+
+        Demotes, at low priority, the cached blocks the CPU tier lacks among
+        the first ``idle_clean_blocks`` of the free queue, ``batch_blocks``
+        per call and only while no copy is in flight, so a caller with nothing
+        else to do (the daemon's loop between requests) can call it every
+        turn. Why: clean-ahead keeps 64 blocks clean, and a request of 16k
+        tokens evicts 1,000; on an H100 such an allocation after a pause
+        first demoted ~450 MiB, most of its restore's time (bench/ttft.py).
+        The inclusive CPU tier would take these blocks when the GPU tier
+        evicted them anyway; the CPU tier's policy admits them or not, as
+        then. A block is asked about once while it keeps its slot and hash;
+        ``clean_ahead_blocks = 0`` turns this pass off too.
+        """
+        if not self.idle_clean_pending or self.bm is None or not self.data or self.clean_ahead_blocks <= 0:
+            return True  # clean_ahead_blocks = 0 turns clean-ahead off, this pass too
+        if self._copies.busy:
+            return False
+        depth = self.idle_clean_blocks
+        if depth is None:
+            depth = min(self.bm.num_blocks, self.cpu.capacity_blocks // 2)
+        if len(self._idle_asked) > 2 * self.bm.num_blocks:
+            self._idle_asked.clear()  # stale pairs of reused blocks: forget them all, ask once more
+        found, submitted = self._demoter.clean_ahead(depth_blocks=depth, max_blocks=batch_blocks,
+                                                     asked=self._idle_asked)
+        if found < batch_blocks or submitted == 0:
+            self.idle_clean_pending = False  # the scan reached the depth, or the CPU tier took none
+        return not self.idle_clean_pending
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout_s
