@@ -475,6 +475,24 @@ def test_background_copies_prefer_the_copy_engines_and_fall_back_to_the_kernel(f
     assert fake_cuda(demote_method=BACKGROUND).copy_methods == {"high": "kernel", "low": "kernel"}
 
 
+def test_auto_sends_long_runs_to_the_copy_engines_and_fragments_to_the_kernel(fake_cuda) -> None:
+    eng = fake_cuda()
+    assert eng.copy_methods["high"] == "kernel" and eng.bulk_method == "memcpy"
+    nb = 4
+    big = BlockLayout.contiguous(nb, 1 << 20)  # 1 MiB runs
+    big.device = torch.device("cuda", 0)
+    big.slab().random_(0, 256)
+    host = BlockLayout.contiguous(nb, 1 << 20)
+    up = eng.submit(CopyKind.RESTORE, host, [0, 1], big, [2, 3])
+    frag, _, _ = gpu_labelled("kv_first", nb, 4, 32 * 1024, seed=8)  # 32 KiB runs
+    frag_host = BlockLayout.contiguous(nb, frag.block_bytes)
+    up2 = eng.submit(CopyKind.RESTORE, frag_host, [0], frag, [1])
+    assert up.wait(10) and up2.wait(10) and up.error is None and up2.error is None
+    assert [e["method"] for e in CpuExecutor.log] == ["memcpy", "kernel"]
+    assert torch.equal(big.slab()[2:4], host.slab()[0:2])
+    assert fake_cuda(copy_method="kernel").bulk_method is None  # a method named is a method used
+
+
 def test_wait_event_goes_on_the_stream_of_its_class(fake_cuda) -> None:
     eng = fake_cuda()
     ev = FakeEvent()
