@@ -117,7 +117,16 @@ against 0.6599: no gain). With the prior at 16 (0.6599): the own returns
 decayed by 1/16 at each return (a window of about the prior) 0.6602; the
 silence still running counted as at risk in its own table 0.6597; the own
 returns smoothed over neighbouring age buckets (1/4, 1/2, 1/4) 0.6587 (half
-``session % 4 == 0``: 0.6082 against 0.6107): no gain.
+``session % 4 == 0``: 0.6082 against 0.6107): no gain. Later, at 0.6599: the
+own returns decayed as above, on the halves (0.6090 against 0.6106, 0.6508
+against 0.6511); finer age buckets (edges 2**(i/3), 2**(i/4)) 0.6083 and
+0.6099 against 0.6106, 0.6506 and 0.6503 against 0.6511: no gain. The output
+length does bound the next gap from below (main-agent requests: 10th
+percentile of the gap 8 s after < 256 output tokens, 44 s after >= 2048), but
+a silence started at the estimated end of generation (100 tokens/s) gave
+0.5999, and 0.645 with the stream ranked p_hit(0) / (life(0) + generation
+left) while it generates (the 0.56 above was partly that: a generating stream
+was ranked as if its whole generation cost one second of cache time).
 
 ``retain_s``: a request's stream is retained until ``at_s + retain_s``: its
 blocks go only after every block that is not retained. The retained blocks
