@@ -31,6 +31,9 @@ class Notifier:
         self._next_watchdog_s = 0.0
         self._warned = False
         self._sock: socket.socket | None = None
+        # The STATUS= text sent last, by whoever sent it: the loop's summary goes
+        # out only when it differs (an allocation's progress line in between counts).
+        self.last_status = ""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Notifier:
@@ -53,6 +56,8 @@ class Notifier:
     def notify(self, **fields: str) -> bool:
         if self.address is None:
             return False
+        if "status" in fields:
+            self.last_status = fields["status"]
         payload = "".join(f"{k.upper()}={v}\n" for k, v in fields.items()).encode()
         target = "\0" + self.address[1:] if self.address.startswith("@") else self.address
         try:

@@ -11,8 +11,8 @@ Contract:
   reaches a handler; a bad one gets an error reply and a counter and changes
   nothing. Handlers come from ``daemon.handlers.HANDLERS``.
 - Copies never run on the loop. A handler whose copies are in flight returns
-  ``Pending``; the request is parked and its reply sent from the loop when
-  the pool reports the op done.
+  ``Pending``; the request is parked (``daemon.parking``) and its reply sent
+  from the loop when the pool reports the op done.
 - Exactly one reply per request, carrying its id: every path through
   ``_handle`` ends in exactly one reply (``_send_ok`` / ``_send_error``,
   through ``daemon.replies.ReplyQueue``) or one parking, and every parked
@@ -38,9 +38,10 @@ Contract:
 - Connections: ``daemon.connection_limits`` sheds connections past
   ``max_connections`` / ``max_connections_per_peer`` as libzmq accepts them;
   a request on a refused connection gets TOO_MANY_CONNECTIONS.
-- Memory: a pool that a hello would create is checked first
-  (``daemon.memory.check_new_pool``: NO_SPACE with the numbers when the
-  host cannot take its CPU tier).
+- Pools: a pool that a hello would create is checked first, idle pools
+  reclaimed to make room, and idle ones closed after ``pool_idle_ttl_s``
+  (``daemon.pool_admission``: NO_SPACE with the numbers when the host or the
+  CPU budget cannot take its CPU tier, TOO_MANY_POOLS past ``max_pools``).
 - systemd: READY=1 once the socket is bound, WATCHDOG=1 from the loop at
   half of WatchdogSec (and between pinned chunks of a CPU tier being
   allocated), STATUS= lines (allocation progress; a summary at most once a
@@ -55,7 +56,6 @@ Contract:
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
 import os
 import socket
@@ -81,19 +81,20 @@ from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits
 from kvtier.daemon.connections import Connection, connection_of
 from kvtier.daemon.replies import ReplyQueue
 from kvtier.daemon.descriptors import FdBudget, auto_per_peer
-from kvtier.daemon.handlers import (HANDLERS, HandlerContext, KvImporter, Pending, Reply, release_arena, release_registration,
-                                    stats_fields)
+from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Reply, stats_fields
 from kvtier.daemon.lifecycle import StopFlag
 from kvtier.daemon.log_limit import RateLimitedLog
-from kvtier.daemon.memory import check_new_pool, gib
+from kvtier.daemon.memory import gib
 from kvtier.daemon.metrics import Counters
+from kvtier.daemon.parking import Parked, ParkingLot
+from kvtier.daemon.pool_admission import PoolAdmission
 from kvtier.daemon.pools import PoolRegistry, PoolSizing
 from kvtier.daemon.prometheus import StatsSnapshot
+from kvtier.daemon.release import release_session
 from kvtier.daemon.sd_notify import Notifier
 from kvtier.daemon.security import CurveGuard, CurveOptions, check_socket_dir, peer_uid, peer_user_id
 from kvtier.daemon.sessions import Session, SessionTable
 from kvtier.daemon.tenants import TenantRegistry
-from kvtier.tiers.host_memory import HostMemoryError
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
 from kvtier.tiers.transfer import TransferError
 
@@ -141,30 +142,6 @@ class ServeOptions:
 
 
 
-def _free_closed_pools() -> None:
-    """Collect the pools just closed, and the tier memory they hold, now.
-
-    A pool's parts refer to each other (the pool to its resolver, pins and
-    scheduler, and back), so dropping it leaves a cycle that only the cyclic
-    collector frees, and its tiers' memory with it: 1,000 hellos with idle
-    pools reclaimed grew the daemon by 444 MB before this. A full collection
-    on the loop, once per reclaim, is the price (pool creation itself takes
-    longer: it allocates the new tier).
-    """
-    t0 = time.perf_counter()
-    gc.collect()
-    log.debug("collected closed pools in %.1f ms", (time.perf_counter() - t0) * 1e3)
-
-
-@dataclass(eq=False)
-class _Parked:
-    identity: bytes
-    req: Request
-    pending: Pending
-    session: Session | None
-    started_s: float
-
-
 def _error_code_for(exc: BaseException) -> ErrorCode:
     if isinstance(exc, NoSpace):
         return ErrorCode.NO_SPACE
@@ -205,15 +182,25 @@ class Server:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self.admission = PoolAdmission(
+            configured_sizing=options.sizing_for,
+            max_pools=options.max_pools,
+            cpu_budget_bytes=options.cpu_budget_bytes,
+            pool_idle_ttl_s=options.pool_idle_ttl_s,
+            close_timeout_s=options.drain_timeout_s,
+            metrics=self.metrics,
+            notifier=self.notifier,
+        )
         self.pools = PoolRegistry(
             device=options.device,
-            sizing_for=self._sizing_for,
+            sizing_for=self.admission.sizing_for,
             hash_algo=options.hash_algo,
             wakeup=self._wakeup,
-            progress=self._allocation_progress,
+            progress=self.admission.allocation_progress,
             policy_wrapper=options.tenants.policy_wrapper,
         )
-        self.sessions = SessionTable(self._release_session)
+        self.admission.attach(self.pools)
+        self.sessions = SessionTable(lambda session, reason: release_session(self.ctx, self.replies, session, reason))
         self.ctx = HandlerContext(
             pools=self.pools,
             sessions=self.sessions,
@@ -230,12 +217,9 @@ class Server:
             max_pinned_share=options.max_pinned_share,
             max_shm_files_total=self.fds.shm_files,
         )
-        self._serial = itertools.count(1)
-        self._parked: dict[int, _Parked] = {}
-        self._parked_reply_bytes: dict[bytes, int] = {}  # per connection: see Pending.reply_bytes
+        self._parked = ParkingLot()  # requests whose copies are in flight
         # Replies libzmq has not sent yet: their buffers (lent tier memory, staging).
         self.replies = ReplyQueue(self.metrics, self._error_log)
-        self._done: list[int] = []  # serials of parked requests whose op finished
         self._zctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
@@ -246,7 +230,6 @@ class Server:
         # An abstract socket has no file, hence no permissions: any local user
         # could connect. Without CURVE it serves the daemon's own user (and root).
         self._same_user_only = options.endpoint.startswith("ipc://@") and options.curve is None
-        self._status_text = ""
         self._next_status_s = 0.0
         self._sweep_every_s = min(0.1, options.lease_s / 10)
         self._next_sweep_s = 0.0
@@ -259,81 +242,6 @@ class Server:
             self._wake_w.send(b"\0")
         except OSError:
             pass
-
-    def _sizing_for(self, name: str) -> PoolSizing:
-        """The configured sizing of a new pool, refused (NO_SPACE, with the numbers) if the host cannot take it.
-
-        Idle pools (no session), longest idle first, are reclaimed first
-        while the new one would exceed max_pools, the CPU budget or the
-        memory available; pools with sessions are never touched.
-        """
-        sizing = self.options.sizing_for(name)
-        closed = 0
-        for idle in self.pools.idle():
-            if not self._pool_would_not_fit(sizing.cpu_bytes):
-                break
-            log.info("pool %r reclaimed for pool %r: idle %.0f s, %s of CPU tier freed", idle.name, name,
-                     time.monotonic() - (idle.idle_since_s or 0.0), gib(idle.cpu_bytes))
-            self.metrics.inc("pools_reclaimed_total", reason="memory")
-            self.pools.close(idle.name, self.options.drain_timeout_s)
-            closed += 1
-        if closed:
-            _free_closed_pools()
-        if len(self.pools) >= self.options.max_pools:
-            # Pools outlive their sessions (the cache is the point), so without
-            # a bound every new pool name a client sends costs tiers and threads.
-            self.metrics.inc("pools_refused_total")
-            raise ProtocolError(ErrorCode.TOO_MANY_POOLS,
-                                f"this daemon holds as many pools as it may (max_pools {self.options.max_pools}), "
-                                "all with sessions; join an existing pool or ask the operator")
-        existing = {e.name: e.cpu_bytes for e in self.pools}
-        try:  # the host first: a pool the machine cannot hold is refused for that, whatever the budget
-            check_new_pool(name, sizing.cpu_bytes, existing)
-        except HostMemoryError as exc:
-            raise ProtocolError(ErrorCode.NO_SPACE, str(exc)) from None
-        budget = self.options.cpu_budget_bytes
-        if budget is not None and sum(existing.values()) + sizing.cpu_bytes > budget:
-            raise ProtocolError(ErrorCode.NO_SPACE,
-                                f"pool {name!r} needs a {gib(sizing.cpu_bytes)} ({sizing.cpu_bytes} bytes) CPU tier; "
-                                f"the daemon's CPU tiers hold {gib(sum(existing.values()))} of its {gib(budget)} "
-                                "budget (cpu_budget_bytes), all in pools with sessions; end one, or ask the operator")
-        self.notifier.status(f"allocating the CPU tier of pool {name!r}: {gib(sizing.cpu_bytes)}")
-        self._status_text = ""  # the next summary goes out even if it did not change
-        return sizing
-
-    def _pool_would_not_fit(self, cpu_bytes: int) -> bool:
-        """A new pool with this CPU tier would pass max_pools, the CPU budget or the memory available."""
-        if len(self.pools) >= self.options.max_pools:
-            return True
-        existing = {e.name: e.cpu_bytes for e in self.pools}
-        budget = self.options.cpu_budget_bytes
-        if budget is not None and sum(existing.values()) + cpu_bytes > budget:
-            return True
-        try:
-            check_new_pool("", cpu_bytes, existing)
-        except HostMemoryError:
-            return True
-        return False
-
-    def _close_expired_pools(self, now_s: float) -> None:
-        """Pools idle for pool_idle_ttl_s go, with their blocks."""
-        ttl_s = self.options.pool_idle_ttl_s
-        for idle in self.pools.idle():
-            if idle.idle_since_s is None or now_s - idle.idle_since_s < ttl_s:
-                break  # longest idle first: the rest are younger
-            log.info("pool %r closed: no session for %.0f s (pool_idle_ttl_s), %s of CPU tier freed",
-                     idle.name, now_s - idle.idle_since_s, gib(idle.cpu_bytes))
-            self.metrics.inc("pools_reclaimed_total", reason="idle")
-            self.pools.close(idle.name, self.options.drain_timeout_s)
-            _free_closed_pools()
-
-    def _allocation_progress(self, name: str, done_bytes: int, total_bytes: int) -> None:
-        # Pinning a large tier blocks the loop for seconds: keep systemd's
-        # watchdog fed and say how far it got.
-        self.notifier.status(f"allocating the CPU tier of pool {name!r}: {gib(done_bytes)} of {gib(total_bytes)}")
-        self._status_text = ""  # the next summary goes out even if it did not change
-        if self.notifier.watchdog_due():
-            self.notifier.watchdog()
 
     def bind(self) -> None:
         self._zctx = zmq.Context()
@@ -459,7 +367,7 @@ class Server:
                 self.metrics.inc("lease_expiries_total", len(expired))
             if self.replies.sessions_to_shut:
                 self.replies.shut_unread(now_s)
-            self._close_expired_pools(now_s)
+            self.admission.close_expired(now_s)
         self.metrics.set("sessions", len(self.sessions))
         self.metrics.set("requests_in_flight", len(self._parked))
         self.metrics.set("learn_backlog_keys", self.pools.learn_backlog_keys())
@@ -483,8 +391,7 @@ class Server:
         cpu_bytes = sum(e.cpu_bytes for e in self.pools)
         text = (f"serving on {self.options.endpoint}: {len(self.pools)} pools, {len(self.sessions)} sessions, "
                 f"CPU tiers {gib(cpu_bytes)}")
-        if text != self._status_text:
-            self._status_text = text
+        if text != self.notifier.last_status:
             self.notifier.status(text)
 
     # ---- one request ---------------------------------------------------------
@@ -509,7 +416,7 @@ class Server:
             # Past a connection cap: this connection is closed in a moment; say why first.
             self._send_error(identity, req.id, ErrorCode.TOO_MANY_CONNECTIONS, refusal, op=req.op)
             return
-        unread = self.replies.unsent_bytes(identity) + self._parked_reply_bytes.get(identity, 0)
+        unread = self.replies.unsent_bytes(identity) + self._parked.reply_bytes(identity)
         if unread >= self.options.max_unread_reply_bytes and req.op not in ("bye", "heartbeat", "health"):
             # A client that does not read its replies would make the daemon hold their buffers without
             # bound; the error reply is small, and the verbs that free things still go through.
@@ -550,13 +457,7 @@ class Server:
                 lender = (session.sid, connection_of(frames[1]))
             self._send_ok(identity, req, result, started_s, lender)
             return
-        serial = next(self._serial)
-        self._parked[serial] = _Parked(identity, req, result, session, started_s)
-        if result.reply_bytes:
-            self._parked_reply_bytes[identity] = self._parked_reply_bytes.get(identity, 0) + result.reply_bytes
-        if session is not None:
-            session.in_flight += 1
-        result.op.add_done_callback(lambda _op, s=serial: self._done.append(s))
+        self._parked.park(Parked(identity, req, result, session, started_s))
 
     def _session_for(self, req: Request) -> Session | None:
         spec = req.spec
@@ -584,28 +485,12 @@ class Server:
         return session
 
     def _deliver_done(self) -> None:
-        while self._done:
-            serial = self._done.pop(0)
-            parked = self._parked.pop(serial, None)
-            if parked is None:
-                continue  # already answered (drain timeout)
+        for parked in self._parked.finished():
             self._finish_parked(parked)
         if self.sessions.num_ending:
             self.sessions.sweep_ending()
 
-    def _unpark(self, parked: _Parked) -> None:
-        if parked.session is not None:
-            parked.session.in_flight -= 1
-        nbytes = parked.pending.reply_bytes
-        if nbytes:
-            left = self._parked_reply_bytes[parked.identity] - nbytes
-            if left:
-                self._parked_reply_bytes[parked.identity] = left
-            else:
-                del self._parked_reply_bytes[parked.identity]
-
-    def _finish_parked(self, parked: _Parked) -> None:
-        self._unpark(parked)
+    def _finish_parked(self, parked: Parked) -> None:
         op: Op = parked.pending.op
         req = parked.req
         if op.error is not None:
@@ -647,47 +532,6 @@ class Server:
             self._error_log.log(code.name, "%s id=%d -> %s: %s", op, rid, code.name, message)
         self.replies.send(identity, error_reply(rid, code, message), [])
 
-    # ---- sessions --------------------------------------------------------------
-
-    def _release_session(self, session: Session, reason: str) -> None:
-        """Give back everything a session holds (its copies are all done)."""
-        if reason == "shutdown":
-            # The pools are closed and about to go: only OS resources matter.
-            # The client lives on and may bring its arena to the next daemon.
-            for reg in session.registrations.values():
-                reg.close()
-            session.registrations.clear()
-            release_arena(self.ctx, session, unlink=False)
-            return
-        self.replies.session_ended(session.sid, reason, session.lease_s)
-        try:
-            entry = self.pools.get(session.pool_name)
-        except ProtocolError:
-            return
-        pool = entry.pool
-        pins = pool.unpin_all(session.sid)
-        requests = len(session.requests)
-        for name in sorted(session.requests):
-            try:
-                pool.free(session.pool_request_id(name))
-            except (NotFound, PoolError):
-                pass  # already gone with a detached GPU tier
-        session.requests.clear()
-        registrations = len(session.registrations)
-        for reg in list(session.registrations.values()):
-            release_registration(self.ctx, session, reg)
-        session.registrations.clear()
-        # The client is dead (expired) or done with it (bye): the file goes,
-        # if this session still owns it.
-        release_arena(self.ctx, session, unlink=True)
-        entry.sessions.discard(session.sid)
-        if not entry.sessions:
-            entry.idle_since_s = time.monotonic()
-        log.info(
-            "session %s ended (%s): released %d pins, %d requests, %d registrations",
-            session.sid[:8], reason, pins, requests, registrations,
-        )
-
     # ---- shutdown ----------------------------------------------------------------
 
     def _drain(self) -> int:
@@ -700,9 +544,7 @@ class Server:
         while time.monotonic() < deadline_s:
             if not self._turn(BUSY_POLL_MS) and not self._parked and not self.replies.busy:
                 break
-        for serial in list(self._parked):
-            parked = self._parked.pop(serial)
-            self._unpark(parked)
+        for parked in self._parked.take_all():
             self._send_error(parked.identity, parked.req.id, ErrorCode.SHUTTING_DOWN,
                              "daemon shut down before the copy finished", op=parked.req.op)
         # Replies libzmq still holds are dropped when the socket closes; their

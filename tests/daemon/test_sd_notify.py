@@ -57,6 +57,7 @@ def test_ready_status_watchdog_stopping_arrive_in_order(notify_socket: tuple[soc
     assert n.watchdog(now_s=100.0)
     assert not n.watchdog_due(now_s=100.9) and n.watchdog_due(now_s=101.0)
     assert n.stopping("draining 3 requests")
+    assert n.last_status == "draining 3 requests"  # the loop's summary goes out only when it differs
     got = _recv_all(sock)
     assert got == [
         {"STATUS": "allocating CPU tier: 1/4 chunks"},
