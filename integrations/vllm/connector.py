@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.integrations.vllm.metadata import KvtierMetadata
+from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.pool import choose_pool
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import ConnectorSettings
@@ -105,7 +105,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._w().get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._w().build_worker_meta()
+        loaded = self._w().take_loaded()
+        return KvtierWorkerMetadata(loaded) if loaded else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

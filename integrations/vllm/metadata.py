@@ -1,29 +1,23 @@
-"""What the scheduler half tells the worker half each step, and what comes back.
+"""What the scheduler half tells the worker half each step, and what comes back, as vLLM's types.
 
-Both travel between vLLM's processes by pickle; they hold plain lists.
+Both travel between vLLM's processes by pickle; they hold plain lists. The
+content is ``transfers.StepTransfers``; these add vLLM's base classes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.client.protocol import Hints
+from kvtier.integrations.vllm.transfers import BlockTransfer, StepTransfers
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-
-@dataclass(slots=True)
-class BlockTransfer:
-    keys: list[bytes]  # kvtier block keys, prefix order
-    block_ids: list[int]  # vLLM's block ids, one per key
-    req_id: str = ""
-    hints: Hints | None = None  # the request's (stores only)
+__all__ = ["BlockTransfer", "KvtierMetadata", "KvtierWorkerMetadata"]
 
 
 @dataclass
-class KvtierMetadata(KVConnectorMetadata):
-    loads: list[BlockTransfer] = field(default_factory=list)  # restore before this step's forward
-    stores: list[BlockTransfer] = field(default_factory=list)  # full blocks this step computes
+class KvtierMetadata(StepTransfers, KVConnectorMetadata):
+    """This step's loads and stores (``StepTransfers``)."""
 
 
 @dataclass

@@ -51,7 +51,8 @@ from kvtier.integrations.vllm.background import Background
 from kvtier.integrations.vllm.hints import hints_of
 from kvtier.integrations.vllm.keys import RequestKeys
 from kvtier.integrations.vllm.link import DaemonLink
-from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, KvtierWorkerMetadata
+from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
+from kvtier.integrations.vllm.transfers import BlockTransfer
 from kvtier.integrations.vllm.pool import PoolChoice
 from kvtier.integrations.vllm.settings import ConnectorSettings
 

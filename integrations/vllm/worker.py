@@ -21,8 +21,12 @@ session on the rank's pool.
   before any KV block is zeroed, copied or written, waits for those stores:
   a block is never reused while kvtierd reads it. A store that fails is a
   future miss, nothing else.
-- ``build_worker_meta``: the requests whose loads ran, so the scheduler half
-  drops their pins.
+- ``take_loaded``: the requests whose loads ran, so the scheduler half
+  drops their pins (the connector wraps them in vLLM's worker metadata).
+
+Engine-free: the step's transfers come as ``transfers.StepTransfers`` and
+nothing here imports vLLM, so this data path runs, and is tested on CUDA
+tensors shaped like vLLM's, where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ from typing import TYPE_CHECKING
 
 from kvtier.integrations.vllm.background import Background
 from kvtier.integrations.vllm.link import DaemonLink
-from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.planes import CopyDeadline, Plane, make_plane
 from kvtier.integrations.vllm.pool import PoolChoice, block_dim_of
 from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.transfers import StepTransfers
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +79,7 @@ class WorkerSide:
 
     # ---- loads -------------------------------------------------------------------------
 
-    def start_load_kv(self, meta: KvtierMetadata) -> None:
+    def start_load_kv(self, meta: StepTransfers) -> None:
         if not meta.loads or self._plane is None or self._link is None:
             return
         self.wait_for_stores()
@@ -95,15 +99,14 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def build_worker_meta(self) -> KvtierWorkerMetadata | None:
-        if not self._loaded:
-            return None
-        meta, self._loaded = KvtierWorkerMetadata(self._loaded), set()
-        return meta
+    def take_loaded(self) -> set[str]:
+        """The requests whose loads ran since the last call (done or failed): their pins can go."""
+        loaded, self._loaded = self._loaded, set()
+        return loaded
 
     # ---- stores ------------------------------------------------------------------------
 
-    def wait_for_save(self, meta: KvtierMetadata) -> None:
+    def wait_for_save(self, meta: StepTransfers) -> None:
         if not meta.stores or self._plane is None or self._link is None:
             return
         plane, link = self._plane, self._link

@@ -1,0 +1,34 @@
+"""The blocks one engine step moves, in engine-free terms.
+
+``StepTransfers`` is what the scheduler half decides per step and the worker
+half (``worker.WorkerSide``) carries out: ``loads`` are restored into vLLM's
+KV tensors before the step's forward, ``stores`` (full blocks the step
+computes) are copied out after it. Each ``BlockTransfer`` pairs kvtier block
+keys, in prefix order, with the vLLM block ids they live in.
+
+vLLM needs its own base classes on what travels between its processes; those
+wrappers are in ``metadata.py``. Nothing here imports vLLM, so the worker's
+data path runs (and is tested, on CUDA too) where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.client.protocol import Hints
+
+__all__ = ["BlockTransfer", "StepTransfers"]
+
+
+@dataclass(slots=True)
+class BlockTransfer:
+    keys: list[bytes]  # kvtier block keys, prefix order
+    block_ids: list[int]  # vLLM's block ids, one per key
+    req_id: str = ""
+    hints: Hints | None = None  # the request's (stores only)
+
+
+@dataclass
+class StepTransfers:
+    loads: list[BlockTransfer] = field(default_factory=list)  # restore before this step's forward
+    stores: list[BlockTransfer] = field(default_factory=list)  # full blocks this step computes
