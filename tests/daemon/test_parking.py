@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from kvtier.client.protocol import validate_request
 from kvtier.daemon.handlers import Pending, Reply
 from kvtier.daemon.parking import Parked, ParkingLot
-from kvtier.daemon.sessions import SessionTable
+from kvtier.daemon.sessions import Session, SessionTable
 
 
 class _Op:
@@ -32,9 +34,12 @@ def _parked(identity: bytes, session: Any, reply_bytes: int) -> tuple[Parked, _O
     return Parked(identity, req, pending, session, 0.0), op
 
 
-def test_finished_requests_leave_once_with_their_counts() -> None:
-    sessions = SessionTable(lambda _s, _r: None)
-    session = sessions.open("p", "test", 10.0)
+@pytest.fixture
+def session() -> Session:
+    return SessionTable(lambda _s, _r: None).open("p", "test", 10.0)
+
+
+def test_finished_requests_leave_once_with_their_counts(session: Session) -> None:
     lot = ParkingLot()
     a, op_a = _parked(b"conn-1", session, 1000)
     b, op_b = _parked(b"conn-1", session, 500)
@@ -56,9 +61,7 @@ def test_finished_requests_leave_once_with_their_counts() -> None:
     assert not lot and session.in_flight == 0 and lot.reply_bytes(b"conn-1") == 0
 
 
-def test_take_all_answers_the_rest_and_their_ops_finish_later_without_effect() -> None:
-    sessions = SessionTable(lambda _s, _r: None)
-    session = sessions.open("p", "test", 10.0)
+def test_take_all_answers_the_rest_and_their_ops_finish_later_without_effect(session: Session) -> None:
     lot = ParkingLot()
     a, op_a = _parked(b"conn-1", session, 64)
     b, op_b = _parked(b"conn-1", session, 0)
