@@ -266,6 +266,8 @@ class Client:
     def _with_hints(self, fields: dict[str, Any], hints: Hints | None) -> dict[str, Any]:
         if hints is not None and self._session.hints:
             wire = hints.to_wire()
+            if not self._session.hint_output_tokens:
+                wire.pop("output_tokens", None)  # a daemon without the feature would refuse the request
             if wire:
                 fields["hints"] = wire
         return fields

@@ -88,7 +88,8 @@ PLANES = ("inline", "shm", "kv")
 # features in the hello reply and a client uses one only when it is listed.
 FEATURE_PACKED_HASHES = "packed_hashes"
 FEATURE_HINTS = "hints"  # lookup / allocate / store take "hints" (HINT_FIELDS)
-FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS)
+FEATURE_HINT_OUTPUT_TOKENS = "hint_output_tokens"  # "hints" take "output_tokens" (added within v1)
+FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS)
 
 
 class ErrorCode(IntEnum):
@@ -537,15 +538,20 @@ PLANE_FIELDS: dict[str, Spec] = {
 # them once they are valid. Documented in docs/protocol.md ("Hints").
 MAX_RETAIN_S = 86400.0
 MAX_PRIORITY = 255
+MAX_OUTPUT_TOKENS = 2**31 - 1
 HINT_FIELDS: dict[str, Spec] = {
     "session": Spec(Str(1, MAX_STR_LEN), required=False,
                     doc="opaque key of the conversation or agent session (a prompt-cache key); scoped to the tenant"),
     "retain_s": Spec(Seconds(0.0, MAX_RETAIN_S), required=False,
                      doc="soft TTL: keep these blocks at least this long while capacity allows (bounded per client)"),
     "priority": Spec(UInt(0, MAX_PRIORITY), required=False, default=0, doc="higher is evicted later; default 0"),
+    # Feature "hint_output_tokens": a daemon without it refuses the key (INVALID_FIELD), so clients
+    # send it only to daemons that list the feature.
+    "output_tokens": Spec(UInt(0, MAX_OUTPUT_TOKENS), required=False, default=0,
+                          doc="tokens the request generated so far, as the engine counts them (its stores)"),
 }
 HINTS = Spec(Map(HINT_FIELDS, max_keys=len(HINT_FIELDS)), required=False,
-             doc='feature "hints": session / retain_s / priority of the request')
+             doc='feature "hints": session / retain_s / priority / output_tokens of the request')
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,6 +561,7 @@ class Hints:
     session: str | None = None
     retain_s: float | None = None
     priority: int = 0
+    output_tokens: int = 0  # an engine's count of the tokens the request generated; 0: none
 
     def __post_init__(self) -> None:
         check_fields(self.to_wire(), HINT_FIELDS, prefix="hints.")
@@ -567,6 +574,8 @@ class Hints:
             wire["retain_s"] = self.retain_s
         if self.priority:
             wire["priority"] = self.priority
+        if self.output_tokens:
+            wire["output_tokens"] = self.output_tokens
         return wire
 
 

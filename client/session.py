@@ -66,6 +66,7 @@ import zmq
 
 from kvtier.client.data_planes import arena_fields
 from kvtier.client.protocol import (
+    FEATURE_HINT_OUTPUT_TOKENS,
     FEATURE_HINTS,
     FEATURE_PACKED_HASHES,
     OPS,
@@ -157,6 +158,7 @@ class Session:
         self.features: tuple[str, ...] = ()
         self.packed_hashes = False  # the daemon listed FEATURE_PACKED_HASHES in its hello reply
         self.hints = False  # ... and FEATURE_HINTS
+        self.hint_output_tokens = False  # ... and FEATURE_HINT_OUTPUT_TOKENS
         self.gone = False  # the daemon answered UNKNOWN_SESSION
         self.pending_loss: SessionLost | None = None  # found by the heartbeat thread, raised by the next call
         self.closed = False  # the client closed: nothing may open a session again
@@ -185,6 +187,7 @@ class Session:
         self.features = tuple(f for f in features if isinstance(f, str)) if isinstance(features, list) else ()
         self.packed_hashes = isinstance(features, list) and FEATURE_PACKED_HASHES in features
         self.hints = isinstance(features, list) and FEATURE_HINTS in features
+        self.hint_output_tokens = self.hints and FEATURE_HINT_OUTPUT_TOKENS in features
         self.gone = False
 
     def call(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any],

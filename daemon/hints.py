@@ -12,6 +12,7 @@ hears:
   loses ``retain_s`` (counted in ``hints_retain_refused_total``): a hint is
   soft, so exceeding the share is no error.
 - ``at_s`` is the daemon's monotonic clock when the request arrived.
+- ``output_tokens`` passes as it came (validated: 0..2**31-1).
 
 Called by the handlers of lookup, allocate and store; returns None when the
 request carried no hints, so the pool sees exactly a hint-less request.
@@ -50,7 +51,8 @@ def request_hints(wire: Mapping[str, Any] | None, session: Session, entry: PoolE
                                                  retain_share_blocks(entry)):
         metrics.inc("hints_retain_refused_total")
         retain_s = 0.0
-    hints = RequestHints(session=scoped, retain_s=retain_s, priority=int(wire.get("priority") or 0), at_s=now_s)
+    hints = RequestHints(session=scoped, retain_s=retain_s, priority=int(wire.get("priority") or 0), at_s=now_s,
+                         output_tokens=int(wire.get("output_tokens") or 0))
     return None if hints.empty else hints
 
 

@@ -24,3 +24,4 @@ class FakeRequest:
         self.kv_transfer_params = kv_transfer_params
         self.session_id = None
         self.kv_hints = None
+        self.num_output_tokens = 0  # vLLM's counts the tokens generated so far; a driver sets it

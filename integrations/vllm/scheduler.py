@@ -28,7 +28,10 @@ scheduler never waits on a round trip:
   blocks this step computes for every scheduled request that kvtierd did not
   hold (write-through: prompt and generated blocks alike).
 - A request's hints (session, retain_s, priority: ``hints.py`` says how a
-  vLLM user sets them) go with its lookup and its stores.
+  vLLM user sets them) go with its lookup and its stores; its stores also
+  carry the tokens it generated so far (``output_tokens``), which a
+  session-aware policy reads as a sign of how long it will be silent.
+  A request without hints sends none.
 - Pins of a load are dropped when the worker reports it ran
   (``update_connector_output``), or when the request finishes or is aborted
   (``request_finished``). A daemon that is down answers every lookup with 0:
@@ -42,7 +45,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvtier.client.hashing import BlockHasher
@@ -77,6 +80,10 @@ class _Tracked:
     asked: bool = False  # the scheduler asked about it since its lookup started
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
+
+
+def _with_output(hints: Hints | None, output_tokens: int) -> Hints | None:
+    return replace(hints, output_tokens=output_tokens) if hints is not None and output_tokens > 0 else hints
 
 
 class SchedulerSide:
@@ -205,7 +212,7 @@ class SchedulerSide:
             keys = t.keys.upto(full)
             if full > t.stored_blocks:
                 meta.stores.append(BlockTransfer(keys[t.stored_blocks:full], block_ids[t.stored_blocks:full], req_id,
-                                                 t.hints))
+                                                 _with_output(t.hints, t.request.num_output_tokens)))
                 t.stored_blocks = full
         return meta
 

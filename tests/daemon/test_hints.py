@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.client.client import Client, DaemonError, PoolLayout
-from kvtier.client.protocol import FEATURE_HINTS, ErrorCode, Hints, ProtocolError
+from kvtier.client.protocol import FEATURE_HINT_OUTPUT_TOKENS, FEATURE_HINTS, ErrorCode, Hints, ProtocolError
 from kvtier.daemon import hints as daemon_hints
 from kvtier.daemon.metrics import Counters
 
@@ -33,8 +33,8 @@ def keys(tag: int, n: int) -> list[bytes]:
 
 def test_hints_are_announced_and_taken_by_lookup_store_and_the_same_answers_come_back(daemon) -> None:  # type: ignore[no-untyped-def]
     with Client(daemon.endpoint, "hints-ok", layout()) as c:
-        assert FEATURE_HINTS in c.features
-        h = Hints(session="conversation-7", retain_s=30.0, priority=3)
+        assert FEATURE_HINTS in c.features and FEATURE_HINT_OUTPUT_TOKENS in c.features
+        h = Hints(session="conversation-7", retain_s=30.0, priority=3, output_tokens=700)
         ks = keys(1, 3)
         assert c.store(ks, [bytes([i]) * BLOCK_BYTES for i in range(3)], hints=h) == (3, 0)
         assert list(c.lookup(ks + keys(2, 1), hints=h)) == list(c.lookup(ks + keys(2, 1)))
@@ -44,7 +44,8 @@ def test_hints_are_announced_and_taken_by_lookup_store_and_the_same_answers_come
 
 
 @pytest.mark.parametrize("bad", [{"ttl": 5}, {"retain_s": -1}, {"retain_s": 10**9}, {"priority": 256},
-                                 {"priority": -1}, {"session": ""}, {"session": 7}, {"session": "x" * 300}])
+                                 {"priority": -1}, {"session": ""}, {"session": 7}, {"session": "x" * 300},
+                                 {"output_tokens": -1}, {"output_tokens": 2**31}, {"output_tokens": 1.5}])
 def test_bad_hints_are_invalid_field_and_change_nothing(daemon, bad) -> None:  # type: ignore[no-untyped-def]
     with Client(daemon.endpoint, "hints-bad", layout()) as c:
         before = c.stats()["pools"]
@@ -55,11 +56,23 @@ def test_bad_hints_are_invalid_field_and_change_nothing(daemon, bad) -> None:  #
         assert c.stats()["pools"] == before  # not even counted as a lookup
 
 
-@pytest.mark.parametrize("bad", [dict(retain_s=-1.0), dict(priority=256), dict(session="")])
+@pytest.mark.parametrize("bad", [dict(retain_s=-1.0), dict(priority=256), dict(session=""), dict(output_tokens=-1)])
 def test_the_client_refuses_the_same_hints_before_sending(bad) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ProtocolError) as err:
         Hints(**bad)
     assert err.value.code == ErrorCode.INVALID_FIELD
+
+
+def test_output_tokens_reach_the_pool_and_are_not_sent_to_a_daemon_without_the_feature(daemon) -> None:  # type: ignore[no-untyped-def]
+    m = Counters()
+    h = daemon_hints.request_hints({"session": "k", "output_tokens": 900}, session(), entry(1), 1, m)  # type: ignore[arg-type]
+    assert h is not None and h.output_tokens == 900 and not h.continues
+    with Client(daemon.endpoint, "hints-old", layout()) as c:
+        fields = c._with_hints({}, Hints(session="s", output_tokens=900))
+        assert fields["hints"] == {"session": "s", "output_tokens": 900}
+        c._session.hint_output_tokens = False  # as a daemon that predates the feature left it
+        assert c._with_hints({}, Hints(session="s", output_tokens=900))["hints"] == {"session": "s"}
+        assert "hints" not in c._with_hints({}, Hints(output_tokens=900))  # nothing left to say
 
 
 def test_a_session_retains_at_most_its_share_then_loses_only_retain_s(daemon) -> None:  # type: ignore[no-untyped-def]

@@ -105,3 +105,32 @@ def test_a_requests_hints_reach_kvtierd_with_its_lookup(daemon) -> None:  # type
     finally:
         sched.close()
         client.close()
+
+
+def test_a_requests_stores_carry_its_hints_and_the_tokens_it_generated(daemon) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    sched, client, _ = setup(daemon, "store-hints", lookup_wait_ms=500)
+    try:
+        hinted = FakeRequest("h", [7 + i % 50 for i in range(3 * BS + 1)], {"kvtier": {"session": "s2"}})
+        plain = FakeRequest("p", [9 + i % 50 for i in range(2 * BS + 1)])
+        for req in (hinted, plain):
+            sched.on_new_request(req)  # type: ignore[arg-type]
+            sched.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+        sched.kv_cache_manager = SimpleNamespace(get_block_ids=lambda req_id: ([0, 1, 2, 3] if req_id == "h" else [4, 5, 6],))
+        hinted.num_output_tokens = 40
+        out = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="h", num_computed_tokens=0),
+                                SimpleNamespace(req_id="p", num_computed_tokens=0)],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={"h": hinted.num_tokens, "p": plain.num_tokens})
+        stores = {st.req_id: st for st in sched.build_connector_meta(out).stores}  # type: ignore[arg-type]
+        assert stores["h"].block_ids == [0, 1, 2] and stores["p"].block_ids == [4, 5]
+        assert stores["h"].hints is not None and stores["h"].hints.session == "s2"
+        assert stores["h"].hints.output_tokens == 40
+        assert stores["p"].hints is None  # a request without hints sends none, not even the count
+    finally:
+        for req in (hinted, plain):
+            sched.request_finished(req)  # type: ignore[arg-type]
+        sched.close()
+        client.close()

@@ -16,6 +16,7 @@ from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies import make_policy
 from kvtier.tiers.policies.lru import LRUPolicy
 from kvtier.tiers.policies.session import SessionWrapper
+from kvtier.tiers.policies.session_returns import stream_class
 from tests.tiers.test_policies_chain_steps import CONFIGS, GOLDEN, Workload
 
 
@@ -175,6 +176,61 @@ def test_a_request_diverging_inside_a_chain_forks_a_stream() -> None:
     assert len(p._streams) == 2 and not p._orphans
 
 
+def test_a_stores_hints_grow_the_request_without_counting_a_return() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    prompt = chain_of("a", 3)
+    request(p, prompt, b"A", 0)
+    resident(p, prompt)
+    s = p._owner[prompt[0]][0]
+    # The engine stores a prompt block it computed, then the blocks it generated, with the count.
+    p.record_hints(prompt[2:], RequestHints(session=b"A", at_s=1.0, output_tokens=40, continues=True))
+    generated = [k("g", 0), k("g", 1)]
+    p.record_hints(generated, RequestHints(session=b"A", at_s=4.0, output_tokens=300, continues=True))
+    resident(p, generated)
+    assert len(p._streams) == 1 and s.requests == 1 and s.own_returns is None
+    assert sum(map(sum, p.model.returned)) == 0
+    assert list(s.chain) == prompt + generated and all(p._owner[key] == (s, 3 + i) for i, key in enumerate(generated))
+    assert s.output_tokens == 300 and s.cls == stream_class(None, False, False, 300) != stream_class(None, False, False)
+    assert list(p.victims()) == (prompt + generated)[::-1]  # one stream, deepest first
+    # Its next request is a return after 10 s of silence, from the first request on.
+    request(p, prompt + generated + [k("a", 9)], b"A", 10.0)
+    assert s.requests == 2 and s.last_gap_s == 10.0 and sum(map(sum, p.model.returned)) == 1
+
+
+def test_a_store_that_follows_no_request_counts_as_one() -> None:
+    p = SessionWrapper(LRUPolicy(100))
+    keys = chain_of("a", 2)
+    p.record_hints(keys, RequestHints(session=b"A", at_s=1.0, continues=True))
+    assert len(p._streams) == 1 and p._owner[keys[0]][0].requests == 1
+
+
+def test_after_a_long_answer_a_stream_goes_before_one_that_will_be_back_sooner() -> None:
+    # Every stream comes back 10 s after a short answer, 40 s after a long one, whatever came before.
+    rng = random.Random(5)
+    p = SessionWrapper(LRUPolicy(1000))
+    events: list[tuple[float, str, int]] = []
+    for name in ("h1", "h2", "h3", "h4"):
+        t = rng.uniform(0, 10)
+        while t < 2000:
+            out = rng.choice((100, 2000))
+            events.append((t, name, out))
+            t += (10 if out == 100 else 40) + rng.uniform(-1, 1)
+    events += [(1999.9, "short", 100), (2000.0, "long", 2000)]
+    # Both came back after ~40 s last time: one gap class. "short" asked first: on a tie it would go first.
+    events += [(1960.5, "short", 2000), (1960.0, "long", 100)]
+    chains: dict[str, list[bytes]] = {}
+    for at_s, name, out in sorted(events):
+        keys = chains.setdefault(name, chain_of(name, 2))
+        request(p, keys, name.encode(), at_s, output_tokens=out)
+        resident(p, [key for key in keys if key not in p._resident])
+    for name in ("h1", "h2", "h3", "h4"):  # the history's own blocks are not the question
+        for key in chains[name]:
+            p.on_remove(key)
+    ss, sl = p._owner[chains["short"][0]][0], p._owner[chains["long"][0]][0]
+    assert stream_class(ss.last_gap_s, False, False) == stream_class(sl.last_gap_s, False, False)
+    assert list(p.victims()) == chains["long"][::-1] + chains["short"][::-1]
+
+
 def test_blocks_of_a_forgotten_stream_go_first() -> None:
     p = SessionWrapper(LRUPolicy(100), max_streams=1)
     a, b = chain_of("a", 2), chain_of("b", 2)
@@ -209,9 +265,13 @@ def test_victims_lists_every_resident_key_once_and_spares_stay_consistent(ops: l
         t += rng.random() * 20
         keys = [k(f"s{session}r{rng.randrange(2)}-", i) for i in range(n)]
         if kind <= 2:
-            if hinted:
+            if hinted and rng.random() < 0.3:  # a store's hints: its prompt blocks, or blocks it generated
+                stored = keys if rng.random() < 0.5 else [k(f"s{session}g{rng.randrange(3)}-", i) for i in range(n)]
+                p.record_hints(stored, RequestHints(session=str(session).encode(), at_s=t, continues=True,
+                                                    output_tokens=rng.choice([0, 100, 2000])))
+            elif hinted:
                 request(p, keys, str(session).encode(), t, retain_s=rng.choice([0.0, 30.0]),
-                        priority=rng.choice([0, 0, 1, -1]))
+                        priority=rng.choice([0, 0, 1, -1]), output_tokens=rng.choice([0, 300]))
             else:
                 p.record_request(keys)
         elif kind == 3:
@@ -235,6 +295,10 @@ def test_victims_lists_every_resident_key_once_and_spares_stay_consistent(ops: l
         order = list(p.victims())
         assert len(order) == len(set(order)) and set(order) == resident_keys
         assert p._hinted_resident == sum(1 for key in resident_keys if key in p._owner)
+        for stream in p._streams.values():
+            assert stream.resident_blocks == sum(1 for key in resident_keys if p._owner.get(key, (None,))[0] is stream)
+            assert all(p._owner[key] == (stream, d) for d, key in enumerate(stream.chain) if p._owner.get(key, (None,))[0] is stream
+                       and stream.chain.index(key) == d)
         assert p._retained_blocks <= p.retained_cap_blocks
         spares, above, coming = p.spares._spares, p.spares._above, p.spares._coming
         assert set(spares) <= resident_keys and not set(above) & resident_keys and coming <= set(above)

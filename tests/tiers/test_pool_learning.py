@@ -122,3 +122,23 @@ def test_a_stores_hints_alone_count_as_owed_learning_until_recorded() -> None:
     assert p.learn_backlog_keys == 3
     assert p.learn()
     assert p.learn_backlog_keys == 0
+
+
+def test_a_stores_hints_continue_its_request_under_a_session_policy() -> None:
+    """Lookup, allocation and stores of one request are one request to a session-aware policy: the
+    store's hints extend its chain and report its output, and count no return."""
+    from kvtier.tiers.hints import RequestHints
+    from kvtier.tiers.pool import PoolSpec, TieredPool
+
+    p = TieredPool(PoolSpec("h", 4, 64), cpu_blocks=16, policy="lru+session", transfer=None, data=False,
+                   clean_ahead_blocks=0)
+    p.attach_gpu(num_blocks=8)
+    prompt = [bytes([8, i]) * 8 for i in range(3)]
+    generated = [bytes([9, i]) * 8 for i in range(2)]
+    p.lookup(prompt, count=True, hints=RequestHints(session=b"s", at_s=1.0))
+    p.allocate("r", prompt, 3 * 4, count=True, hints=RequestHints(session=b"s", at_s=1.0))
+    p.store(generated, None, [0, 1], hints=RequestHints(session=b"s", at_s=2.0, output_tokens=500))
+    wrapper = p.cpu.policy
+    streams = list(wrapper._streams.values())
+    assert len(streams) == 1 and streams[0].requests == 1 and streams[0].output_tokens == 500
+    assert list(streams[0].chain) == prompt + generated

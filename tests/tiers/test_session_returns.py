@@ -31,8 +31,16 @@ def test_age_buckets_are_a_geometric_grid_from_zero() -> None:
 
 
 def test_classes_are_distinct_and_in_range() -> None:
-    seen = {stream_class(g, f, p) for g in (None, 0.5, 3.0, 100.0, 1e6) for f in (False, True) for p in (False, True)}
-    assert len(seen) == 20 and all(0 <= c < NUM_CLASSES for c in seen)
+    seen = {stream_class(g, f, p, o) for g in (None, 0.5, 3.0, 100.0, 1e6) for f in (False, True) for p in (False, True)
+            for o in (0, 300, 5000)}
+    assert len(seen) == 60 and all(0 <= c < NUM_CLASSES for c in seen)
+
+
+def test_without_output_reports_the_classes_are_those_of_gap_and_fork_alone() -> None:
+    for g in (None, 0.5, 100.0):
+        assert stream_class(g, True, False) == stream_class(g, True, False, 0) == stream_class(g, True, False, 255)
+        assert stream_class(g, True, False, 256) != stream_class(g, True, False, 255)
+        assert stream_class(g, True, False, 1024) != stream_class(g, True, False, 1023)
 
 
 def test_nothing_learned_means_no_preference() -> None:

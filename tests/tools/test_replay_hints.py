@@ -58,7 +58,10 @@ def test_the_reader_keeps_session_and_subagent(trace: Path) -> None:
     assert h is not None and h.session == str(reqs[0].session).encode() and h.at_s == reqs[0].timestamp / 1000
     assert request_hints(reqs[0], ReplayConfig(2, 4, "chain", BLOCK, 64, "none")) is None
     ttl = request_hints(reqs[0], ReplayConfig(2, 4, "chain", BLOCK, 64, "none", 30.0))
-    assert ttl is not None and ttl.session is None and ttl.retain_s == 30.0
+    assert ttl is not None and ttl.session is None and ttl.retain_s == 30.0 and ttl.output_tokens == 0
+    assert h.output_tokens == 0  # "session": the key alone
+    out = request_hints(reqs[0], ReplayConfig(2, 4, "chain+session", BLOCK, 64, "session+output"))
+    assert out is not None and out.session == h.session and out.output_tokens == reqs[0].output_length == 1
 
 
 def test_bad_session_fields_are_named(tmp_path: Path) -> None:
@@ -77,6 +80,8 @@ def test_session_hints_raise_the_hit_rate_where_sessions_tell_what_returns(trace
     assert without == rate(trace, inner, "none")  # no hints: exactly the wrapped policy
     with_hints = rate(trace, f"{inner}+session", "session")
     assert with_hints > 0.35 and with_hints > without + 0.1, (without, with_hints)
+    # Every answer here is one token long: the output class says nothing new.
+    assert rate(trace, f"{inner}+session", "session+output") == with_hints
     if inner == "lru":
         assert without == 0.0  # recency keeps nothing that returns
     assert rate(trace, inner, "session") == without  # a policy without hints support ignores them

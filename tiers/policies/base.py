@@ -43,11 +43,14 @@ Who calls what (always from the tier's single owner thread):
 
 - ``record_hints(keys, hints)``  what the application said about the request
                        whose keys these are (``kvtier.tiers.hints.RequestHints``:
-                       session, retain_s, priority, at_s). Called only for
-                       requests that carry hints, just before their
-                       ``record_request`` (or alone, for a store). Default:
-                       nothing, so a policy without hints support behaves
-                       exactly as before. Wrappers forward it.
+                       session, retain_s, priority, at_s, output_tokens).
+                       Called only for requests that carry hints, just
+                       before their ``record_request``; or alone, with
+                       ``hints.continues`` set, for more about a request
+                       already recorded (a store of its blocks, its
+                       allocation after its lookup). Default: nothing, so a
+                       policy without hints support behaves exactly as
+                       before. Wrappers forward it.
 
 The GPU tier above (the pool calls these; a policy may ignore both, and
 wrappers forward them):

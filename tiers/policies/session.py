@@ -17,14 +17,23 @@ session has several: the main agent and its sub-agents, found from the chains
 alone. Per stream the wrapper keeps its latest chain (the keys of its latest
 request, and which are resident), its latest silence (the gap before its
 latest request), whether it was forked and whether another stream was
-forked off it, and the age of its current silence (``hints.at_s`` is the
-clock).
+forked off it, how many tokens its latest request generated (as the engine
+reports it, ``hints.output_tokens``; 0 when not reported), and the age of
+its current silence (``hints.at_s`` is the clock).
+
+Hints marked ``continues`` (the pool marks a store's, and an allocation's
+that repeats its lookup) are about a request already recorded: the stream
+that owns their first block, else the session's latest stream (a request's
+generated blocks follow its chain), takes the new blocks onto its chain and
+the new output count, priority and retention; no return is counted and the
+silence goes on (``_follow_up``). A store that matches no stream counts as
+a request.
 
 What a stream's cached blocks are worth comes from a return model learned
 online (``session_returns.ReturnModel``): LHD's hit density (Beckmann et
 al., NSDI 2018) per stream, i.e. the chance that it comes back before the
 cache lets it go, per second of cache time that costs, given its class
-(latest silence, forked, parent) and how long it has been silent. The model
+(latest silence, forked, parent, output length) and how long it has been silent. The model
 learns from every stream's silences: when they ended with a return, and, for
 streams with cached blocks, when they ended with the last block evicted (a
 spare evicted here while the GPU tier holds its block, below, is not gone);
@@ -63,8 +72,10 @@ crosses an age bucket edge (an event: geometric edges, so O(log age) events
 per silence), when its retention ends, and when the model is refreshed
 (every ``REFRESH_REQUESTS`` requests; all ranked streams are re-ranked).
 
-Measured (``kvtier replay claude_code_even --gpu-tokens 500k --cpu-tokens 4M
---hints session``, block hit rate): chain+session 0.6599 (0.6491 before a
+Measured (``kvtier replay claude_code_even --gpu-tokens 500k --cpu-tokens 4M``,
+block hit rate): chain+session with ``--hints session+output`` (the session
+key and each request's output length) 0.6679; with ``--hints session`` (the
+key alone, no output class) 0.6599 (0.6491 before a
 stream's own returns counted, 0.6435 before spares), chain 0.5934, lru 0.5568, Belady 0.7808 (one cache of GPU + CPU
 blocks); the CPU tier ranked by each block's true next use, inside the same
 two tiers, 0.748 (bench/results/replay-claude_code_even.json); this policy
@@ -127,6 +138,13 @@ a silence started at the estimated end of generation (100 tokens/s) gave
 0.5999, and 0.645 with the stream ranked p_hit(0) / (life(0) + generation
 left) while it generates (the 0.56 above was partly that: a generating stream
 was ranked as if its whole generation cost one second of cache time).
+The output length as a class dimension instead (``session_returns.
+OUTPUT_EDGES_TOKENS``), measured again once a stream's own returns counted:
+buckets < 256 / < 1024 / more, half ``session % 4 == 0`` 0.6161 and the
+other half 0.6566 (against 0.6106 and 0.6511 without); log2 buckets from
+128 (< 128 / ... / < 1024 / more) 0.6143 and 0.6562. Both gain on both
+halves; the first was kept. Full file: 0.6677 and 0.6624 as measured then (a
+patch), 0.6679 as built, against 0.6599.
 
 ``retain_s``: a request's stream is retained until ``at_s + retain_s``: its
 blocks go only after every block that is not retained. The retained blocks
@@ -148,7 +166,8 @@ shared system prompt moves to the latest user); a block named again by an
 unhinted request keeps its stream.
 
 Cost: ``record_hints`` O(len(keys) + log S + buckets) (S: streams with
-resident blocks; the stream's own density row is recomputed), plus a refresh
+resident blocks; the stream's own density row is recomputed), a follow-up
+O(len(keys) + log S) (its blocks are appended, the chain is not rebuilt), plus a refresh
 every ``REFRESH_REQUESTS`` requests: O(classes x buckets + S x buckets + S
 log S); each age event O(log S); ``on_insert``/``on_remove``/
 ``on_hit`` O(1) plus the wrapped policy's, and O(log S) when a stream gains
@@ -163,7 +182,7 @@ order and skips the hinted keys in it (the wrapped policy cannot filter):
 O(hinted keys ranked before) in that mixed case only. Memory: one record
 per stream seen within the last ``max_streams`` streams (with two rows of 30
 buckets once it came back), one entry per key of a stream's latest chain,
-and the model's tables (56 classes x 30 buckets).
+and the model's tables (168 classes x 30 buckets).
 """
 
 from __future__ import annotations
@@ -207,6 +226,7 @@ class _Stream:
     heap_seq: int = -1  # the sequence number of its live entry in the rank order; -1: not in it
     forked: bool = False  # it was forked off another stream
     parent: bool = False  # another stream was forked off it
+    output_tokens: int = 0  # what its latest request generated, as reported (0: not reported)
     cls: int = 0  # its class in the return model
     age_bucket: int = 0  # the age bucket of its current silence
     age_epoch: int = 0  # age events of an earlier silence carry an older epoch; -1: forgotten
@@ -230,6 +250,7 @@ class SessionWrapper(EvictionPolicy):
         self.retained_cap_blocks = inner.capacity_blocks // 2
         self.now_s = float("-inf")
         self._streams: OrderedDict[tuple[bytes, bytes], _Stream] = OrderedDict()  # least recently used first
+        self._latest: dict[bytes, _Stream] = {}  # session -> the stream of its latest request
         self._owner: dict[bytes, tuple[_Stream, int]] = {}  # key -> (its stream, depth in the stream's chain)
         self._resident: set[bytes] = set()  # every resident key, hinted or not
         self._hinted_resident = 0  # resident keys with an owner, orphans included
@@ -251,7 +272,10 @@ class SessionWrapper(EvictionPolicy):
         if hints.at_s > self.now_s:
             self.now_s = hints.at_s
         self._advance()
+        if hints.continues and self._follow_up(keys, hints):
+            return
         s = self._stream_for(hints.session or b"", keys)
+        self._latest[s.ident[0]] = s
         model = self.model
         if s.requests:  # it came back: a return after a silence of gap_s
             self._streams.move_to_end(s.ident)
@@ -268,6 +292,7 @@ class SessionWrapper(EvictionPolicy):
         s.requests += 1
         s.last_at_s = max(s.last_at_s, hints.at_s)
         s.priority = hints.priority
+        s.output_tokens = hints.output_tokens
         self._start_silence(s)
         self._requests_seen += 1
         n = self._requests_seen
@@ -275,6 +300,13 @@ class SessionWrapper(EvictionPolicy):
             model.refresh()
             for other in self._order.live():
                 self._rerank(other)
+        self._retain(s, hints)
+        if len(keys) > len(s.chain) or tuple(keys) != tuple(s.chain[:len(keys)]):
+            self._take_chain(s, keys)  # a repeat of a prefix keeps the longer chain
+        self._bound_retention()
+        self._rerank(s)
+
+    def _retain(self, s: _Stream, hints: RequestHints) -> None:
         if hints.retain_s > 0.0:
             until_s = hints.at_s + hints.retain_s
             if until_s > s.retain_until_s:
@@ -283,10 +315,36 @@ class SessionWrapper(EvictionPolicy):
                     self._retained_blocks += s.resident_blocks
                 s.retain_until_s = until_s
                 heapq.heappush(self._events, (until_s, next(self._seq), s, -1))
-        if len(keys) > len(s.chain) or tuple(keys) != tuple(s.chain[:len(keys)]):
-            self._take_chain(s, keys)  # a repeat of a prefix keeps the longer chain
+
+    def _follow_up(self, keys: Sequence[bytes], hints: RequestHints) -> bool:
+        """Hints that follow a recorded request (``hints.continues``: a store of its blocks, its
+        allocation after its lookup): the stream's chain grows by blocks it did not name yet, and its
+        output count, priority and retention are updated; no return is counted, no silence restarted.
+        The stream is the one owning ``keys[0]`` (a block the request named), else the session's latest
+        (blocks it generated: they follow its chain). False when neither exists (a client that stores
+        without looking up): the hints then count as a request."""
+        session = hints.session or b""
+        own = self._owner.get(keys[0])
+        if own is not None and own[0] is not _ORPHAN and own[0].ident[0] == session:
+            s, depth = own
+        else:
+            s, depth = self._latest.get(session), -1
+            if s is None or s.age_epoch < 0:
+                return False
+            depth = len(s.chain)
+        if depth + len(keys) > len(s.chain) and tuple(s.chain[depth:]) == tuple(keys[:len(s.chain) - depth]):
+            self._extend_chain(s, keys[len(s.chain) - depth:])
+        s.priority = hints.priority
+        self._retain(s, hints)
+        if hints.output_tokens and hints.output_tokens != s.output_tokens:
+            s.output_tokens = hints.output_tokens
+            cls = stream_class(s.last_gap_s, s.forked, s.parent, s.output_tokens)
+            if cls != s.cls:  # from now on; the silence so far stays counted where it was, as for a fork
+                s.cls = cls
+                self.model.on_age(cls, s.age_bucket, _cached(s))
         self._bound_retention()
         self._rerank(s)
+        return True
 
     def _stream_for(self, session: bytes, keys: Sequence[bytes]) -> _Stream:
         """The stream a request continues: the one owning the deepest block of the longest prefix the
@@ -309,7 +367,7 @@ class SessionWrapper(EvictionPolicy):
             s.last_gap_s = best.last_gap_s
             if not best.parent:  # its class changes from now on; the silence so far stays counted where it was
                 best.parent = True
-                best.cls = stream_class(best.last_gap_s, best.forked, best.parent)
+                best.cls = stream_class(best.last_gap_s, best.forked, best.parent, best.output_tokens)
                 self._rerank(best)
         self._streams[s.ident] = s
         self._trim_streams()
@@ -318,7 +376,7 @@ class SessionWrapper(EvictionPolicy):
     def _start_silence(self, s: _Stream) -> None:
         """The stream just made a request: it is at risk of returning from age 0, in its current class.
         Each age bucket edge it later crosses silent is an event (``_advance``)."""
-        s.cls = stream_class(s.last_gap_s, s.forked, s.parent)
+        s.cls = stream_class(s.last_gap_s, s.forked, s.parent, s.output_tokens)
         self.model.on_request(s.cls, _cached(s))
         s.age_bucket = 0
         s.age_epoch += 1
@@ -364,6 +422,27 @@ class SessionWrapper(EvictionPolicy):
             owner[key] = (s, depth)
         s.chain = tuple(keys)  # the caller's list may change after the call
         s.cursor = deepest
+
+    def _extend_chain(self, s: _Stream, more: Sequence[bytes]) -> None:
+        """Append ``more`` to the stream's chain: ``_take_chain(s, chain + more)`` in O(len(more)), since
+        the chain it had stays (an engine stores a long request's blocks a few at a time)."""
+        owner, resident = self._owner, self._resident
+        base = len(s.chain)
+        for i, key in enumerate(more):
+            own = owner.get(key)
+            if own is not None and own[0] is s:
+                continue  # a key twice in one chain: its first depth counts
+            if key in resident:
+                if own is None:
+                    self._hinted_resident += 1
+                elif own[0] is _ORPHAN:
+                    del self._orphans[key]
+                else:
+                    self._add_resident(own[0], -1)
+                self._add_resident(s, 1)
+                s.cursor = max(s.cursor, base + i)
+            owner[key] = (s, base + i)
+        s.chain = (*s.chain, *more)
 
     def record_request(self, keys: Sequence[bytes]) -> None:
         self.inner.record_request(keys)
@@ -522,6 +601,8 @@ class SessionWrapper(EvictionPolicy):
             s.resident_blocks = 0
             self._order.remove(s)
             s.age_epoch = -1
+            if self._latest.get(s.ident[0]) is s:
+                del self._latest[s.ident[0]]
 
     def _stream_keys(self, s: _Stream) -> Iterator[bytes]:
         """A stream's resident blocks, deepest first. The cursor skips the tail already gone."""

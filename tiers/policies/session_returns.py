@@ -23,9 +23,15 @@ It is a discrete life table. Ages fall into buckets with geometric edges
 Streams fall into classes (``stream_class``): the length of the stream's
 latest silence (log2 buckets: think and tool time repeat, a stream that came
 back in seconds tends to again), whether it was forked off another stream
-(a sub-agent usually ends when it returns its result) and whether another was
+(a sub-agent usually ends when it returns its result), whether another was
 forked off it (its main agent waits for the sub-agent; a compacted context
-is never asked for again). Per class and bucket it counts
+is never asked for again), and the output length of its latest request, as
+the engine reports it (``RequestHints.output_tokens``; factor-4 buckets:
+< 256 tokens, < 1024, more; not reported counts as the first): the answer's
+generation is part of the silence that follows. Main-agent requests of the
+Claude Code trace: the next request came after 8 s or more (10th percentile)
+following < 256 output tokens, after 44 s or more following >= 2048. Per
+class and bucket it counts
 
 - ``at_risk``: silences that reached that age (the caller reports each
   request, ``on_request``, and each bucket edge a silence crosses, ``on_age``),
@@ -67,13 +73,16 @@ from __future__ import annotations
 
 import bisect
 
-__all__ = ["AGE_EDGES_S", "NUM_CLASSES", "ReturnModel", "stream_class"]
+__all__ = ["AGE_EDGES_S", "NUM_CLASSES", "OUTPUT_EDGES_TOKENS", "ReturnModel", "stream_class"]
 
 # Bucket k holds ages in [AGE_EDGES_S[k], AGE_EDGES_S[k + 1]); the last is open-ended.
 AGE_EDGES_S: tuple[float, ...] = (0.0,) + tuple(2.0 ** (i / 2) for i in range(29))  # 1 s .. 2**14 s
 NUM_BUCKETS = len(AGE_EDGES_S)
 _GAP_CLASSES = 14  # no return yet; then the latest silence in log2 buckets: < 2 s, 2-4 s, ..., >= 2**12 s
-NUM_CLASSES = 4 * _GAP_CLASSES  # x forked x parent
+# The latest request's output tokens: < 256, < 1024, more (0, not reported, falls in the first). Chosen
+# on half of the Claude Code file's sessions against log2 buckets from 128 (numbers in session.py).
+OUTPUT_EDGES_TOKENS = (256, 1024)
+NUM_CLASSES = 4 * _GAP_CLASSES * (len(OUTPUT_EDGES_TOKENS) + 1)  # x forked x parent x output
 PRIOR_STREAMS = 4.0
 # A stream's own returns outweigh its class's hazard after this many. The one constant here chosen
 # by measurement: the best of 4, 8, 16 and 32 on half of the Claude Code file's sessions, checked on
@@ -83,11 +92,14 @@ HALF_LIFE_STREAMS = 4096.0
 REFRESH_REQUESTS = 128
 
 
-def stream_class(last_gap_s: float | None, forked: bool, parent: bool) -> int:
+def stream_class(last_gap_s: float | None, forked: bool, parent: bool, output_tokens: int = 0) -> int:
     """The class of a stream whose latest silence lasted ``last_gap_s`` (None: no return yet), that was
-    forked off another stream or not, and that another stream was forked off or not."""
+    forked off another stream or not, that another stream was forked off or not, and whose latest
+    request generated ``output_tokens`` (0: not reported). Without output reports every class is
+    one of the first ``4 * _GAP_CLASSES``: the classes, and the model, are those of gap and fork alone."""
     c = 0 if last_gap_s is None else min(max(1, int(last_gap_s).bit_length()), _GAP_CLASSES - 1)
-    return c + (_GAP_CLASSES if forked else 0) + (2 * _GAP_CLASSES if parent else 0)
+    c += (_GAP_CLASSES if forked else 0) + (2 * _GAP_CLASSES if parent else 0)
+    return c + 4 * _GAP_CLASSES * bisect.bisect_right(OUTPUT_EDGES_TOKENS, output_tokens)
 
 
 def age_bucket(age_s: float) -> int:
@@ -174,6 +186,11 @@ class ReturnModel:
         m = PRIOR_STREAMS
         for c in range(NUM_CLASSES):
             risk, cached, ret, ev = self.at_risk[c], self.cached_at_risk[c], self.returned[c], self.evicted[c]
+            if not any(risk) and not any(ret) and not any(ev):
+                # Nothing seen in this class (most output classes without output reports): the prior is all.
+                self._return_hazard[c], self._evict_hazard[c] = ret_hazard, ev_hazard
+                self._table[c] = self._pooled_table
+                continue
             rh = [(ret[k] + m * ret_hazard[k]) / (risk[k] + m) for k in range(NUM_BUCKETS)]
             eh = [(ev[k] + m * ev_hazard[k]) / (cached[k] + m) for k in range(NUM_BUCKETS)]
             self._return_hazard[c], self._evict_hazard[c] = rh, eh

@@ -15,6 +15,7 @@ requests, in steps when asked to yield.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
 
 from kvtier.tiers.cpu_tier import CpuTier
@@ -56,9 +57,11 @@ class LearningQueue:
             self.cpu.policy.record_request(hashes)
 
     def note_hints(self, hashes: Sequence[bytes], hints: RequestHints) -> None:
-        """Hints without a request to count (a store's): in order with the requests."""
+        """Hints without a request to count (a store's, a repeat's): in order with the requests, marked
+        ``continues`` so that a policy does not read them as a new request."""
         if hints.empty:
             return
+        hints = replace(hints, continues=True)
         if self.defer:
             self.queue.append((hashes, hints, False))
             self.backlog_keys += len(hashes)  # a server learns only while something is owed

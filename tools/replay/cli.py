@@ -121,7 +121,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="which request hints to replay with; a comma-separated list needs --sweep (one curve per "
                         "policy and set): 'none' (default) passes nothing; 'session' passes the trace's session "
                         "field as RequestHints(session, at_s=timestamp), for policies that use it (e.g. "
-                        "chain+session); a trace without session fields then replays as with 'none'")
+                        "chain+session); 'session+output' adds each request's output length (output_tokens, "
+                        "which an engine reports as it generates); a trace without session fields then "
+                        "replays as with 'none'")
     p.add_argument("--retain-s", type=_seconds, default=0.0, metavar="S",
                    help="TTL what-if: every request also carries retain_s=S (a soft TTL in seconds, honoured by "
                         "+session policies; default 0: none)")

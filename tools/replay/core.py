@@ -41,8 +41,10 @@ DEFAULT_SWEEP_CPU_TOKENS = (0, 250_000, 500_000, 1_000_000, 2_000_000, 3_000_000
 DEFAULT_SWEEP_POLICIES = ("lru", "arc", "s3fifo", "lru+admit2", "chain")
 
 # Hint sets a replay can pass (``--hints``): "none" passes nothing; "session" passes
-# RequestHints(session=<the trace's session id>, at_s=<timestamp in s>) with every request that has one.
-HINT_SETS = ("none", "session")
+# RequestHints(session=<the trace's session id>, at_s=<timestamp in s>) with every request that has one;
+# "session+output" adds output_tokens=<the request's output length>, which an engine reports with the
+# request's stores as it generates (the replay's requests take no time, so it comes with the request).
+HINT_SETS = ("none", "session", "session+output")
 
 ACCOUNTING = [
     "Requests are processed one at a time in trace (arrival) order.",
@@ -57,8 +59,9 @@ ACCOUNTING = [
     "Block hit rate = hit blocks / looked-up blocks. Token hit rate = hit blocks * block_size / input tokens.",
     "Bytes: demotions * block_bytes GPU->CPU, restores * block_bytes CPU->GPU.",
     "Hints (--hints session): a request with a session field carries RequestHints(session, at_s=timestamp) on "
-    "its lookup and allocation; --retain-s X adds retain_s=X to every request (at_s=timestamp even without "
-    "sessions).",
+    "its lookup and allocation; --hints session+output adds output_tokens=output_length (an engine reports it "
+    "while the request generates; a replayed request takes no time); --retain-s X adds retain_s=X to every "
+    "request (at_s=timestamp even without sessions).",
     "Bounds: infinite cache (every block seen before, prefix-stop) and Belady MIN (with bypass) for one cache of "
     "gpu_blocks + cpu_blocks.",
 ]
@@ -71,7 +74,8 @@ class ReplayConfig:
     policy: str = DEFAULT_POLICY
     block_size: int = DEFAULT_BLOCK_SIZE
     block_bytes: int = DEFAULT_BLOCK_SIZE * DEFAULT_BYTES_PER_TOKEN
-    # Which hints each request carries (HINT_SETS): "none", or "session" (the trace's session field).
+    # Which hints each request carries (HINT_SETS): "none", "session" (the trace's session field), or
+    # "session+output" (and the request's output length).
     hints: str = "none"
     # A TTL what-if: every request carries retain_s (0: none).
     retain_s: float = 0.0
@@ -154,10 +158,13 @@ class ReplayResult:
 
 def request_hints(req: Request, config: ReplayConfig) -> RequestHints | None:
     """What ``req`` tells the pool under ``config``'s hint set and TTL what-if (None: nothing)."""
-    session = str(req.session).encode() if config.hints == "session" and req.session is not None else None
+    with_session = config.hints in ("session", "session+output") and req.session is not None
+    session = str(req.session).encode() if with_session else None
     if session is None and config.retain_s == 0.0:
         return None
-    return RequestHints(session=session, retain_s=config.retain_s, at_s=req.timestamp / 1000.0)
+    output_tokens = req.output_length if with_session and config.hints == "session+output" else 0
+    return RequestHints(session=session, retain_s=config.retain_s, at_s=req.timestamp / 1000.0,
+                        output_tokens=output_tokens)
 
 
 def replay(requests: Iterable[Request], config: ReplayConfig, *, progress: Any = None) -> ReplayResult:
