@@ -87,7 +87,12 @@ class _Live:
 
 
 def _peer_of(fd: int) -> Peer:
-    sock = socket.socket(fileno=fd)
+    try:
+        # libzmq's I/O thread may close the descriptor at any moment (a client that connects and
+        # drops at once): then there is no peer to name, and its DISCONNECTED event follows.
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
     try:
         if sock.family == socket.AF_UNIX:
             _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
@@ -175,7 +180,10 @@ class ConnectionGuard:
                             break
                         # ZMTP monitor event v1: uint16 event, uint32 value (the descriptor), then the endpoint.
                         event, fd = _EVENT.unpack_from(frames[0])
-                        self._on_event(event, fd)
+                        try:
+                            self._on_event(event, fd)
+                        except Exception:  # one bad event must not end the guard: it would admit all
+                            log.exception("connection guard: event %d on descriptor %d", event, fd)
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return

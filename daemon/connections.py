@@ -87,7 +87,10 @@ def shut_down_now(conn: Connection) -> bool:
         return False
     if (st.st_dev, st.st_ino) != (conn.dev, conn.ino):
         return False
-    sock = socket.socket(fileno=conn.fd)
+    try:
+        sock = socket.socket(fileno=conn.fd)
+    except OSError:
+        return False  # libzmq closed it since the fstat
     try:
         sock.shutdown(socket.SHUT_RDWR)
         return True

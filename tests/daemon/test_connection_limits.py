@@ -208,3 +208,48 @@ def test_connection_counts_stay_exact_under_churn(tmp_path: Path, zctx: zmq.Cont
         assert stats["connections_busiest_peer"] <= 1
         assert stats["connections_refused_total"]["reason=peer"] > 0
         assert stats["connections_refused_total"]["reason=total"] == 0
+
+
+def test_a_connection_closed_before_the_guard_looks_has_no_peer_and_does_not_stop_the_guard() -> None:
+    """libzmq's I/O thread may close an accepted descriptor before the guard's thread reads it (a
+    client that connects and drops at once; the fuzzing suite hit it). That is no peer, not an error:
+    the guard's thread died of it once, and a dead guard admits every connection."""
+    from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits, _peer_of
+    from kvtier.daemon.connections import Connection, shut_down_now
+
+    a, b = socket.socketpair()
+    fd = a.fileno()
+    st = os.fstat(fd)
+    a.close()
+    b.close()
+    assert _peer_of(fd) is None
+    assert shut_down_now(Connection(fd, st.st_dev, st.st_ino)) is False
+    # An event the guard cannot handle is logged, and the next ones are still counted.
+    ctx = zmq.Context()
+    try:
+        server = ctx.socket(zmq.ROUTER)
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        guard = ConnectionGuard.start(ctx, server, ConnectionLimits(8, 8))
+        calls = []
+        real = guard._on_event
+
+        def flaky(event: int, fd: int) -> None:
+            calls.append(event)
+            if len(calls) == 1:
+                raise OSError(9, "Bad file descriptor")
+            real(event, fd)
+
+        guard._on_event = flaky  # type: ignore[method-assign]
+        clients = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        for c in clients:
+            c.connect(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 5
+        while guard._admitted < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert guard._admitted == 1 and guard._thread.is_alive()
+        for c in clients:
+            c.close(linger=0)
+        guard.stop()
+        server.close(linger=0)
+    finally:
+        ctx.term()
