@@ -218,6 +218,12 @@ class Client:
         return self._session.features
 
     @property
+    def deadlines(self) -> bool:
+        """Stores and restores on the shm and kv planes carry their deadline: the daemon touches this
+        process's memory only before it (protocol feature ``"deadlines"``, ``shared_clock``)."""
+        return self._session.deadlines
+
+    @property
     def _packed_hashes(self) -> bool:
         return self._session.packed_hashes
 

@@ -34,6 +34,14 @@ bytes, the n hashes back to back. A request whose hashes came packed gets its
 reply's per-block tier lists packed too: one ``bin`` of n bytes, one code per
 block (``TIER_CODES``). Arrays in, arrays out; packed in, packed out.
 
+Deadlines (feature ``"deadlines"``): ``store`` and ``restore`` take
+``deadline_ns``, the CLOCK_MONOTONIC instant after which the client has
+given up the call and may reuse the memory its slots name. The daemon reads
+or writes a client's memory only before it (a restore's write must be able
+to finish before it), else it answers DEADLINE_EXCEEDED with nothing stored
+or written. Only meaningful where both read one clock: hello's reply gives
+the daemon's ``clock`` (``kvtier.client.shared_clock`` checks it).
+
 Error codes (``ErrorCode``) are stable numbers; new codes may be added, the
 meaning of a number never changes. Hundreds group them: 1xx the request was
 malformed (a client bug, never retry), 2xx the request does not fit the
@@ -89,7 +97,8 @@ PLANES = ("inline", "shm", "kv")
 FEATURE_PACKED_HASHES = "packed_hashes"
 FEATURE_HINTS = "hints"  # lookup / allocate / store take "hints" (HINT_FIELDS)
 FEATURE_HINT_OUTPUT_TOKENS = "hint_output_tokens"  # "hints" take "output_tokens" (added within v1)
-FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS)
+FEATURE_DEADLINES = "deadlines"  # store / restore take "deadline_ns"; hello's reply gives "clock" (added within v1)
+FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS, FEATURE_DEADLINES)
 
 
 class ErrorCode(IntEnum):
@@ -124,6 +133,7 @@ class ErrorCode(IntEnum):
     TRANSFER_FAILED = 400  # a copy failed; nothing was committed
     SHUTTING_DOWN = 401  # the daemon is draining and takes no new work
     INTERNAL = 402  # a daemon bug; the daemon runs on
+    DEADLINE_EXCEEDED = 403  # the client's deadline passed before the daemon could touch its memory; nothing done
 
 
 class KvtierError(Exception):
@@ -530,6 +540,9 @@ PLANE_FIELDS: dict[str, Spec] = {
     "plane": Spec(Enum(PLANES), required=False, default="inline", doc="where the block bytes are"),
     "slots": Spec(UIntList(), required=False, doc='plane "shm": arena slots; plane "kv": slots of the registered tensors; one per hash'),
     "reg": Spec(Str(1, 128), required=False, doc='plane "kv": name of the registration'),
+    # Feature "deadlines", added within v1: a daemon without it refuses the key.
+    "deadline_ns": Spec(UInt(1, MAX_ID), required=False,
+                        doc="CLOCK_MONOTONIC ns after which the client no longer waits: the daemon then leaves its memory alone"),
 }
 
 

@@ -12,7 +12,9 @@ subclass may wrap it, and recovery's requests must go through that too).
   client name, requested lease, tenant token), resent on a new socket after
   each timeout until ``deadline_s``, then records what the reply granted:
   ``sid``, ``lease_s``, ``heartbeat_s``, ``pool_info``, ``limits``,
-  ``features`` and the ``packed_hashes`` / ``hints`` flags they imply.
+  ``features`` and the ``packed_hashes`` / ``hints`` flags they imply, and
+  ``deadlines``: the daemon takes deadlines and reads this process's clock
+  (``shared_clock``; the hello's send and receive times bracket its reading).
   Raises ``KvtierTimeout("no kvtierd answering at ...")`` when none
   answered, ``DaemonError`` for a refusal (UNAUTHORIZED, a layout that does
   not match the pool, ...).
@@ -26,9 +28,11 @@ subclass may wrap it, and recovery's requests must go through that too).
   UNKNOWN_SESSION (restart or lease expiry) it rejected the request
   unexecuted: the session is marked ``gone``, a new one is opened (hello,
   re-attach the arena, re-register the KV tensors) and the request is sent
-  again, whatever the verb. If the old session held pins or requests, or
-  its arena cannot come back (a lease expiry unlinks the arena's file: it
-  is dropped, and ``open_arena`` makes a new one), the call raises
+  again, whatever the verb. A ``store`` or ``restore`` on the shm or kv
+  plane carries the call's deadline when ``deadlines`` holds. If the old
+  session held pins or requests, or its arena cannot come back (a lease
+  expiry unlinks the arena's file: it is dropped, and ``open_arena`` makes
+  a new one), the call raises
   ``SessionLost`` listing them instead, once; the new session is ready for
   the next call. A failure half-way leaves ``gone`` set, so the next call
   starts over with a new hello rather than use half a session. Otherwise
@@ -66,6 +70,7 @@ import zmq
 
 from kvtier.client.data_planes import arena_fields
 from kvtier.client.protocol import (
+    FEATURE_DEADLINES,
     FEATURE_HINT_OUTPUT_TOKENS,
     FEATURE_HINTS,
     FEATURE_PACKED_HASHES,
@@ -76,6 +81,7 @@ from kvtier.client.protocol import (
     encode,
     request_header,
 )
+from kvtier.client.shared_clock import shares_clock
 from kvtier.client.shm_arena import ShmArena
 from kvtier.client.tokens import TokenChain
 from kvtier.client.transport import DaemonError, KvtierTimeout, Transport
@@ -83,6 +89,9 @@ from kvtier.client.transport import DaemonError, KvtierTimeout, Transport
 __all__ = ["Heartbeat", "PoolLayout", "Registration", "Session", "SessionLost"]
 
 log = logging.getLogger(__name__)
+
+
+DEADLINE_ROUNDING_NS = 1_000
 
 
 class SessionLost(DaemonError):
@@ -159,6 +168,7 @@ class Session:
         self.packed_hashes = False  # the daemon listed FEATURE_PACKED_HASHES in its hello reply
         self.hints = False  # ... and FEATURE_HINTS
         self.hint_output_tokens = False  # ... and FEATURE_HINT_OUTPUT_TOKENS
+        self.deadlines = False  # ... and FEATURE_DEADLINES, and reads our clock (shared_clock)
         self.gone = False  # the daemon answered UNKNOWN_SESSION
         self.pending_loss: SessionLost | None = None  # found by the heartbeat thread, raised by the next call
         self.closed = False  # the client closed: nothing may open a session again
@@ -170,8 +180,13 @@ class Session:
         self.arena: ShmArena | None = None
 
     def hello(self, deadline_s: float) -> None:
+        window_ns = [0, 0]  # the last attempt's send and receive: the daemon's clock reading lies between
+
         def attempt(attempt_deadline_s: float) -> tuple[dict[str, Any], list[Any]]:
-            return self._send("hello", self._hello_fields, (), attempt_deadline_s, with_sid=False)
+            window_ns[0] = time.monotonic_ns()
+            reply = self._send("hello", self._hello_fields, (), attempt_deadline_s, with_sid=False)
+            window_ns[1] = time.monotonic_ns()
+            return reply
 
         try:
             # hello changes nothing the daemon holds for us: safe to resend.
@@ -188,6 +203,8 @@ class Session:
         self.packed_hashes = isinstance(features, list) and FEATURE_PACKED_HASHES in features
         self.hints = isinstance(features, list) and FEATURE_HINTS in features
         self.hint_output_tokens = self.hints and FEATURE_HINT_OUTPUT_TOKENS in features
+        self.deadlines = (isinstance(features, list) and FEATURE_DEADLINES in features
+                          and shares_clock(rh.get("clock"), window_ns[0], window_ns[1]))
         self.gone = False
 
     def call(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any],
@@ -198,13 +215,27 @@ class Session:
         while True:
             self._ensure(deadline_s)
             try:
-                return self._transport.retry(op, deadline_s, lambda d: self._send(op, fields, frames, d),
+                return self._transport.retry(op, deadline_s,
+                                             lambda d: self._send(op, self._stamped(op, fields, deadline_s), frames, d),
                                              idempotent=idempotent)
             except DaemonError as exc:
                 if exc.code != ErrorCode.UNKNOWN_SESSION:
                     raise
                 # Rejected before it ran: safe to resend, whatever the verb.
                 self.gone = True
+
+    def _stamped(self, op: str, fields: Mapping[str, Any], deadline_s: float) -> Mapping[str, Any]:
+        """The request as sent now: with the call's deadline where the daemon works on this process's memory.
+
+        Settled per send, like packed hashes: a session re-opened on a daemon
+        without the feature (or on another clock) sends none. The transport
+        gives up a resendable call only once ``deadline_s`` has passed, so the
+        daemon, which acts only before ``deadline_ns``, never acts after it;
+        the microsecond taken off covers float rounding.
+        """
+        if not self.deadlines or fields.get("plane", "inline") == "inline" or "deadline_ns" not in OPS[op].fields:
+            return fields
+        return {**fields, "deadline_ns": int(deadline_s * 1e9) - DEADLINE_ROUNDING_NS}
 
     def call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], deadline_s: float) -> list[dict[str, Any]]:
         """Many requests of one idempotent verb, pipelined; all or nothing, no resend after a timeout."""

@@ -25,6 +25,9 @@ Contract:
   ``stats``, ``health``) names pools by their keys, ``"<tenant>/<name>"``
   with tenants, so two tenants' same-named pools stay apart there; each
   pool's ``stats`` entry also says its ``tenant`` and bare ``name`` then.
+- Deadlines (``daemon.deadlines``): a store or restore that names its
+  client's deadline reads or writes that client's memory only before it;
+  past it the reply is DEADLINE_EXCEEDED and nothing was stored or written.
 - Packed in, packed out: a request whose hashes came packed
   (``Request.packed``) gets its reply's ``tiers`` as packed codes
   (``protocol.pack_tiers``); lookup and pin pack the pool's tiers directly,
@@ -53,8 +56,9 @@ from kvtier.client.protocol import (
     frame_nbytes,
     pack_tiers,
 )
+from kvtier.client.shared_clock import daemon_clock
 from kvtier.client.shm_arena import ShmAccessError, ShmArena, ShmArenaError, ShmSparseError
-from kvtier.daemon import client_memory
+from kvtier.daemon import client_memory, deadlines
 from kvtier.daemon.hints import request_hints
 from kvtier.daemon.kv_import import KvShareAccessError, KvShareSparseError
 from kvtier.daemon.metrics import Counters
@@ -185,6 +189,7 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
             "protocol_version": PROTOCOL_VERSION,
             "daemon_version": DAEMON_VERSION,
             "features": list(FEATURES),
+            "clock": daemon_clock(),
             "pool": {
                 "name": entry.bare_name,
                 "mode": entry.mode,
@@ -523,11 +528,13 @@ def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     entry = _entry(ctx, session)
     _require_mode(entry, "store", "store")
     f = req.fields
+    deadlines.check_arrival(f["deadline_ns"], "store")
     hashes = _keys(ctx, session, f["hashes"])
     n = len(hashes)
     if len(set(hashes)) != n:
         raise ProtocolError(ErrorCode.INVALID_FIELD, "'hashes' names a hash twice")
     keep: Any = None
+    read_by_ns = None  # the pool reads the client's own memory (CUDA IPC): its copy must end by the deadline
     if f["plane"] == "inline":
         if f["slots"] is not None or f["reg"] is not None:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'inline' takes no 'slots' or 'reg'")
@@ -557,8 +564,12 @@ def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
         staging = BlockLayout.contiguous(n, entry.block_bytes, "cpu")
         client_src, client_slots = src, slots
         _client_copy(ctx, session, lambda: client_memory.read_blocks(client_src, client_slots, staging), files)
+        deadlines.check_read(f["deadline_ns"], "store")
         src, slots, keep = staging, list(range(n)), staging
-    op = entry.pool.store(hashes, src, slots, hints=request_hints(f["hints"], session, entry, n, ctx.metrics))
+    elif f["plane"] != "inline":
+        read_by_ns = f["deadline_ns"]
+    op = entry.pool.store(hashes, src, slots, hints=request_hints(f["hints"], session, entry, n, ctx.metrics),
+                          read_by_ns=read_by_ns)
     return _done_or_pending(op, lambda o: Reply(dict(o.result)), keep=keep)
 
 
@@ -567,6 +578,7 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
     entry = _entry(ctx, session)
     _require_mode(entry, "store", "restore")
     f = req.fields
+    deadlines.check_arrival(f["deadline_ns"], "restore")
     hashes = _keys(ctx, session, f["hashes"])
     n = len(hashes)
     pool = entry.pool
@@ -604,8 +616,9 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
         return _done_or_pending(op, finish, keep=staging, reply_bytes=k * entry.block_bytes)
     dst, slots = _plane_layout(ctx, req, session, n)
     files = _plane_files(session, req)
+    deadline_ns = f["deadline_ns"]
     if not client_memory.is_client_host_memory(dst):
-        op = pool.restore(hashes, dst, slots)
+        op = pool.restore(hashes, dst, slots, start_by_ns=deadlines.write_by_ns(deadline_ns, n * entry.block_bytes))
         return _done_or_pending(op, lambda o: Reply({"tiers": list(o.result["tiers"])}))
     # Client host memory: the loop copies the blocks out with calls that fail
     # instead of faulting (see store). Straight from the tiers where the pool
@@ -619,6 +632,7 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
     if borrowed is not None:
         try:
             got = len(borrowed.tiers)
+            deadlines.check_write(deadline_ns, got * entry.block_bytes, "restore")
             _client_copy(ctx, session, lambda: client_memory.write_views(borrowed.views, dst, slots[:got]), files)
         finally:
             borrowed.release()
@@ -634,6 +648,7 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
 
     def finish_client(o: Op) -> Reply:
         got = len(o.result["tiers"])
+        deadlines.check_write(deadline_ns, got * entry.block_bytes, "restore")
         _client_copy(ctx, session, lambda: client_memory.write_blocks(staging, got, dst, slots), files)
         return Reply({"tiers": list(o.result["tiers"])})
 

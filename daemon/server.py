@@ -96,6 +96,7 @@ from kvtier.daemon.security import CurveGuard, CurveOptions, check_socket_dir, p
 from kvtier.daemon.sessions import Session, SessionTable
 from kvtier.daemon.tenants import TenantRegistry
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
+from kvtier.tiers.copy_types import DeadlinePassed
 from kvtier.tiers.transfer import TransferError
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,8 @@ def _error_code_for(exc: BaseException) -> ErrorCode:
         return ErrorCode.NOT_FOUND
     if isinstance(exc, PoolError):
         return ErrorCode.INVALID_STATE
+    if isinstance(exc, DeadlinePassed):
+        return ErrorCode.DEADLINE_EXCEEDED
     if isinstance(exc, TransferError):
         return ErrorCode.TRANSFER_FAILED
     return ErrorCode.INTERNAL

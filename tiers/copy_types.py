@@ -45,6 +45,10 @@ class TransferError(RuntimeError):
     """A copy failed, or the engine is closed."""
 
 
+class DeadlinePassed(TransferError):
+    """A copy of a client's memory did not run, or its read does not count: the client's deadline passed."""
+
+
 class CopyKind(enum.Enum):
     DEMOTE = "demote"  # GPU tier -> CPU tier
     RESTORE = "restore"  # CPU tier -> GPU tier

@@ -212,3 +212,95 @@ def test_registered_kv_store_restore_through_cpu_tier(daemon) -> None:  # type: 
             c.store([rng.randbytes(16)], slots=[0], reg="nope")
         assert info.value.code == ErrorCode.NOT_FOUND
         c.unregister_kv("engine")
+
+
+def test_stores_and_restores_of_client_memory_carry_their_deadline_and_a_late_one_does_nothing(daemon) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(11)
+    with Client(daemon.endpoint, "deadline", layout(), timeout_s=5.0) as c:
+        assert "deadlines" in c.features and c.deadlines  # one host, one clock
+        sent: list[tuple[str, dict]] = []
+        roundtrip = c._roundtrip
+
+        def recording(op: str, fields: dict, *args: object, **kw: object) -> object:
+            sent.append((op, dict(fields)))
+            return roundtrip(op, fields, *args, **kw)  # type: ignore[arg-type]
+
+        c._roundtrip = recording  # type: ignore[method-assign]
+        hashes, data = chain(rng, 4)
+        c.store(hashes, data)
+        arena = c.open_arena(4)
+        arena.buffer[: 4 * BLOCK_BYTES] = data
+        t0_ns = time.monotonic_ns()
+        c.store(hashes, slots=[0, 1, 2, 3])
+        c.restore(hashes, slots=[3, 2, 1, 0], timeout_s=2.0)
+        t1_ns = time.monotonic_ns()
+        by_op = [(op, f.get("deadline_ns")) for op, f in sent if op in ("store", "restore")]
+        # Inline bytes travel in the message: no deadline. The others carry the call's own.
+        assert by_op[0] == ("store", None)
+        assert by_op[1][0] == "store" and t0_ns + 4_900_000_000 < by_op[1][1] <= t1_ns + 5_000_000_000
+        assert by_op[2][0] == "restore" and t0_ns + 1_900_000_000 < by_op[2][1] <= t1_ns + 2_000_000_000
+        # A request that arrives past its deadline is refused, and changes nothing.
+        late, late_data = chain(rng, 4)
+        arena.buffer[: 4 * BLOCK_BYTES] = late_data
+        c._session.deadlines = False  # so that the deadline sent is the one below
+        _, wire = c._wire_hashes(late)
+        past_ns = time.monotonic_ns() - 1
+        for op in ("store", "restore"):
+            with pytest.raises(DaemonError) as err:
+                c._call(op, {"hashes": wire, "plane": "shm", "slots": [0, 1, 2, 3], "deadline_ns": past_ns})
+            assert err.value.code == ErrorCode.DEADLINE_EXCEEDED and "nothing was done" in err.value.message
+        assert c.lookup(late) == []
+        _, wire = c._wire_hashes(hashes)
+        with pytest.raises(DaemonError) as err:
+            c._call("restore", {"hashes": wire, "plane": "shm", "slots": [0, 1, 2, 3], "deadline_ns": past_ns})
+        assert err.value.code == ErrorCode.DEADLINE_EXCEEDED
+        assert bytes(arena.buffer[: 4 * BLOCK_BYTES]) == late_data  # not written
+        # With time left to write, the same restore goes through.
+        far_ns = time.monotonic_ns() + 10_000_000_000
+        c._call("restore", {"hashes": wire, "plane": "shm", "slots": [0, 1, 2, 3], "deadline_ns": far_ns})
+        assert bytes(arena.buffer[: 4 * BLOCK_BYTES]) == data
+
+
+@pytest.mark.parametrize("kind", ["shm", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_registered_kv_is_neither_read_nor_written_past_the_deadline(daemon, kind: str) -> None:  # type: ignore[no-untyped-def]
+    # On CUDA the daemon copies by IPC straight between its tiers and the engine's tensor (the pool's
+    # copies carry the deadline); on the CPU through the loop's fault-safe copies.
+    import torch
+
+    from kvtier.client.kv_share import allocate_shared_kv
+
+    shape = (8, BLOCK_BYTES // 2)  # 8 blocks of float16 along dim 0
+    if kind == "cuda":
+        kv = torch.zeros(shape, dtype=torch.float16, device="cuda")
+    else:
+        kv, _handle = allocate_shared_kv(shape, "float16", 0)
+
+    def blocks(first: int) -> bytes:
+        if kv.is_cuda:
+            torch.cuda.synchronize(kv.device)
+        return kv[first:first + 4].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+    hashes, data = chain(random.Random(13), 4)
+    kv[:4] = torch.frombuffer(bytearray(data), dtype=torch.float16).view(4, -1).to(kv.device)
+    with Client(daemon.endpoint, f"deadline-{kind}", layout(), timeout_s=10.0) as c:
+        assert c.register_kv("kv", [kv], 0) == 8
+        c._session.deadlines = False  # so that the deadlines sent are the ones below
+        _, wire = c._wire_hashes(hashes)
+        past_ns = time.monotonic_ns() - 1
+        far_ns = time.monotonic_ns() + 30_000_000_000
+
+        def call(op: str, slots: list[int], deadline_ns: int) -> dict:
+            rh, _ = c._call(op, {"hashes": wire, "plane": "kv", "reg": "kv", "slots": slots, "deadline_ns": deadline_ns})
+            return rh
+
+        with pytest.raises(DaemonError) as err:
+            call("store", [0, 1, 2, 3], past_ns)
+        assert err.value.code == ErrorCode.DEADLINE_EXCEEDED and c.lookup(hashes) == []
+        assert call("store", [0, 1, 2, 3], far_ns)["stored"] == 4
+        with pytest.raises(DaemonError) as err:
+            call("restore", [4, 5, 6, 7], past_ns)
+        assert err.value.code == ErrorCode.DEADLINE_EXCEEDED
+        assert blocks(4) == bytes(4 * BLOCK_BYTES)  # not written
+        assert len(call("restore", [4, 5, 6, 7], far_ns)["tiers"]) == 4
+        assert blocks(4) == data
+        c.unregister_kv("kv")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 from kvtier.tiers.block_manager import BlockManager
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import NoSpace, PoolSpec, Tier, TieredPool
+from kvtier.tiers.copy_types import DeadlinePassed
 from kvtier.tiers.transfer import CopyKind, ThreadTransferEngine, Transfer, TransferError
 
 BS = 4
@@ -531,6 +533,63 @@ def test_failed_store_copy_withdraws_its_hashes(make) -> None:
     hx.fail_kinds = set()
     assert hx.store(chain("a", 2)).wait(10).error is None
     assert hx.restore_check(chain("a", 2)) == ["gpu", "gpu"]
+    hx.check()
+
+
+# ---- a client's deadline (daemon.deadlines): the pool reads or writes a client's memory only before it ----
+
+
+@pytest.mark.parametrize("gpu_blocks", [4, None], ids=["gpu-tier", "cpu-only"])
+def test_a_store_whose_read_ends_past_its_client_deadline_keeps_nothing(make, gpu_blocks) -> None:
+    # The source is the client's own memory (CUDA IPC in the daemon): a read that ends after the client
+    # gave the call up may have read KV the engine wrote there since. None of it is kept.
+    hx = make(gpu_blocks=gpu_blocks, cpu_blocks=4)
+    a = chain("a", 3)
+    submitted: list[CopyKind] = []
+
+    def slow_stores(t: Transfer) -> None:
+        submitted.append(t.kind)
+        if t.kind is CopyKind.STORE:
+            time.sleep(0.05)
+
+    hx.engine.fault_hook = slow_stores
+    for s, key in enumerate(a):
+        hx.src.slab()[s] = content(key)
+    op = hx.pool.store(a, hx.src, [0, 1, 2], read_by_ns=time.monotonic_ns() + 10_000_000).wait(10)
+    assert isinstance(op.error, DeadlinePassed), op.error
+    assert submitted == [CopyKind.STORE] and hx.pool.lookup(a) == []
+    assert len(hx.pool.cpu) == 0 and (hx.pool.bm is None or hx.bm.num_cached_blocks == 0)
+    # Already past when it would start: not even copied.
+    submitted.clear()
+    op = hx.pool.store(a, hx.src, [0, 1, 2], read_by_ns=time.monotonic_ns() - 1).wait(10)
+    assert isinstance(op.error, DeadlinePassed) and submitted == [] and hx.pool.lookup(a) == []
+    # With time to spare it stores as ever.
+    op = hx.pool.store(a, hx.src, [0, 1, 2], read_by_ns=time.monotonic_ns() + 10_000_000_000).wait(10)
+    assert op.error is None and op.result == {"stored": 3, "present": 0}
+    assert hx.restore_check(a) == ["gpu" if gpu_blocks else "cpu"] * 3
+    hx.check()
+
+
+def test_a_restore_that_would_start_past_its_client_deadline_writes_nothing(make) -> None:
+    hx = make(gpu_blocks=4, cpu_blocks=8)
+    a, x = chain("a", 2), chain("x", 4)
+    hx.store(a).wait(10)
+    hx.store(x).wait(10)  # a is demoted to the CPU tier
+    assert hx.pool.wait_idle(10) and hx.pool.lookup(a) == [Tier.CPU] * 2 and hx.pool.lookup(x) == [Tier.GPU] * 4
+    for keys in (a, x):
+        dst = BlockLayout.contiguous(len(keys), BB)
+        dst.slab().fill_(POISON)
+        slots = list(range(len(keys)))
+        op = hx.pool.restore(keys, dst, slots, start_by_ns=time.monotonic_ns() - 1).wait(10)
+        assert isinstance(op.error, DeadlinePassed), op.error
+        assert bool((dst.slab() == POISON).all()), "a restore past its deadline wrote the client's memory"
+        op = hx.pool.restore(keys, dst, slots, start_by_ns=time.monotonic_ns() + 10_000_000_000).wait(10)
+        assert op.error is None
+        assert all(torch.equal(dst.slab()[i], content(k)) for i, k in enumerate(keys))
+    # The refused restores left the blocks as they were: held, unpinned, readable.
+    assert hx.pool.wait_idle(10) and hx.pool.lookup(a + x) == [Tier.CPU] * 2 + [Tier.GPU] * 4
+    assert all(e.readers == 0 and e.ready for e in hx.pool.cpu._entries.values())
+    assert hx.pool.counters["copy_failures"] == 0  # a late client is no failing copy
     hx.check()
 
 

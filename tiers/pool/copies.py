@@ -18,6 +18,12 @@ handed out, overwritten or read while a copy touches it.**
   listed there (the state-machine test checks it), and the entry is committed
   or aborted when that copy finishes. The CPU tier's own reader and pin
   counts keep its slots from being reused under a read.
+- A copy of a client's memory may carry its client's deadline: one with
+  ``start_by_ns`` (a write into that memory) is not submitted past it; one
+  with ``read_by_ns`` (a read of it) is not submitted past it and fails if
+  it finishes past it, since the client may have reused the memory under
+  the read. Both fail with ``DeadlinePassed``, and fail their ops as any
+  failed copy does (a store's keys are dropped again).
 - Copies finish only in ``submit_ready`` (bookkeeping mode, empty copies,
   submit errors) or ``poll`` (the transfer engine's results), both on the
   pool's thread.
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.tiers.cpu_tier import CpuEntry, CpuTier
-from kvtier.tiers.copy_types import CopyKind, Transfer, TransferEngine, TransferError
+from kvtier.tiers.copy_types import CopyKind, DeadlinePassed, Transfer, TransferEngine, TransferError
 
 if TYPE_CHECKING:
     from kvtier.tiers.layout import BlockLayout
@@ -97,6 +103,8 @@ class Copy:
     ops: list[Op] = field(default_factory=list)
     on_done: list[Callable[[bool], None]] = field(default_factory=list)
     high_priority: bool = False
+    start_by_ns: int | None = None  # CLOCK_MONOTONIC: not submitted at or after it (see the module docstring)
+    read_by_ns: int | None = None  # ... nor finished at or after it
     transfer: Transfer | None = None
     finished: bool = False
     error: BaseException | None = None
@@ -138,9 +146,11 @@ class CopyScheduler:
     # ---- building copies --------------------------------------------------------------
 
     def copy(self, kind: CopyKind, src: BlockLayout | None, src_slots: Sequence[int], dst: BlockLayout | None,
-             dst_slots: Sequence[int], *, after: set[Copy] | None = None, high_priority: bool | None = None) -> Copy:
+             dst_slots: Sequence[int], *, after: set[Copy] | None = None, high_priority: bool | None = None,
+             start_by_ns: int | None = None, read_by_ns: int | None = None) -> Copy:
         copy = Copy(kind, src, list(src_slots), dst, list(dst_slots), {c for c in (after or ()) if not c.finished},
-                    high_priority=kind.high_priority if high_priority is None else high_priority)
+                    high_priority=kind.high_priority if high_priority is None else high_priority,
+                    start_by_ns=start_by_ns, read_by_ns=read_by_ns)
         self.deferred.append(copy)
         return copy
 
@@ -221,8 +231,11 @@ class CopyScheduler:
                 # other dependencies just order the reuse of slots.
                 failed = [c for c in copy.after if c.error is not None and c.dst is copy.src
                           and not set(c.dst_slots).isdisjoint(copy.src_slots)]
+                late = _late_to_start(copy)
                 if failed:
                     self.finish_copy(copy, TransferError(f"a copy it depends on failed: {failed[0].error}"))
+                elif late is not None:
+                    self.finish_copy(copy, late)
                 elif not self.data or not copy.src_slots:
                     self.finish_copy(copy, None)
                 else:
@@ -250,11 +263,17 @@ class CopyScheduler:
         self.submit_ready()
 
     def finish_copy(self, copy: Copy, error: BaseException | None) -> None:
+        if error is None and copy.read_by_ns is not None:
+            late_ns = time.monotonic_ns() - copy.read_by_ns
+            if late_ns >= 0:
+                error = DeadlinePassed(f"{copy.kind.value} read its client's memory until {late_ns / 1e6:.1f} ms "
+                                       "past the client's deadline; not kept")
         copy.finished = True
         copy.error = error
         ok = error is None
         if not ok:
-            self.counters.copy_failures += 1
+            if not isinstance(error, DeadlinePassed):  # a late client is not a failing copy engine
+                self.counters.copy_failures += 1
             log.warning("%s of %d blocks failed: %s", copy.kind.value, len(copy.src_slots), error)
         for fn in copy.on_done:
             fn(ok)
@@ -264,3 +283,15 @@ class CopyScheduler:
                 op.error = error
             if not op._waiting and not op.done:
                 op._finish()
+
+
+def _late_to_start(copy: Copy) -> DeadlinePassed | None:
+    """Why a copy of a client's memory may no longer start, or None."""
+    by_ns = min((t for t in (copy.start_by_ns, copy.read_by_ns) if t is not None), default=None)
+    if by_ns is None:
+        return None
+    late_ns = time.monotonic_ns() - by_ns
+    if late_ns < 0:
+        return None
+    return DeadlinePassed(f"{copy.kind.value} of {len(copy.src_slots)} blocks would start {late_ns / 1e6:.1f} ms past "
+                          "its client's deadline; not run")

@@ -300,15 +300,15 @@ class TieredPool:
     # ---- store mode (store.py, lending.py) ----------------------------------------------
 
     def store(self, hashes: Sequence[bytes], src: BlockLayout | None, src_slots: Sequence[int], *,
-              hints: RequestHints | None = None) -> Op:
-        op = store.store(self, hashes, src, src_slots)
+              hints: RequestHints | None = None, read_by_ns: int | None = None) -> Op:
+        op = store.store(self, hashes, src, src_slots, read_by_ns=read_by_ns)
         if hints is not None:
             self._learning.note_hints(hashes, hints)  # only once the store is planned: a refused one says nothing
         return op
 
     def restore(self, hashes: Sequence[bytes], dst: BlockLayout | None, dst_slots: Sequence[int], *,
-                count: bool = True) -> Op:
-        return store.restore(self, hashes, dst, dst_slots, count=count)
+                count: bool = True, start_by_ns: int | None = None) -> Op:
+        return store.restore(self, hashes, dst, dst_slots, count=count, start_by_ns=start_by_ns)
 
     def borrow(self, hashes: Sequence[bytes], *, max_views: int | None = None) -> Borrowed | None:
         """Views of the longest held prefix, for a sender that reads it in place (see the contract

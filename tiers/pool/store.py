@@ -12,6 +12,9 @@
   the CPU tier, by the same split (the daemon's tenant quotas check it).
 - ``restore`` copies the longest held prefix (remote runs fetched first)
   into the caller's slots. Lending in place is ``lending.borrow``.
+- ``read_by_ns`` (store) and ``start_by_ns`` (restore) are the client's
+  deadline where ``src`` / ``dst`` is the client's own memory (see
+  ``copies``): past it a store stores nothing and a restore writes nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def cpu_spill(pool: TieredPool, hashes: Sequence[bytes]) -> int:
     return max(0, new - (bm.num_free_unprotected(frozenset(hashes)) if bm is not None else 0))
 
 
-def store(pool: TieredPool, hashes: Sequence[bytes], src: BlockLayout | None, src_slots: Sequence[int]) -> Op:
+def store(pool: TieredPool, hashes: Sequence[bytes], src: BlockLayout | None, src_slots: Sequence[int], *,
+          read_by_ns: int | None = None) -> Op:
     if len(hashes) != len(src_slots):
         raise PoolError(f"{len(hashes)} hashes but {len(src_slots)} source slots")
     if len(set(hashes)) != len(hashes):
@@ -61,7 +65,7 @@ def store(pool: TieredPool, hashes: Sequence[bytes], src: BlockLayout | None, sr
     # held, and the chain the new blocks extend).
     protected = op.protected = frozenset(hashes)
     if pool.bm is None:
-        _store_cpu(pool, op, new, src, protected)
+        _store_cpu(pool, op, new, src, protected, read_by_ns)
     else:
         # What the GPU tier cannot take (its free queue, less the present
         # blocks waiting in it, is shorter than the batch) goes straight to
@@ -69,9 +73,9 @@ def store(pool: TieredPool, hashes: Sequence[bytes], src: BlockLayout | None, sr
         # CPU first: it is the part that can fail.
         fits = min(len(new), pool.bm.num_free_unprotected(protected))
         if fits < len(new):
-            _store_cpu(pool, op, new[fits:], src, protected)
+            _store_cpu(pool, op, new[fits:], src, protected, read_by_ns)
         if fits:
-            _store_gpu(pool, op, new[:fits], src, protected)
+            _store_gpu(pool, op, new[:fits], src, protected, read_by_ns)
     # Counted once the store cannot fail any more: a NoSpace changes nothing
     # but stores_failed.
     counters.stores += len(new)
@@ -102,7 +106,7 @@ def _writes_in_flight(pool: TieredPool, present: Sequence[bytes]) -> set[Copy]:
 
 
 def _store_gpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: BlockLayout | None,
-               protected: frozenset[bytes]) -> None:
+               protected: frozenset[bytes], read_by_ns: int | None) -> None:
     bm = pool.bm
     assert bm is not None
     copies = pool._copies
@@ -116,7 +120,7 @@ def _store_gpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: Bloc
         bm.commit(block, h)
     dst = [b.block_id for b in blocks]
     copy = copies.copy(CopyKind.STORE, src, [s for _, s in new], pool.gpu, dst,
-                       after=vacate | copies.busy_copies(dst))
+                       after=vacate | copies.busy_copies(dst), read_by_ns=read_by_ns)
     copies.mark_gpu_busy(copy, dst)
     copies.attach(op, copy)
 
@@ -144,7 +148,7 @@ def _store_gpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: Bloc
 
 
 def _store_cpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: BlockLayout | None,
-               protected: frozenset[bytes]) -> None:
+               protected: frozenset[bytes], read_by_ns: int | None) -> None:
     cpu = pool.cpu
     try:
         entries = cpu.reserve([h for h, _ in new], protected)
@@ -152,13 +156,14 @@ def _store_cpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: Bloc
         pool.counters.stores_failed += 1
         raise NoSpace(str(exc)) from None
     copies = pool._copies
-    copy = copies.copy(CopyKind.STORE, src, [s for _, s in new], cpu.storage, [e.slot for e in entries])
+    copy = copies.copy(CopyKind.STORE, src, [s for _, s in new], cpu.storage, [e.slot for e in entries],
+                       read_by_ns=read_by_ns)
     copies.track_cpu_write(copy, cpu, entries)
     copies.attach(op, copy)
 
 
 def restore(pool: TieredPool, hashes: Sequence[bytes], dst: BlockLayout | None, dst_slots: Sequence[int], *,
-            count: bool) -> Op:
+            count: bool, start_by_ns: int | None = None) -> Op:
     if len(dst_slots) < len(hashes):
         raise PoolError(f"{len(hashes)} hashes but only {len(dst_slots)} destination slots")
     if pool.data and (dst is None or dst.block_bytes != pool.spec.block_bytes):
@@ -178,7 +183,7 @@ def restore(pool: TieredPool, hashes: Sequence[bytes], dst: BlockLayout | None, 
         bm.touch(blocks)  # type: ignore[arg-type]
         ids = [b.block_id for b in blocks]  # type: ignore[union-attr]
         copy = copies.copy(CopyKind.LOAD, pool.gpu, ids, dst, [d for _, d in gpu],
-                           after=copies.busy_copies(ids, writes_only=True))
+                           after=copies.busy_copies(ids, writes_only=True), start_by_ns=start_by_ns)
         copies.mark_gpu_busy(copy, ids)
         copy.on_done.append(lambda ok, bl=blocks, bm=bm: bm.release(reversed(bl)) if pool.bm is bm else None)
         copies.attach(op, copy)
@@ -190,7 +195,7 @@ def restore(pool: TieredPool, hashes: Sequence[bytes], dst: BlockLayout | None, 
         for e in reversed(entries):  # tail first, so the head is the most recent (see engine.allocate)
             cpu.hit(e.key)  # type: ignore[union-attr]
         copy = copies.copy(CopyKind.LOAD, cpu.storage, [e.slot for e in entries], dst,  # type: ignore[union-attr]
-                           [d for _, d in cpu_held])
+                           [d for _, d in cpu_held], start_by_ns=start_by_ns)
         copy.on_done.append(lambda ok, es=entries: [cpu.end_read(e) for e in es])  # type: ignore[arg-type]
         copies.attach(op, copy)
     pool.counters.loads += len(held)
