@@ -99,7 +99,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._w().wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads are synchronous; no request waits on a store
+        received = self._w().get_finished()  # background loads that ran; no request waits on a store
+        return None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().get_block_ids_with_load_errors()

@@ -14,7 +14,9 @@ Both raise the client's errors; ``DaemonLink`` turns those into misses.
   straight between them and its tiers: no copy in vLLM's process at all.
 - ``StagedPlane``: for KV memory that cannot be shared (CUDA's expandable
   segments, a backend whose storage cannot move): the worker copies blocks
-  through a shared-memory arena, ``staging_blocks`` at a time.
+  through a shared-memory arena, ``staging_blocks`` at a time. One call at a
+  time uses the arena (the worker's store and background-load threads take
+  turns).
 
 ``make_plane`` picks one per ``data_plane`` (``auto``: registered, falling
 back to staged with a log line that says why).
@@ -23,6 +25,7 @@ back to staged with a log line that says why).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -95,10 +98,13 @@ class StagedPlane:
         self._engine = BlockLayout(list(tensors), list(block_dims))
         self._slots = staging_blocks
         self._arena: BlockLayout | None = None
+        # A restore and a store must not share the arena's slots, nor a reconnect swap the arena under them.
+        self._arena_lock = threading.RLock()
 
     def connect(self, client: Client) -> None:
-        self._arena = None
-        self._arena_of(client)
+        with self._arena_lock:
+            self._arena = None
+            self._arena_of(client)
 
     def _arena_of(self, client: Client) -> BlockLayout:
         arena = client.arena
@@ -110,6 +116,10 @@ class StagedPlane:
         return self._arena
 
     def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int:
+        with self._arena_lock:
+            return self._restore(client, keys, block_ids)
+
+    def _restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int:
         arena = self._arena_of(client)
         done = 0
         for lo in range(0, len(keys), self._slots):
@@ -122,6 +132,10 @@ class StagedPlane:
         return done
 
     def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None) -> None:
+        with self._arena_lock:
+            self._store(client, keys, block_ids, hints)
+
+    def _store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None) -> None:
         arena = self._arena_of(client)
         for lo in range(0, len(keys), self._slots):
             chunk = keys[lo: lo + self._slots]

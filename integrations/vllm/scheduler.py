@@ -22,6 +22,13 @@ scheduler never waits on a round trip:
   answering at once would cost the request a whole (empty) engine step.
   With requests running it never waits: their next step goes first. Repeated
   calls for a waiting request cost a dict lookup.
+- Each answer also says whether the load runs beside the forward
+  (``load_mode``): ``sync`` loads before the step's forward, which then
+  waits for it; ``async`` loads while vLLM runs steps without the request
+  (it waits in WAITING_FOR_REMOTE_KVS until the worker reports it loaded,
+  at least one step later); ``adaptive`` (the default) loads async while
+  the engine is busy, so running requests are not stalled by a restore,
+  and sync when it is idle, where waiting a step would only add latency.
 - ``update_state_after_alloc`` turns an answer into a load (keys + vLLM block
   ids) for the next ``build_connector_meta``; pins of blocks not loaded go.
 - ``build_connector_meta`` hands the worker this step's loads, and the full
@@ -78,6 +85,7 @@ class _Tracked:
     lookup: Future[int] | None = None  # blocks kvtierd holds (and pinned) from block 0
     held_blocks: int = 0  # the answer handed to the scheduler, in blocks
     asked: bool = False  # the scheduler asked about it since its lookup started
+    background: bool = False  # the answer's load runs beside the forward (load_mode)
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
 
@@ -99,6 +107,7 @@ class SchedulerSide:
         self._loads: list[BlockTransfer] = []  # decided by update_state_after_alloc, sent by the next meta
         self._load_pins: dict[str, list[bytes]] = {}  # req_id -> pins to drop once its load ran
         self.kv_cache_manager: KVCacheManager | None = None
+        self._load_mode = settings.load_mode
         self._wait_per_step_s = settings.lookup_wait_ms / 1e3
         self._wait_left_s = self._wait_per_step_s  # refilled by build_connector_meta (once a step)
         self._engine_busy = False  # the last step scheduled tokens: a wait would delay running requests
@@ -167,7 +176,10 @@ class SchedulerSide:
                 t.held_blocks = t.lookup.result()
             except Exception:
                 t.held_blocks = 0
-            return max(0, t.held_blocks * self._bs - num_computed_tokens), False
+            tokens = max(0, t.held_blocks * self._bs - num_computed_tokens)
+            t.background = tokens > 0 and (self._load_mode == "async"
+                                           or self._load_mode == "adaptive" and self._engine_busy)
+            return tokens, t.background
         finally:
             self.calls_s += time.perf_counter() - t0
             self.calls += 1
@@ -186,7 +198,8 @@ class SchedulerSide:
         start = end - num_external_tokens // self._bs
         block_ids = blocks.get_block_ids()[0]
         keys = t.keys.upto(end)
-        self._loads.append(BlockTransfer(keys[start:end], list(block_ids[start:end]), request.request_id))
+        self._loads.append(BlockTransfer(keys[start:end], list(block_ids[start:end]), request.request_id,
+                                         background=t.background))
         self._load_pins[request.request_id] = pinned
 
     # ---- each step ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ from kvtier.client.admin import resolve_endpoint
 from kvtier.client.hashing import HASH_ALGOS
 
 DATA_PLANES = ("auto", "registered", "staged")
+LOAD_MODES = ("adaptive", "sync", "async")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,7 @@ class ConnectorSettings:
     curve_secret_key_file: str | None = None  # this engine's secret key file
     load_failure_policy: str = "recompute"  # vLLM's kv_load_failure_policy while kvtier is used
     lookup_wait_ms: float = 3.0  # per scheduler step, how long new requests' lookups may be waited for
+    load_mode: str = "adaptive"  # "sync": before the forward; "async": beside it; "adaptive": async while busy
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -64,6 +66,8 @@ class ConnectorSettings:
             fail("lookup_wait_ms", "a number of milliseconds in [0, 1000]")
         if self.data_plane not in DATA_PLANES:
             fail("data_plane", f"one of {', '.join(DATA_PLANES)}")
+        if self.load_mode not in LOAD_MODES:
+            fail("load_mode", f"one of {', '.join(LOAD_MODES)}")
         if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int) or self.staging_blocks < 1:
             fail("staging_blocks", "a positive number of blocks")
         if self.load_failure_policy not in ("recompute", "fail"):

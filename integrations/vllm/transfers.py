@@ -2,8 +2,9 @@
 
 ``StepTransfers`` is what the scheduler half decides per step and the worker
 half (``worker.WorkerSide``) carries out: ``loads`` are restored into vLLM's
-KV tensors before the step's forward, ``stores`` (full blocks the step
-computes) are copied out after it. Each ``BlockTransfer`` pairs kvtier block
+KV tensors, before the step's forward or (``background``) beside it while
+their request waits, ``stores`` (full blocks the step computes) are copied
+out after it. Each ``BlockTransfer`` pairs kvtier block
 keys, in prefix order, with the vLLM block ids they live in.
 
 vLLM needs its own base classes on what travels between its processes; those
@@ -26,6 +27,7 @@ class BlockTransfer:
     block_ids: list[int]  # vLLM's block ids, one per key
     req_id: str = ""
     hints: Hints | None = None  # the request's (stores only)
+    background: bool = False  # loads: vLLM runs steps without the request until the worker reports it loaded
 
 
 @dataclass

@@ -11,10 +11,15 @@ session on the rank's pool.
   plane (``planes.py``) and connects. A daemon that is not up yet is not
   fatal: the link connects on first use.
 - ``start_load_kv``: restores this step's loads before the forward reads
-  them. Blocks it could not restore (evicted since the lookup, daemon down)
-  are reported by ``get_block_ids_with_load_errors``, and vLLM recomputes
-  them (the scheduler half sets vLLM's ``kv_load_failure_policy`` to
-  ``recompute``).
+  them; a ``background`` load is queued instead, on a thread of its own,
+  and ``get_finished`` reports its request once it ran (done or failed):
+  vLLM runs steps without that request until then. A background load first
+  waits for the stores queued before it, as a synchronous one does: its
+  blocks may be ones a finished request's store is still reading. Blocks
+  it could not restore (evicted since the lookup, daemon down) are reported
+  by ``get_block_ids_with_load_errors``, no later than the step whose
+  ``get_finished`` reports the request, and vLLM recomputes them (the
+  scheduler half sets vLLM's ``kv_load_failure_policy`` to ``recompute``).
 - ``wait_for_save``: hands this step's newly full blocks to a background
   thread and returns: kvtierd copies them while vLLM schedules the next step.
   ``handle_preemptions``, which vLLM calls at the start of the next step
@@ -32,7 +37,9 @@ tensors shaped like vLLM's, where vLLM is not installed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kvtier.integrations.vllm.background import Background
@@ -40,7 +47,7 @@ from kvtier.integrations.vllm.link import DaemonLink
 from kvtier.integrations.vllm.planes import CopyDeadline, Plane, make_plane
 from kvtier.integrations.vllm.pool import PoolChoice, block_dim_of
 from kvtier.integrations.vllm.settings import ConnectorSettings
-from kvtier.integrations.vllm.transfers import StepTransfers
+from kvtier.integrations.vllm.transfers import BlockTransfer, StepTransfers
 
 if TYPE_CHECKING:
     import torch
@@ -58,8 +65,12 @@ class WorkerSide:
         self._plane: Plane | None = None
         self._link: DaemonLink | None = None
         self._stores = Background("kvtier-stores")
+        self._loads = Background("kvtier-loads")  # background loads, in order
+        # What loads left for vLLM to collect; the loads thread adds to them.
+        self._results_lock = threading.Lock()
         self._load_errors: set[int] = set()
-        self._loaded: set[str] = set()
+        self._loaded: set[str] = set()  # for the scheduler half: pins to drop
+        self._received: set[str] = set()  # background loads that ran, for get_finished
         self.blocks_loaded = 0
         self.blocks_stored = 0
         self.load_s = 0.0
@@ -80,28 +91,76 @@ class WorkerSide:
     # ---- loads -------------------------------------------------------------------------
 
     def start_load_kv(self, meta: StepTransfers) -> None:
-        if not meta.loads or self._plane is None or self._link is None:
+        if not meta.loads:
             return
-        self.wait_for_stores()
-        plane, t0 = self._plane, time.perf_counter()
-        for load in meta.loads:
-            got = self._link.call(lambda c, load=load: plane.restore(c, load.keys, load.block_ids)) or 0
-            if got < len(load.keys):
-                self._load_errors.update(load.block_ids[got:])
+        now = [load for load in meta.loads if not load.background]
+        if now:
+            self.wait_for_stores()
+            t0 = time.perf_counter()
+            failed = sum(self._load(load) for load in now)
+            self.load_s += time.perf_counter() - t0
+            if failed:
+                log.info("kvtier: %d of %d blocks to load were not restored; vLLM recomputes them",
+                         failed, sum(len(x.keys) for x in now))
+        later = [load for load in meta.loads if load.background]
+        if later:
+            # Done once every store queued so far is (one thread, in order).
+            stores_before = self._stores.submit(lambda: None)
+            self._loads.submit(lambda: self._load_in_background(later, stores_before))
+
+    def _load_in_background(self, loads: list[BlockTransfer], stores_before: Future[None]) -> None:
+        failed = 0
+        try:
+            stores_before.result(STORE_DRAIN_TIMEOUT_S)
+        except Exception:
+            # The stores hang: restoring now could race one still reading a
+            # block it overwrites. Every block of these loads is recomputed.
+            failed = self._fail(loads)
+        else:
+            failed = sum(self._load(load) for load in loads)
+        finally:
+            with self._results_lock:
+                self._received.update(load.req_id for load in loads)
+        if failed:
+            log.info("kvtier: %d of %d blocks to load in the background were not restored; vLLM recomputes them",
+                     failed, sum(len(x.keys) for x in loads))
+
+    def _load(self, load: BlockTransfer) -> int:
+        """Restore one request's blocks; returns how many were not restored (reported as load errors)."""
+        got = 0
+        if self._plane is not None and self._link is not None:
+            plane = self._plane
+            got = self._link.call(lambda c: plane.restore(c, load.keys, load.block_ids)) or 0
+        with self._results_lock:
+            self._load_errors.update(load.block_ids[got:])
             self.blocks_loaded += got
             self._loaded.add(load.req_id)
-        self.load_s += time.perf_counter() - t0
-        if self._load_errors:
-            log.info("kvtier: %d of %d blocks to load were not restored; vLLM recomputes them",
-                     len(self._load_errors), sum(len(x.keys) for x in meta.loads))
+        return len(load.keys) - got
+
+    def _fail(self, loads: list[BlockTransfer]) -> int:
+        with self._results_lock:
+            for load in loads:
+                self._load_errors.update(load.block_ids)
+                self._loaded.add(load.req_id)
+        return sum(len(load.keys) for load in loads)
+
+    def get_finished(self) -> set[str]:
+        """The requests whose background loads ran since the last call (done or failed)."""
+        with self._results_lock:
+            received, self._received = self._received, set()
+        return received
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        # Taken after get_finished in each step (vLLM's order): a request it
+        # reported has its errors in here already.
+        with self._results_lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def take_loaded(self) -> set[str]:
         """The requests whose loads ran since the last call (done or failed): their pins can go."""
-        loaded, self._loaded = self._loaded, set()
+        with self._results_lock:
+            loaded, self._loaded = self._loaded, set()
         return loaded
 
     # ---- stores ------------------------------------------------------------------------
@@ -119,7 +178,9 @@ class WorkerSide:
             raise RuntimeError(f"kvtier: stores to kvtierd did not finish in {STORE_DRAIN_TIMEOUT_S} s")
 
     def shutdown(self) -> None:
+        self._loads.wait_idle(self._settings.timeout_s * 4)
         self._stores.wait_idle(self._settings.timeout_s * 4)
+        self._loads.close(timeout_s=1.0)
         self._stores.close(timeout_s=1.0)
         if self._link is not None:
             self._link.close()

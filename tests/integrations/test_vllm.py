@@ -35,14 +35,14 @@ START_TIMEOUT_S = 240.0
 CALL_TIMEOUT_S = 180.0
 # Small tiers so that the daemon's stats show both of them serving hits.
 DAEMON_FLAGS = {"gpu_bytes": 2 * 1024 * 1024, "cpu_bytes": 64 * 1024 * 1024, "log_level": "info"}
-EXTRA = json.dumps({"timeout_s": 1.0, "retry_s": 0.5})
+EXTRA = {"timeout_s": 1.0, "retry_s": 0.5}
 
 
 class Engine:
     """One vllm_driver.py process."""
 
-    def __init__(self, model_dir: Path, socket: str | None, log_path: Path) -> None:
-        argv = [sys.executable, str(DRIVER), "--model-dir", str(model_dir), "--extra", EXTRA]
+    def __init__(self, model_dir: Path, socket: str | None, log_path: Path, **extra: Any) -> None:
+        argv = [sys.executable, str(DRIVER), "--model-dir", str(model_dir), "--extra", json.dumps({**EXTRA, **extra})]
         if socket:
             argv += ["--socket", socket]
         self.log_path = log_path
@@ -149,8 +149,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory, kvtierd_module_factory: Callab
     daemon = kvtierd_module_factory(**DAEMON_FLAGS)
     state: dict[str, Any] = {"root": root, "daemon": daemon, "engines": []}
 
-    def start(*names_sockets: tuple[str, str | None]) -> list[Engine]:
-        engines = [Engine(root / "model", sock, root / f"{name}.log") for name, sock in names_sockets]
+    def start(*names_sockets: tuple[str, str | None], **extra: Any) -> list[Engine]:
+        engines = [Engine(root / "model", sock, root / f"{name}.log", **extra) for name, sock in names_sockets]
         state["engines"] += engines
         for e in engines:
             e.wait_ready()
@@ -199,7 +199,9 @@ def test_outputs_identical_with_hits_from_kvtierd_by_tier(lab: dict[str, Any]) -
 
 def test_two_engines_on_one_daemon_reuse_each_others_prefixes(lab: dict[str, Any]) -> None:
     endpoint, a, base = lab["daemon"].endpoint, lab["a"], lab["baseline"]
-    (b,) = lab["start"](("b", endpoint))
+    # B loads beside the forward (vLLM's async loads: the request waits while other steps run); A, with the
+    # default (adaptive), loaded before it, since it ran one request at a time.
+    (b,) = lab["start"](("b", endpoint), load_mode="async")
     lab["b"] = b
     prompts, outputs = lab["workload"]
     # B's first request: a prompt A computed (its last turn), never seen by B.

@@ -134,3 +134,47 @@ def test_a_requests_stores_carry_its_hints_and_the_tokens_it_generated(daemon) -
             sched.request_finished(req)  # type: ignore[arg-type]
         sched.close()
         client.close()
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "sync", "async"])
+def test_a_load_runs_beside_the_forward_while_the_engine_is_busy_under_adaptive(daemon, mode: str) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    sched, client, _ = setup(daemon, f"load-{mode}", lookup_wait_ms=500, load_mode=mode)
+
+    def step(scheduled: dict[str, int]) -> Any:
+        out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                              num_scheduled_tokens=scheduled)
+        return sched.build_connector_meta(out)  # type: ignore[arg-type]
+
+    idle, busy = FakeRequest("idle", stored_prompt(client, 30, 3)), FakeRequest("busy", stored_prompt(client, 31, 3))
+    try:
+        sched.kv_cache_manager = SimpleNamespace(get_block_ids=lambda req_id: ([0, 1, 2],))
+        step({})  # the engine ran nothing last step
+        sched.on_new_request(idle)  # type: ignore[arg-type]
+        tokens, background = sched.get_num_new_matched_tokens(idle, 0)  # type: ignore[arg-type]
+        assert tokens == 3 * BS and background is (mode == "async")
+        sched.update_state_after_alloc(idle, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), tokens)  # type: ignore[arg-type]
+        (load,) = step({"other": 100}).loads  # the engine is busy from here on
+        assert load.req_id == "idle" and load.block_ids == [7, 8, 9] and load.background is (mode == "async")
+        sched.on_new_request(busy)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 5
+        tokens, background = None, False
+        while tokens is None and time.monotonic() < deadline:  # a busy engine never waits for a lookup
+            tokens, background = sched.get_num_new_matched_tokens(busy, 0)  # type: ignore[arg-type]
+        assert tokens == 3 * BS and background is (mode != "sync")
+        # Nothing to load is never a background load (vLLM asserts it).
+        nothing = FakeRequest("nothing", [1] * BS)  # no full block before its last token
+        sched.on_new_request(nothing)  # type: ignore[arg-type]
+        assert sched.get_num_new_matched_tokens(nothing, 0) == (0, False)  # type: ignore[arg-type]
+        sched.request_finished(nothing)  # type: ignore[arg-type]
+    finally:
+        for req in (idle, busy):
+            sched.request_finished(req)  # type: ignore[arg-type]
+        sched.close()
+        client.close()
+
+
+def test_an_unknown_load_mode_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="load_mode: one of adaptive, sync, async"):
+        ConnectorSettings.from_extra_config({"socket": "ipc:///tmp/x.sock", "load_mode": "eager"})

@@ -117,6 +117,79 @@ def test_blocks_kvtierd_lacks_are_load_errors(daemon: Any, plane: str) -> None:
     w.shutdown()
 
 
+def _wait_finished(w: WorkerSide, timeout_s: float = 20.0) -> tuple[set[str], set[int]]:
+    """Collect like vLLM: each step get_finished, then the load errors (errors may come a step early)."""
+    import time
+
+    finished: set[str] = set()
+    errors: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while not finished and time.monotonic() < deadline:
+        finished = w.get_finished()
+        errors |= w.get_block_ids_with_load_errors()
+        time.sleep(0.02)
+    return finished, errors
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("plane", ["registered", "staged"])
+def test_a_background_load_waits_for_the_stores_before_it_and_reports_when_it_ran(daemon: Any, plane: str,
+                                                                                  device: str) -> None:
+    import threading
+
+    kv = _kv(LAYOUTS["flash_attn [1]"](), device, torch.bfloat16, seed=5)
+    keys = hash_token_blocks(list(range(6 * BS)), BS)
+    w = _worker(daemon.endpoint, plane)
+    w.register_kv_caches(kv)
+    w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys[3:6], [3, 4, 5], "b")]))
+    w.wait_for_stores()
+    b_blocks = [_block(kv, b) for b in (3, 4, 5)]
+    a_blocks = [_block(kv, b) for b in (0, 1, 2)]
+    # A store of blocks 0-2 (a finished request's) is still queued when vLLM hands those block ids to a request
+    # that loads in the background: its load must not overwrite them before the store read them.
+    gate = threading.Event()
+    w._stores.submit(lambda: gate.wait(20))  # the store thread is busy
+    w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys[:3], [0, 1, 2], "a")]))
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys[3:6], [0, 1, 2], "b2", background=True)]))
+    import time
+
+    time.sleep(0.3)
+    assert w.get_finished() == set() and w.take_loaded() == set()
+    assert all(torch.equal(_block(kv, b)[0], a_blocks[b][0]) for b in (0, 1, 2)), "loaded before the store read"
+    gate.set()
+    finished, errors = _wait_finished(w)
+    assert finished == {"b2"} and errors == set() and w.take_loaded() == {"b2"}
+    assert w.get_finished() == set()  # reported once
+    for b in (0, 1, 2):
+        for got, want in zip(_block(kv, b), b_blocks[b]):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # The store read blocks 0-2 before the load overwrote them: kvtierd holds request a's bytes.
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys[:3], [6, 7, 8], "a2")]))
+    assert w.get_block_ids_with_load_errors() == set()
+    for i, b in enumerate((6, 7, 8)):
+        for got, want in zip(_block(kv, b), a_blocks[i]):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    w.shutdown()
+
+
+def test_a_background_load_kvtierd_cannot_serve_is_reported_with_its_errors(daemon: Any) -> None:
+    kv = _kv(LAYOUTS["cpu_attn [0]"](), "cpu", torch.bfloat16, seed=6)
+    keys = hash_token_blocks(list(range(4 * BS)), BS)
+    w = _worker(daemon.endpoint, "registered")
+    w.register_kv_caches(kv)
+    w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys[:2], [0, 1], "r")]))
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, [4, 5, 6, 7], "r2", background=True)]))
+    finished, errors = _wait_finished(w)
+    assert finished == {"r2"} and errors == {6, 7}
+    daemon.proc.kill()
+    daemon.proc.wait(10)
+    # A dead daemon: the request is still reported, with every block an error (vLLM recomputes them).
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys[:2], [8, 9], "r3", background=True)]))
+    finished, errors = _wait_finished(w)
+    assert finished == {"r3"} and errors == {8, 9}
+    w.shutdown()
+
+
 def test_a_dead_daemon_turns_loads_into_errors_and_stores_into_nothing(daemon: Any) -> None:
     kv = _kv(LAYOUTS["cpu_attn [0]"](), "cpu", torch.bfloat16, seed=4)
     keys = hash_token_blocks(list(range(3 * BS)), BS)
