@@ -34,7 +34,8 @@ import json
 import math
 import os
 import platform
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,16 @@ def chain_hashes(key: str, n: int, *, parent: bytes = b"") -> list[bytes]:
 
 def chain_content(hashes: Sequence[bytes], block_bytes: int) -> bytes:
     return b"".join(block_content(h, block_bytes) for h in hashes)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll until ``predicate()``; returns the seconds it took."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - t0
 
 
 def start_stress_daemon(root: Path, *, flags: Mapping[str, object] | None = None,

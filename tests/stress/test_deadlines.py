@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +22,11 @@ import pytest
 
 from kvtier.client.client import Client, KvtierTimeout
 from kvtier.testing.daemon import KvtierDaemon
-from tests.stress.stresslib import FAULTS_ENV, chain_content, chain_hashes, store_layout
+from tests.stress.stresslib import FAULTS_ENV, chain_content, chain_hashes, store_layout, wait_for
 
 BLOCK_BYTES = 1024
 N = 4
 GARBAGE = b"\xa5" * (N * BLOCK_BYTES)
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def late_refusals(c: Client) -> int:

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +36,12 @@ from tests.stress.stresslib import (
     chain_content,
     chain_hashes,
     store_layout,
+    wait_for,
 )
 
 BLOCK_BYTES = 1024
 GPU_BLOCKS = 8
 CPU_BLOCKS = 16
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll until ``predicate()``; returns the seconds it took."""
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def spawn_crasher(mode: str, daemon: KvtierDaemon) -> tuple[subprocess.Popen[str], dict[str, Any]]:
