@@ -27,12 +27,14 @@ from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetada
 from kvtier.integrations.vllm.pool import choose_pool
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.stats import KvtierStats
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -104,6 +106,16 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        stats = KvtierStats(data=self._worker.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvtierStats(data=dict(data or {}))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         loaded = self._w().take_loaded()

@@ -28,6 +28,9 @@ session on the rank's pool.
   future miss, nothing else.
 - ``take_loaded``: the requests whose loads ran, so the scheduler half
   drops their pins (the connector wraps them in vLLM's worker metadata).
+- ``take_stats``: the transfer counters (``STAT_NAMES``) since the last
+  call, for vLLM's own stats (``stats.KvtierStats``). ``blocks_loaded``,
+  ``blocks_stored`` and ``load_s`` are also kept as running totals.
 
 Engine-free: the step's transfers come as ``transfers.StepTransfers`` and
 nothing here imports vLLM, so this data path runs, and is tested on CUDA
@@ -54,6 +57,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.integrations.vllm")
 
+# take_stats's keys: blocks restored, blocks that were not (recomputed), loads run
+# beside the forward, seconds the forward waited for synchronous loads, blocks
+# handed to kvtierd to store.
+STAT_NAMES = ("blocks_loaded", "blocks_load_failed", "loads_background", "load_s", "blocks_stored")
+
 STORE_DRAIN_TIMEOUT_S = 60.0
 
 
@@ -72,8 +80,11 @@ class WorkerSide:
         self._loaded: set[str] = set()  # for the scheduler half: pins to drop
         self._received: set[str] = set()  # background loads that ran, for get_finished
         self.blocks_loaded = 0
+        self.blocks_load_failed = 0
+        self.loads_background = 0
         self.blocks_stored = 0
-        self.load_s = 0.0
+        self.load_s = 0.0  # the forward waited this long for loads, in all
+        self._stats_taken = dict.fromkeys(STAT_NAMES, 0.0)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = [n for n in self._pool.layer_names if n in kv_caches] or list(kv_caches)
@@ -134,6 +145,8 @@ class WorkerSide:
         with self._results_lock:
             self._load_errors.update(load.block_ids[got:])
             self.blocks_loaded += got
+            self.blocks_load_failed += len(load.keys) - got
+            self.loads_background += load.background
             self._loaded.add(load.req_id)
         return len(load.keys) - got
 
@@ -142,6 +155,8 @@ class WorkerSide:
             for load in loads:
                 self._load_errors.update(load.block_ids)
                 self._loaded.add(load.req_id)
+                self.blocks_load_failed += len(load.keys)
+                self.loads_background += load.background
         return sum(len(load.keys) for load in loads)
 
     def get_finished(self) -> set[str]:
@@ -156,6 +171,14 @@ class WorkerSide:
         with self._results_lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_stats(self) -> dict[str, float]:
+        """``STAT_NAMES``' growth since the last call."""
+        with self._results_lock:
+            now = {name: getattr(self, name) for name in STAT_NAMES}
+        delta = {name: now[name] - self._stats_taken[name] for name in STAT_NAMES}
+        self._stats_taken = now
+        return delta
 
     def take_loaded(self) -> set[str]:
         """The requests whose loads ran since the last call (done or failed): their pins can go."""

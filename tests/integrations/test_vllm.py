@@ -134,6 +134,17 @@ def kvtier_hits(endpoint: str) -> int:
     return int(s["hit_blocks_gpu"] + s["hit_blocks_cpu"])
 
 
+def transfer_metrics(log_text: str) -> dict[str, float]:
+    """The sums of every "KV Transfer metrics: k=v, ..." line vLLM's stats logger wrote."""
+    sums: dict[str, float] = {}
+    for line in log_text.splitlines():
+        _, found, rest = line.partition("KV Transfer metrics: ")
+        for item in rest.split(", ") if found else ():
+            key, _, value = item.partition("=")
+            sums[key] = sums.get(key, 0.0) + float(value)
+    return sums
+
+
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -218,6 +229,11 @@ def test_two_engines_on_one_daemon_reuse_each_others_prefixes(lab: dict[str, Any
     ref_a, _ = base.generate([fresh + [5, 6, 7]])
     assert (out_b, out_a) == (ref_b, ref_a)
     assert cached_a[0] == BLOCK_SIZE * (len(fresh) // BLOCK_SIZE), cached_a
+    # vLLM's own stats carry the connector's counters: B restored blocks, in the background.
+    b.call(op="log_stats")
+    moved = transfer_metrics(b.log_text())
+    assert moved["kvtier_loads_background"] >= 1 and moved["kvtier_blocks_loaded"] >= 1, moved
+    assert moved["kvtier_blocks_stored"] >= 1, moved
 
 
 def test_restarted_engine_finds_its_prefixes_in_kvtierd(lab: dict[str, Any]) -> None:

@@ -233,3 +233,24 @@ def test_cpu_kv_moves_into_shared_memory_in_place() -> None:
     desc = export_kv(list(views.values()), [0] * LAYERS)
     assert {t["handle"]["name"] for t in desc["tensors"]} == set(names)
     assert share_kv_in_place(list(views.values())) == []  # already shared: nothing new
+
+
+def test_transfer_counters_are_taken_as_growth_since_the_last_take(daemon: Any) -> None:
+    from kvtier.integrations.vllm.worker import STAT_NAMES
+
+    kv = _kv(LAYOUTS["cpu_attn [0]"](), "cpu", torch.bfloat16, seed=7)
+    keys = hash_token_blocks(list(range(4 * BS)), BS)
+    w = _worker(daemon.endpoint, "registered")
+    w.register_kv_caches(kv)
+    assert w.take_stats() == dict.fromkeys(STAT_NAMES, 0.0)
+    w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys[:3], [0, 1, 2], "r")]))
+    w.wait_for_stores()
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, [4, 5, 6, 7], "r2")]))
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys[:2], [8, 9], "r3", background=True)]))
+    assert _wait_finished(w)[0] == {"r3"}
+    got = w.take_stats()
+    assert {k: got[k] for k in STAT_NAMES if k != "load_s"} == {
+        "blocks_loaded": 5, "blocks_load_failed": 1, "loads_background": 1, "blocks_stored": 3}
+    assert got["load_s"] > 0
+    assert w.take_stats() == dict.fromkeys(STAT_NAMES, 0.0)
+    w.shutdown()

@@ -14,6 +14,8 @@ own logs share stdout; the prefix tells them apart):
   prompts, runs ``k`` engine steps, aborts whatever has not finished ->
   ``{"aborted": [...], "finished": [...]}``;
 - ``{"op": "preemptions"}`` -> ``{"preemptions": n}``;
+- ``{"op": "log_stats"}``: vLLM's stats logger logs now (its "KV Transfer
+  metrics" line carries the connector's counters) -> ``{"logged": true}``;
 - ``{"op": "exit"}``.
 
 Each engine is one process so that the tests can run two at once, restart one,
@@ -85,6 +87,10 @@ def main() -> None:
             break
         if op == "preemptions":
             reply({"preemptions": preemptions(llm)})
+            continue
+        if op == "log_stats":  # vLLM's stats logger, now (KV Transfer metrics included), into this log
+            llm.llm_engine.do_log_stats()
+            reply({"logged": True})
             continue
         params = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0.0, detokenize=False, ignore_eos=True)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
