@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -31,20 +31,6 @@ GARBAGE = b"\xa5" * (N * BLOCK_BYTES)
 
 def late_refusals(c: Client) -> int:
     return int(c.stats()["daemon"].get("errors_total", {}).get("code=DEADLINE_EXCEEDED", 0))
-
-
-def counting_sends(c: Client, op: str) -> list[int]:
-    """Wraps the client's one send path; the list's length is how many ``op`` requests went out."""
-    sent: list[int] = []
-    roundtrip = c._roundtrip
-
-    def counted(name: str, *args: Any, **kw: Any) -> Any:
-        if name == op:
-            sent.append(1)
-        return roundtrip(name, *args, **kw)
-
-    c._roundtrip = counted  # type: ignore[method-assign]
-    return sent
 
 
 @pytest.mark.parametrize("deadlines", [True, False], ids=["deadlines", "older-client"])
@@ -95,14 +81,16 @@ def test_a_restore_whose_copy_outlived_the_call_does_not_write_the_engines_memor
         hashes = chain_hashes("late-restore", N)
         assert c.store(hashes, chain_content(hashes, BLOCK_BYTES)) == (N, 0)
         arena = c.open_arena(N)
-        sent = counting_sends(c, "restore")
         with pytest.raises(KvtierTimeout):
             c.restore(hashes, slots=list(range(N)), timeout_s=0.4)
         # The engine recomputes those blocks, or reuses the slots for another request.
         arena.buffer[: N * BLOCK_BYTES] = GARBAGE
-        assert sent
         if deadlines:
-            wait_for(lambda: late_refusals(c) >= len(sent), 15.0, f"{len(sent)} late restores to be refused")
+            # Of the requests sent (the call resent it once in time), those the daemon took up are refused; a
+            # resend whose connection closed first may never arrive, or come as FOREIGN_SESSION (an unknown uid).
+            wait_for(lambda: late_refusals(c) >= 1, 15.0, "a late restore to be refused")
+            time.sleep(1.5)  # another copy of the request, already past the loop, ends within one delayed copy
+            wait_for(lambda: c.stats()["pools"]["late-restore"]["copies_in_flight"] == 0, 15.0, "the copies to end")
             assert bytes(arena.buffer[: N * BLOCK_BYTES]) == GARBAGE
             # The blocks are still there for the next, timely restore.
             got = c.restore(hashes, slots=list(range(N)), timeout_s=10.0)
