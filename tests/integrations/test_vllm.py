@@ -3,6 +3,9 @@
 Every engine is a real ``vllm.LLM`` in its own process (``vllm_driver.py``)
 on a tiny random-weight Llama with vLLM's own KV cache far too small for the
 workload, so that prefix hits past the first turn must come from kvtierd.
+Its weights make the prefix decide the outputs (``kvtier.testing.vllm_weights``;
+under vLLM's dummy weights only the last token does), so equal outputs mean
+the restored KV was right.
 One baseline engine runs without kvtier; outputs are compared with it.
 Engines start in ~30 s each, so the tests of this module share them and run
 in file order (each builds on what the earlier ones stored).

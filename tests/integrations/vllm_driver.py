@@ -2,7 +2,8 @@
 
 ``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N]``
 starts ``vllm.LLM`` on the random-weight model in DIR (with KvtierConnector
-when ``--socket`` is given), prints ``@@ready``, then serves one JSON command
+when ``--socket`` is given; weights from ``context_sensitive_weights``, seed 0),
+prints ``@@ready``, then serves one JSON command
 per stdin line and answers each with one ``@@{json}`` line on stdout (vLLM's
 own logs share stdout; the prefix tells them apart):
 
@@ -64,10 +65,13 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
     write_model(args.model_dir)
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from kvtier.testing.vllm_weights import context_sensitive_weights
 
     kw: dict[str, Any] = {}
     if args.socket:
@@ -79,6 +83,7 @@ def main() -> None:
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=(args.gpu_blocks - 1) * BLOCK_SIZE,
               block_size=BLOCK_SIZE, num_gpu_blocks_override=args.gpu_blocks, enforce_eager=True, seed=0,
               disable_log_stats=False, **kw)
+    llm.collective_rpc(context_sensitive_weights, args=(0,))
     reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)

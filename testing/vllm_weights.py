@@ -1,0 +1,34 @@
+"""Weights for vLLM's random-weight test models, set in each worker through ``LLM.collective_rpc``.
+
+vLLM's ``load_format="dummy"`` draws weights uniform in +-1e-3. Under them
+attention is uniform, the residual stream is the last token's embedding, and
+the outputs depend on the last token only: a test that compares outputs
+could not tell right KV from wrong. ``context_sensitive_weights`` makes the
+prefix decide the outputs. It runs in the worker process (``collective_rpc``
+passes the worker first, and needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to
+send a function).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def context_sensitive_weights(worker: Any, seed: int) -> int:
+    """Seeded weights scaled like a trained model's (1/sqrt(fan_in)), attention sharpened (QKV x2).
+
+    Returns the number of tensors set. Every engine given the same seed gets the same weights.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for name, p in worker.model_runner.model.named_parameters():
+            if p.dim() == 1:  # norms
+                p.fill_(1.0)
+            else:
+                std = 1.0 if "embed_tokens" in name else p.shape[1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std * (2.0 if "qkv_proj" in name else 1.0))
+            n += 1
+    return n
