@@ -25,3 +25,4 @@ class FakeRequest:
         self.session_id = None
         self.kv_hints = None
         self.num_output_tokens = 0  # vLLM's counts the tokens generated so far; a driver sets it
+        self.num_computed_tokens = 0  # vLLM's: tokens whose KV the engine holds; a driver sets it

@@ -4,9 +4,9 @@ vLLM's ``load_format="dummy"`` draws weights uniform in +-1e-3. Under them
 attention is uniform, the residual stream is the last token's embedding, and
 the outputs depend on the last token only: a test that compares outputs
 could not tell right KV from wrong. ``context_sensitive_weights`` makes the
-prefix decide the outputs. It runs in the worker process (``collective_rpc``
-passes the worker first, and needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to
-send a function).
+prefix decide the outputs; ``perturb_weights`` plays a weight update. Both
+run in the worker process (``collective_rpc`` passes the worker first, and
+needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to send a function).
 """
 
 from __future__ import annotations
@@ -30,5 +30,19 @@ def context_sensitive_weights(worker: Any, seed: int) -> int:
             else:
                 std = 1.0 if "embed_tokens" in name else p.shape[1] ** -0.5
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std * (2.0 if "qkv_proj" in name else 1.0))
+            n += 1
+    return n
+
+
+def perturb_weights(worker: Any, seed: int) -> int:
+    """Seeded noise on every weight, as a weight update (an RL step) changes them; returns the tensors changed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for p in worker.model_runner.model.parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.add_((noise * p.float().std().clamp(min=1e-3)).to(p.dtype))
             n += 1
     return n

@@ -154,3 +154,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request)
+
+    def reset_cache(self) -> bool | None:
+        # vLLM's reset_prefix_cache(reset_connector=True): the scheduler's call; keys live there.
+        return self._s().reset_cache() if self._scheduler is not None else None

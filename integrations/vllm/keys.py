@@ -7,6 +7,11 @@ multimodal items (vLLM's content identifier and placeholder range) and its
 ``cache_salt``. They are NOT vLLM's own block hashes, which are seeded per
 process: two vLLM processes, a restarted one, or another node compute the
 same keys for the same prefix, which is what lets them share kvtierd.
+
+After ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``,
+e.g. after a weight update) the engine's keys also carry an epoch: 16 random
+bytes folded into block 0's salt, so no key from before the reset is ever
+asked for or stored again by that engine (``scheduler.py`` says why random).
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ class RequestKeys:
 
     __slots__ = ("_hasher", "_request", "_keys", "_extra")
 
-    def __init__(self, hasher: BlockHasher, request: Request) -> None:
+    def __init__(self, hasher: BlockHasher, request: Request, epoch: bytes | None = None) -> None:
         self._hasher = hasher
         self._request = request
         self._keys: list[bytes] = []
-        self._extra = _extra_keys(request)
+        self._extra = _extra_keys(request, epoch)
 
     def upto(self, num_blocks: int) -> list[bytes]:
         """Keys of blocks ``[0, num_blocks)``; fewer when the request has fewer full blocks."""
@@ -41,13 +46,21 @@ class RequestKeys:
         return self._keys[:num_blocks]
 
 
-def _extra_keys(request: Request) -> dict[str, Any]:
+EPOCH_SALT_PREFIX = b"kvtier-epoch:"
+
+
+def _extra_keys(request: Request, epoch: bytes | None) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         extra["lora_id"] = str(lora.lora_name)
     salt = getattr(request, "cache_salt", None)
-    if salt:
+    if epoch is not None:
+        # The hashing spec has no epoch field; block 0's salt chains it into
+        # every key. The epoch is random, so no user salt can forge it.
+        user = salt.encode() if isinstance(salt, str) else bytes(salt or b"")
+        extra["cache_salt"] = EPOCH_SALT_PREFIX + epoch + b"\0" + user
+    elif salt:
         extra["cache_salt"] = salt
     items = []
     for feature in getattr(request, "mm_features", None) or ():

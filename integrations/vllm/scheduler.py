@@ -43,12 +43,25 @@ scheduler never waits on a round trip:
   (``update_connector_output``), or when the request finishes or is aborted
   (``request_finished``). A daemon that is down answers every lookup with 0:
   vLLM computes, nothing waits.
+- ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, which
+  RL frameworks call after a weight update) makes every KV block from before
+  it unreachable to this engine: keys from then on carry a new random epoch
+  (``keys.py``). Waiting requests look up again under the new keys, and
+  their old pins go. A request that already computed tokens keeps its old
+  keys and stores nothing more: its KV is from before the reset (so does one
+  whose load is still running: what it loads is old). Nothing is
+  deleted in kvtierd: other engines on the pool may still run the old
+  weights, and stores in flight land under keys no one asks for again; the
+  old blocks age out of the LRU first. The epoch is random, not counted, so
+  two engines can never share an epoch over different weights; the price is
+  that engines stop sharing prefixes with each other until they restart.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -88,6 +101,7 @@ class _Tracked:
     background: bool = False  # the answer's load runs beside the forward (load_mode)
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
+    stores: bool = True  # False once it ran across a reset_cache: its KV is from before it
 
 
 def _with_output(hints: Hints | None, output_tokens: int) -> Hints | None:
@@ -104,6 +118,9 @@ class SchedulerSide:
         self._batch: list[tuple[_Tracked, int, Future[int]]] = []  # lookups not yet sent
         self._batch_lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
+        self._epoch: bytes | None = None  # set by reset_cache; mixed into every key from then on
+        # reset_cache re-keys requests while the background thread hands out lookup answers.
+        self._reset_lock = threading.Lock()
         self._loads: list[BlockTransfer] = []  # decided by update_state_after_alloc, sent by the next meta
         self._load_pins: dict[str, list[bytes]] = {}  # req_id -> pins to drop once its load ran
         self.kv_cache_manager: KVCacheManager | None = None
@@ -123,8 +140,8 @@ class SchedulerSide:
     def _track(self, request: Request) -> _Tracked:
         t = self._tracked.get(request.request_id)
         if t is None:
-            t = self._tracked[request.request_id] = _Tracked(RequestKeys(self._hasher, request), request,
-                                                             hints_of(request))
+            t = self._tracked[request.request_id] = _Tracked(RequestKeys(self._hasher, request, self._epoch),
+                                                             request, hints_of(request))
         return t
 
     def _start_lookup(self, t: _Tracked) -> None:
@@ -148,13 +165,23 @@ class SchedulerSide:
         """Every lookup queued since the last flush, in one pipelined round trip."""
         with self._batch_lock:
             batch, self._batch = self._batch, []
-        keys = [t.keys.upto(max_blocks) for t, max_blocks, _ in batch]
+        with self._reset_lock:
+            keys = [t.keys.upto(max_blocks) for t, max_blocks, _ in batch]
         hints = [t.hints for t, _, _ in batch]
         answers = self._link.call(lambda c: c.lookup_many(keys, pin=True, hints=hints))
+        stale: list[bytes] = []
         for i, (t, _, fut) in enumerate(batch):
             held = len(answers[i]) if answers else 0
-            t.pinned = keys[i][:held]
+            with self._reset_lock:
+                current = t.lookup is fut  # else reset_cache replaced it while this one was out
+                if current:
+                    t.pinned = keys[i][:held]
+            if not current:
+                stale += keys[i][:held]
+                held = 0
             fut.set_result(held)
+        if stale:
+            self._link.call(lambda c: c.unpin(stale))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         t0 = time.perf_counter()
@@ -214,7 +241,7 @@ class SchedulerSide:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, before in computed.items():
             t = self._tracked.get(req_id)
-            if t is None:
+            if t is None or not t.stores:
                 continue
             done_tokens = min(before + out.num_scheduled_tokens.get(req_id, 0), t.request.num_tokens)
             full = done_tokens // self._bs
@@ -246,6 +273,28 @@ class SchedulerSide:
         if isinstance(meta, KvtierWorkerMetadata):
             for req_id in meta.loaded_req_ids:
                 self._unpin(self._load_pins.pop(req_id, []))
+
+    def reset_cache(self) -> bool:
+        """Nothing cached before this call is found or stored by this engine again (see the contract)."""
+        drop: list[bytes] = []
+        rekeyed = kept = 0
+        with self._reset_lock:
+            self._epoch = os.urandom(16)
+            for req_id, t in self._tracked.items():
+                if t.request.num_computed_tokens > 0 or req_id in self._load_pins:
+                    t.stores = False  # it runs on over KV from before the reset (computed or loading)
+                    kept += 1
+                    continue
+                # Waiting (or preempted by this very reset): it computes from scratch.
+                drop += t.pinned
+                t.keys = RequestKeys(self._hasher, t.request, self._epoch)
+                t.pinned, t.lookup = [], None
+                t.held_blocks = t.stored_blocks = 0
+                rekeyed += 1
+        self._unpin(drop)
+        log.info("kvtier: cache reset: new key epoch; %d waiting requests look up again, %d running ones "
+                 "store no more", rekeyed, kept)
+        return True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         t = self._tracked.pop(request.request_id, None)

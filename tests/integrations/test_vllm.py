@@ -272,6 +272,31 @@ def test_abort_and_preemption_leak_no_pins(lab: dict[str, Any]) -> None:
     assert wait_for(lambda: pool_stats(endpoint)["pinned_blocks"] == 0), pool_stats(endpoint)
 
 
+def test_a_weight_update_then_reset_connector_never_serves_kv_of_the_old_weights(lab: dict[str, Any]) -> None:
+    endpoint = lab["daemon"].endpoint
+    (w,) = lab["start"](("w", endpoint))
+    try:
+        prompts = [Conversations(31 + i, 1).prompt(0) for i in range(2)]  # 4 full blocks each
+        w.generate(prompts)  # their KV goes to kvtierd
+        assert w.call(op="perturb_weights", seed=1)["perturbed"] > 0
+        # vLLM's own cache reset only: kvtierd still serves KV of the old weights (what the connector's reset is for).
+        assert w.call(op="reset", connector=False)["reset"] is True
+        stale, stale_cached = w.generate(prompts)
+        assert all(c == 4 * BLOCK_SIZE for c in stale_cached), stale_cached
+        # With the connector: nothing from before is found; the outputs are the new weights' own.
+        assert w.call(op="reset", connector=True)["reset"] is True
+        fresh, fresh_cached = w.generate(prompts)
+        assert fresh_cached == [0, 0]
+        assert fresh != stale, "the old weights' KV did not change the outputs: this test shows nothing"
+        # What was stored after the reset is found again (new keys), and gives the same outputs.
+        assert w.call(op="reset", connector=False)["reset"] is True
+        again, again_cached = w.generate(prompts)
+        assert again == fresh and all(c == 4 * BLOCK_SIZE for c in again_cached), again_cached
+    finally:
+        w.close()
+    assert wait_for(lambda: pool_stats(endpoint)["pinned_blocks"] == 0), pool_stats(endpoint)
+
+
 def test_daemon_killed_mid_run_engine_recomputes_then_reconnects(lab: dict[str, Any]) -> None:
     daemon, c, base = lab["daemon"], lab["c"], lab["baseline"]
     convs = Conversations(11, 2)

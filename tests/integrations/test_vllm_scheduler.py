@@ -178,3 +178,95 @@ def test_a_load_runs_beside_the_forward_while_the_engine_is_busy_under_adaptive(
 def test_an_unknown_load_mode_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="load_mode: one of adaptive, sync, async"):
         ConnectorSettings.from_extra_config({"socket": "ipc:///tmp/x.sock", "load_mode": "eager"})
+
+
+def _wait_for(cond: Any, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _step_meta(sched: SchedulerSide, computed: dict[str, int], scheduled: dict[str, int]) -> Any:
+    from types import SimpleNamespace
+
+    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=n) for r, n in computed.items()],
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                          num_scheduled_tokens=scheduled)
+    return sched.build_connector_meta(out)  # type: ignore[arg-type]
+
+
+def test_after_reset_cache_nothing_from_before_it_is_found_or_stored_by_the_engine(daemon) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    sched, client, pool = setup(daemon, "reset", lookup_wait_ms=500)
+    other, _, _ = setup(daemon, "reset", lookup_wait_ms=500)  # another engine on the pool, not reset
+    prompt = stored_prompt(client, 40, 4)
+    waiting, running = FakeRequest("w", prompt), FakeRequest("r", stored_prompt(client, 41, 3))
+    try:
+        for req in (waiting, running):
+            sched.on_new_request(req)  # type: ignore[arg-type]
+            assert sched.get_num_new_matched_tokens(req, 0)[0] > 0  # type: ignore[arg-type]
+        running.num_computed_tokens = 3 * BS + 1  # it ran; its KV is from before the reset
+        assert client.stats()["pools"][pool.name]["pinned_blocks"] == 7
+        assert sched.reset_cache() is True
+        assert _wait_for(lambda: client.stats()["pools"][pool.name]["pinned_blocks"] == 3), \
+            "the waiting request's pins are dropped; the running one's answer was consumed already"
+        # The waiting request looks up again, under new keys: nothing is found.
+        assert sched.get_num_new_matched_tokens(waiting, 0) == (0, False)  # type: ignore[arg-type]
+        sched.update_state_after_alloc(waiting, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 0)  # type: ignore[arg-type]
+        sched.kv_cache_manager = SimpleNamespace(get_block_ids=lambda req_id: ([1, 2, 3, 4, 5],))
+        meta = _step_meta(sched, {"w": 0, "r": 3 * BS}, {"w": waiting.num_tokens, "r": 2 * BS})
+        (st,) = meta.stores  # the running request stores nothing more
+        old_keys = RequestKeys(BlockHasher(BS), FakeRequest("x", prompt)).upto(4)  # type: ignore[arg-type]
+        assert st.req_id == "w" and len(st.keys) == 4 and not set(st.keys) & set(old_keys)
+        # Its stores land under the new keys, where a later request of this engine finds them.
+        client.store(st.keys, bytes(4 * BLOCK_BYTES))
+        _step_meta(sched, {}, {})  # an idle step: the next ask may wait for its lookup
+        again = FakeRequest("w2", prompt)
+        sched.on_new_request(again)  # type: ignore[arg-type]
+        assert sched.get_num_new_matched_tokens(again, 0) == (4 * BS, False)  # type: ignore[arg-type]
+        sched.request_finished(again)  # type: ignore[arg-type]
+        # Nothing was deleted: an engine that was not reset still finds the old blocks.
+        theirs = FakeRequest("o", prompt)
+        other.on_new_request(theirs)  # type: ignore[arg-type]
+        assert other.get_num_new_matched_tokens(theirs, 0) == (4 * BS, False)  # type: ignore[arg-type]
+        other.request_finished(theirs)  # type: ignore[arg-type]
+    finally:
+        for req in (waiting, running):
+            sched.request_finished(req)  # type: ignore[arg-type]
+        assert _wait_for(lambda: client.stats()["pools"][pool.name]["pinned_blocks"] == 0)
+        sched.close()
+        other.close()
+        client.close()
+
+
+def test_a_lookup_out_when_the_cache_is_reset_leaves_no_pin_and_no_answer(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import signal
+
+    daemon = kvtierd_factory(gpu_bytes=64 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES)
+    sched, client, pool = setup(daemon, "reset-race", lookup_wait_ms=0)
+    req = FakeRequest("w", stored_prompt(client, 42, 4))
+    hits = client.stats()["pools"][pool.name]["hit_blocks_gpu"]
+    try:
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # the lookup (old keys) waits in kvtierd's socket...
+        try:
+            sched.on_new_request(req)  # type: ignore[arg-type]
+            before = sched._tracked["w"].lookup
+            time.sleep(0.2)
+            sched.reset_cache()  # ...while the cache is reset
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert before is not None and _wait_for(before.done)
+        assert client.stats()["pools"][pool.name]["hit_blocks_gpu"] == hits + 4  # kvtierd found and pinned them
+        assert before.result() == 0  # but the old keys' answer goes to no one
+        assert _wait_for(lambda: client.stats()["pools"][pool.name]["pinned_blocks"] == 0)
+        assert _wait_for(lambda: sched.get_num_new_matched_tokens(req, 0)[0] is not None)  # type: ignore[arg-type]
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+    finally:
+        sched.request_finished(req)  # type: ignore[arg-type]
+        sched.close()
+        client.close()

@@ -17,6 +17,11 @@ own logs share stdout; the prefix tells them apart):
 - ``{"op": "preemptions"}`` -> ``{"preemptions": n}``;
 - ``{"op": "log_stats"}``: vLLM's stats logger logs now (its "KV Transfer
   metrics" line carries the connector's counters) -> ``{"logged": true}``;
+- ``{"op": "perturb_weights", "seed": s}``: changes every weight in the
+  workers (seeded), as a weight update would ->
+  ``{"perturbed": number of tensors}``;
+- ``{"op": "reset", "connector": bool}``: ``LLM.reset_prefix_cache`` (with
+  ``reset_connector``) -> ``{"reset": what it returned}``;
 - ``{"op": "exit"}``.
 
 Each engine is one process so that the tests can run two at once, restart one,
@@ -71,7 +76,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtier.testing.vllm_weights import context_sensitive_weights
+    from kvtier.testing.vllm_weights import context_sensitive_weights, perturb_weights
 
     kw: dict[str, Any] = {}
     if args.socket:
@@ -96,6 +101,12 @@ def main() -> None:
         if op == "log_stats":  # vLLM's stats logger, now (KV Transfer metrics included), into this log
             llm.llm_engine.do_log_stats()
             reply({"logged": True})
+            continue
+        if op == "perturb_weights":
+            reply({"perturbed": sum(llm.collective_rpc(perturb_weights, args=(int(cmd["seed"]),)))})
+            continue
+        if op == "reset":
+            reply({"reset": llm.reset_prefix_cache(reset_connector=bool(cmd["connector"]))})
             continue
         params = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0.0, detokenize=False, ignore_eos=True)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
