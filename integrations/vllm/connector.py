@@ -27,18 +27,19 @@ from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetada
 from kvtier.integrations.vllm.pool import choose_pool
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import ConnectorSettings
-from kvtier.integrations.vllm.stats import KvtierStats
+from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -117,6 +118,11 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KvtierStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         loaded = self._w().take_loaded()
         return KvtierWorkerMetadata(loaded) if loaded else None
@@ -151,6 +157,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._s().update_connector_output(connector_output)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        return self._s().get_external_cache_hit_sources(request, num_external_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request)

@@ -43,6 +43,9 @@ scheduler never waits on a round trip:
   (``update_connector_output``), or when the request finishes or is aborted
   (``request_finished``). A daemon that is down answers every lookup with 0:
   vLLM computes, nothing waits.
+- ``get_external_cache_hit_sources`` splits a load's tokens by the kvtier
+  tier that held them at lookup (gpu: ``device``, cpu: ``host``, remote:
+  ``external_unspecified``), for vLLM's ``prompt_tokens_cached_by_source``.
 - ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, which
   RL frameworks call after a weight update) makes every KV block from before
   it unreachable to this engine: keys from then on carry a new random epoch
@@ -64,6 +67,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -82,6 +86,7 @@ from kvtier.integrations.vllm.settings import ConnectorSettings
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -100,6 +105,7 @@ class _Tracked:
     asked: bool = False  # the scheduler asked about it since its lookup started
     background: bool = False  # the answer's load runs beside the forward (load_mode)
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
+    tiers: Sequence[str] = ()  # the lookup's answer: the tier of each block held
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
     stores: bool = True  # False once it ran across a reset_cache: its KV is from before it
 
@@ -171,11 +177,12 @@ class SchedulerSide:
         answers = self._link.call(lambda c: c.lookup_many(keys, pin=True, hints=hints))
         stale: list[bytes] = []
         for i, (t, _, fut) in enumerate(batch):
-            held = len(answers[i]) if answers else 0
+            tiers = answers[i] if answers else ()
+            held = len(tiers)
             with self._reset_lock:
                 current = t.lookup is fut  # else reset_cache replaced it while this one was out
                 if current:
-                    t.pinned = keys[i][:held]
+                    t.pinned, t.tiers = keys[i][:held], tiers
             if not current:
                 stale += keys[i][:held]
                 held = 0
@@ -274,6 +281,24 @@ class SchedulerSide:
             for req_id in meta.loaded_req_ids:
                 self._unpin(self._load_pins.pop(req_id, []))
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """``num_external_tokens`` (the load planned for ``request``) by the tier each block was in at lookup."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        t = self._tracked.get(request.request_id)
+        if num_external_tokens <= 0:
+            return {}
+        n = num_external_tokens // self._bs
+        tiers = list(t.tiers[t.held_blocks - n: t.held_blocks]) if t is not None and t.held_blocks >= n else []
+        if len(tiers) != n or n * self._bs != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        by_tier = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST}
+        sources: dict[CacheHitSource, int] = {}
+        for tier in tiers:
+            source = by_tier.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[source] = sources.get(source, 0) + self._bs
+        return sources
+
     def reset_cache(self) -> bool:
         """Nothing cached before this call is found or stored by this engine again (see the contract)."""
         drop: list[bytes] = []
@@ -288,7 +313,7 @@ class SchedulerSide:
                 # Waiting (or preempted by this very reset): it computes from scratch.
                 drop += t.pinned
                 t.keys = RequestKeys(self._hasher, t.request, self._epoch)
-                t.pinned, t.lookup = [], None
+                t.pinned, t.tiers, t.lookup = [], (), None
                 t.held_blocks = t.stored_blocks = 0
                 rekeyed += 1
         self._unpin(drop)

@@ -5,20 +5,41 @@ the last step) travels to vLLM's stats logger as ``KvtierStats.data``;
 vLLM sums the workers' and the steps' with ``aggregate`` and, where stats
 logging is on (``vllm serve`` by default; ``LLM(disable_log_stats=False)``),
 logs ``reduce()`` each interval as ``KV Transfer metrics:
-kvtier_blocks_loaded=..., ...``. kvtierd's own metrics (``docs/metrics.md``)
-say what the daemon holds; these say what this engine moved.
+kvtier_blocks_loaded=..., ...``. ``KvtierPromMetrics`` adds the same
+counters to vLLM's Prometheus endpoint (``/metrics`` of ``vllm serve``) as
+``vllm:kvtier_<name>_total``, labelled per engine like vLLM's own. kvtierd's
+own metrics (``docs/metrics.md``) say what the daemon holds; these say what
+this engine moved.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvtier.integrations.vllm.worker import STAT_NAMES
 
-__all__ = ["KvtierStats"]
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["KvtierPromMetrics", "KvtierStats"]
+
+PROM_DOCS = {
+    "blocks_loaded": "KV blocks kvtier restored into this engine (prefill it skipped).",
+    "blocks_load_failed": "KV blocks kvtier was asked for but could not restore (recomputed).",
+    "loads_background": "Requests whose kvtier restore ran beside the forward (vLLM's async loads).",
+    "load_s": "Seconds the forward waited for synchronous kvtier restores.",
+    "blocks_stored": "KV blocks this engine handed to kvtierd to store.",
+}
+assert set(PROM_DOCS) == set(STAT_NAMES)
 
 
 @dataclass
@@ -43,3 +64,23 @@ class KvtierStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvtier_<name>`` counters, one child per engine, fed by ``KvtierStats.data``."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, PromMetric]] = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:kvtier_{name}", documentation=PROM_DOCS[name], labelnames=labelnames),
+                per_engine_labelvalues)
+            for name in STAT_NAMES
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, per_engine in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value > 0:
+                per_engine[engine_idx].inc(value)

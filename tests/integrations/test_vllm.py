@@ -148,6 +148,11 @@ def transfer_metrics(log_text: str) -> dict[str, float]:
     return sums
 
 
+def metrics(engine: Engine, prefix: str) -> list[tuple[str, dict[str, str], float]]:
+    """vLLM's metrics of ``engine`` whose name starts with ``prefix``: (name, labels, value)."""
+    return [(name, labels, float(value)) for name, labels, value in engine.call(op="metrics", prefix=prefix)["metrics"]]
+
+
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -203,6 +208,12 @@ def test_outputs_identical_with_hits_from_kvtierd_by_tier(lab: dict[str, Any]) -
     s = pool_stats(endpoint)
     assert s["hit_blocks_gpu"] > 0 and s["hit_blocks_cpu"] > 0, s
     assert s["stores"] > 0 and s["loads"] > 0 and s["stores_failed"] == 0 and s["copy_failures"] == 0, s
+    # vLLM's prompt_tokens_cached_by_source names the tier: kvtierd's CPU tier is "host" (no remote tier here).
+    by_source = {labels["source"]: v for _, labels, v in metrics(a, "vllm:prompt_tokens_cached_by_source")}
+    assert by_source.get("host", 0) > 0 and by_source.get("external_unspecified", 0) == 0, by_source
+    # And the connector's own counters are on vLLM's Prometheus endpoint.
+    moved = {name: v for name, _, v in metrics(a, "vllm:kvtier_")}
+    assert moved.get("vllm:kvtier_blocks_loaded", 0) > 0 and moved.get("vllm:kvtier_blocks_stored", 0) > 0, moved
     shown = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "stats", "--socket", endpoint],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr

@@ -270,3 +270,30 @@ def test_a_lookup_out_when_the_cache_is_reset_leaves_no_pin_and_no_answer(kvtier
         sched.request_finished(req)  # type: ignore[arg-type]
         sched.close()
         client.close()
+
+
+def test_hits_are_split_by_the_tier_that_held_them(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    # A CPU tier big enough to keep the prompt when the GPU tier drops it.
+    daemon = kvtierd_factory(gpu_bytes=64 * BLOCK_BYTES, cpu_bytes=256 * BLOCK_BYTES)
+    sched, client, _ = setup(daemon, "sources", lookup_wait_ms=500)
+    old = FakeRequest("old", stored_prompt(client, 43, 6))  # 6 blocks in kvtierd's GPU tier...
+    for i in range(2):  # ...then only in its CPU tier, pushed out by 64 newer blocks (the GPU tier holds 64)
+        stored_prompt(client, 100 + i, 32)
+    new = FakeRequest("new", stored_prompt(client, 44, 3))  # in the GPU tier
+    try:
+        for req, blocks, source in ((old, 6, CacheHitSource.HOST), (new, 3, CacheHitSource.DEVICE)):
+            sched.on_new_request(req)  # type: ignore[arg-type]
+            tokens, _ = sched.get_num_new_matched_tokens(req, BS)  # type: ignore[arg-type]  # vLLM holds block 0
+            assert tokens == (blocks - 1) * BS
+            sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(range(9)),)), tokens)  # type: ignore[arg-type]
+            assert sched.get_external_cache_hit_sources(req, tokens) == {source: tokens}  # type: ignore[arg-type]
+            assert sched.get_external_cache_hit_sources(req, 0) == {}  # type: ignore[arg-type]
+    finally:
+        for req in (old, new):
+            sched.request_finished(req)  # type: ignore[arg-type]
+        sched.close()
+        client.close()

@@ -17,6 +17,8 @@ own logs share stdout; the prefix tells them apart):
 - ``{"op": "preemptions"}`` -> ``{"preemptions": n}``;
 - ``{"op": "log_stats"}``: vLLM's stats logger logs now (its "KV Transfer
   metrics" line carries the connector's counters) -> ``{"logged": true}``;
+- ``{"op": "metrics", "prefix": p}`` -> vLLM's metrics (``LLM.get_metrics``)
+  whose name starts with ``p``: ``{"metrics": [[name, labels, value], ...]}``;
 - ``{"op": "perturb_weights", "seed": s}``: changes every weight in the
   workers (seeded), as a weight update would ->
   ``{"perturbed": number of tensors}``;
@@ -101,6 +103,10 @@ def main() -> None:
         if op == "log_stats":  # vLLM's stats logger, now (KV Transfer metrics included), into this log
             llm.llm_engine.do_log_stats()
             reply({"logged": True})
+            continue
+        if op == "metrics":
+            reply({"metrics": [[m.name, m.labels, m.value] for m in llm.get_metrics()
+                               if m.name.startswith(cmd["prefix"]) and hasattr(m, "value")]})
             continue
         if op == "perturb_weights":
             reply({"perturbed": sum(llm.collective_rpc(perturb_weights, args=(int(cmd["seed"]),)))})
