@@ -3,9 +3,12 @@
 
 1. starts ``kvtierd`` (``python -m kvtier.daemon``) on a private ipc socket
    (or uses a running one: ``--endpoint``);
-2. writes a small random-weight Llama (a ``config.json`` only: vLLM's
-   ``load_format="dummy"`` draws the weights from ``--seed``) into a temporary
-   directory and starts vLLM's ``LLM`` on it with ``KvtierConnector``;
+2. writes a small random-weight Llama (a ``config.json`` only) into a
+   temporary directory and starts vLLM's ``LLM`` on it with
+   ``KvtierConnector``; the weights are drawn from ``--seed`` by
+   ``kvtier.testing.vllm_weights``, scaled so that the whole prefix decides
+   each answer (under vLLM's own dummy weights only the last token does, and
+   matching answers would say nothing about the restored KV);
    vLLM's own KV cache (``--vllm-blocks``) holds little more than the largest
    request, so earlier turns are evicted from it and come back from kvtierd;
 3. replays the chat: conversations sharing a system prompt, served
@@ -58,6 +61,7 @@ T_START = time.perf_counter()
 # Before vLLM is imported: its engine processes are spawned and inherit these.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the KV cache itself is --vllm-blocks
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the weights' function
 
 
 MODEL_NAME = "tiny-llama-random"  # vLLM's served model name: kvtier's pool is vllm/<it>/<dtype>/b<block>/tp0of1
@@ -118,6 +122,8 @@ def start_llm(model_dir: Path, args: argparse.Namespace, *, vllm_blocks: int, ma
               endpoint: str | None) -> Any:
     from vllm import LLM
 
+    from kvtier.testing.vllm_weights import context_sensitive_weights
+
     kwargs: dict[str, Any] = dict(
         model=str(model_dir), served_model_name=MODEL_NAME, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype, seed=args.seed,
         max_model_len=max_len, block_size=args.block_size, num_gpu_blocks_override=vllm_blocks,
@@ -132,7 +138,9 @@ def start_llm(model_dir: Path, args: argparse.Namespace, *, vllm_blocks: int, ma
         }
     else:
         kwargs["enable_prefix_caching"] = False  # the baseline computes every token
-    return LLM(**kwargs)
+    llm = LLM(**kwargs)
+    llm.collective_rpc(context_sensitive_weights, args=(args.seed,))
+    return llm
 
 
 def stop_llm(llm: Any) -> None:
