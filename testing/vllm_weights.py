@@ -7,6 +7,10 @@ could not tell right KV from wrong. ``context_sensitive_weights`` makes the
 prefix decide the outputs; ``perturb_weights`` plays a weight update. Both
 run in the worker process (``collective_rpc`` passes the worker first, and
 needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to send a function).
+
+Under tensor parallelism each rank draws its own shard (the seed plus the
+rank): with one seed for all, every rank's heads would be equal and a rank
+restoring another rank's half of the KV would go unnoticed.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ def context_sensitive_weights(worker: Any, seed: int) -> int:
     """
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(_shard_seed(seed))
     n = 0
     with torch.no_grad():
         for name, p in worker.model_runner.model.named_parameters():
@@ -38,7 +42,7 @@ def perturb_weights(worker: Any, seed: int) -> int:
     """Seeded noise on every weight, as a weight update (an RL step) changes them; returns the tensors changed."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(_shard_seed(seed))
     n = 0
     with torch.no_grad():
         for p in worker.model_runner.model.parameters():
@@ -46,3 +50,9 @@ def perturb_weights(worker: Any, seed: int) -> int:
             p.add_((noise * p.float().std().clamp(min=1e-3)).to(p.dtype))
             n += 1
     return n
+
+
+def _shard_seed(seed: int) -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return seed + 1_000_003 * get_tensor_model_parallel_rank()

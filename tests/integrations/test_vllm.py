@@ -44,8 +44,9 @@ EXTRA = {"timeout_s": 1.0, "retry_s": 0.5}
 class Engine:
     """One vllm_driver.py process."""
 
-    def __init__(self, model_dir: Path, socket: str | None, log_path: Path, **extra: Any) -> None:
-        argv = [sys.executable, str(DRIVER), "--model-dir", str(model_dir), "--extra", json.dumps({**EXTRA, **extra})]
+    def __init__(self, model_dir: Path, socket: str | None, log_path: Path, *, tp: int = 1, **extra: Any) -> None:
+        argv = [sys.executable, str(DRIVER), "--model-dir", str(model_dir), "--tp", str(tp),
+                "--extra", json.dumps({**EXTRA, **extra})]
         if socket:
             argv += ["--socket", socket]
         self.log_path = log_path

@@ -1,6 +1,6 @@
 """A vLLM engine in its own process, driven by the vLLM tests over stdin/stdout.
 
-``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N]``
+``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N] [--tp N]``
 starts ``vllm.LLM`` on the random-weight model in DIR (with KvtierConnector
 when ``--socket`` is given; weights from ``context_sensitive_weights``, seed 0),
 prints ``@@ready``, then serves one JSON command
@@ -53,6 +53,15 @@ def write_model(model_dir: str) -> None:
         json.dump(MODEL_CONFIG, f)
 
 
+def cpu_bind(tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` ranks its own share of this process's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // tp
+    if share < 1:
+        raise SystemExit(f"--tp {tp} needs at least {tp} cores; this process may use {len(cores)}")
+    return "|".join(",".join(str(c) for c in cores[i * share:(i + 1) * share]) for i in range(tp))
+
+
 def reply(obj: dict[str, Any]) -> None:
     sys.stdout.write("@@" + json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -70,7 +79,11 @@ def main() -> None:
     ap.add_argument("--gpu-blocks", type=int, default=16,
                     help="vLLM's own KV cache, in blocks of 128 tokens (one is vLLM's null block)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (each rank's threads get their own cores)")
     args = ap.parse_args()
+    if args.tp > 1:
+        # vLLM's CPU backend binds each rank's threads to a NUMA node; one node here, so by hand.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(args.tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
     write_model(args.model_dir)
@@ -89,6 +102,7 @@ def main() -> None:
         }
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=(args.gpu_blocks - 1) * BLOCK_SIZE,
               block_size=BLOCK_SIZE, num_gpu_blocks_override=args.gpu_blocks, enforce_eager=True, seed=0,
+              tensor_parallel_size=args.tp,
               disable_log_stats=False, **kw)
     llm.collective_rpc(context_sensitive_weights, args=(0,))
     reply({"ready": True})
