@@ -56,6 +56,7 @@ import xxhash
 
 from kvtier.testing import redis_servers as rs
 from kvtier.tiers.remote_tier import RemoteTier, RemoteTierSettings
+from kvtier.tiers.remote_values import decode
 
 from report import git, utc_now, write_json
 
@@ -138,7 +139,7 @@ def bench_restore(url: str, num_blocks: int, size_bytes: int, reps: int) -> dict
         verify_s = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            assert all(tier._decode(v) is not None for v in values)
+            assert all(decode(v, size_bytes) is not None for v in values)
             verify_s.append(time.perf_counter() - t0)
         total_bytes = num_blocks * size_bytes
         p, k = statistics.median(plain_s), statistics.median(kvtier_s)

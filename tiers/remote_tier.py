@@ -5,9 +5,11 @@ server (or cluster), nothing of the pool, slots or copies. The pool asks it
 whether the blocks after its CPU-held prefix exist, fetches them into the CPU
 tier, and hands it the blocks the CPU tier evicts.
 
-This module holds the blocks' side: keys, values and their checks, lookups,
-fetches and the write-back queue. Which client to use and whether the
-server may be tried at all (URL, reconnect backoff, health pings) is
+This module holds the blocks' side: keys, lookups and fetches, and the
+tier's counters. The value format and its checks are
+``kvtier.tiers.remote_values``'s; the write-back queue and its threads are
+``kvtier.tiers.remote_writer``'s; which client to use and whether the server
+may be tried at all (URL, reconnect backoff, health pings) is
 ``kvtier.tiers.remote_connection``'s; the settings are
 ``kvtier.tiers.remote_settings``'s.
 
@@ -31,7 +33,7 @@ Contract:
   spreads a pool's keys over all slots). ``make_pool_key(...)`` derives one.
 - Values: a 24-byte header ``struct "<4sBxxxQQ"`` = magic ``b"KVT1"``, format
   version (1), payload length, xxh3-64 of the payload; then the payload
-  (exactly ``block_bytes`` bytes).
+  (exactly ``block_bytes`` bytes). ``remote_values`` builds and checks them.
 - ``exists_prefix(hashes) -> int``: one round trip (standalone: a cached Lua
   script that stops at the first absent key, falling back to pipelined
   ``EXISTS`` where scripting is refused; Cluster: pipelined ``EXISTS``, split
@@ -48,13 +50,13 @@ Contract:
   ``block_bytes`` bytes (no copy). ``fetch_async`` runs it on a reader
   thread and returns a ``concurrent.futures.Future``.
 - ``write_back(key, data, copy=True) -> bool``: write-back of one block,
-  never blocking on the server. Admission (if given) is asked first; the
-  block is copied (unless ``copy=False``: the caller hands over a buffer it
-  will never change) and queued. Full queue, unavailable tier or closed tier:
-  dropped and counted, returns False. Worker threads send queued blocks as
-  pipelined ``SET``s (``EX settings.ttl_s`` when given). Thread: the
-  caller's (one thread, as the admission object is not required to be
-  thread-safe).
+  never blocking on the server (``remote_writer.RemoteWriter.write_back``).
+  Admission (if given) is asked first; the block is copied (unless
+  ``copy=False``: the caller hands over a buffer it will never change) and
+  queued. Full queue, unavailable tier or closed tier: dropped and counted,
+  returns False. Worker threads send queued blocks as pipelined ``SET``s
+  (``EX settings.ttl_s`` when given). Thread: the caller's (one thread, as
+  the admission object is not required to be thread-safe).
 - Availability: any connection-level failure (refused, reset, timeout,
   CLUSTERDOWN, uncovered slot) marks the tier unavailable; while unavailable
   reads answer "miss" without touching the network and writes are dropped.
@@ -81,19 +83,17 @@ import concurrent.futures
 import hashlib
 import json
 import logging
-import queue
 import re
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-import xxhash
-
-from kvtier.tiers import remote_connection
+from kvtier.tiers import remote_connection, remote_writer
 from kvtier.tiers.remote_connection import RemoteConnection, is_connection_failure, parse_url
 from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings
+from kvtier.tiers.remote_values import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, decode, encode_header
+from kvtier.tiers.remote_writer import Admission, RemoteWriter
 
 try:
     import redis
@@ -109,10 +109,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = b"kvtier:v1:"
-MAGIC = b"KVT1"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<4sBxxxQQ")  # magic, version, 3 pad, payload length, xxh3-64 of payload
-HEADER_BYTES = HEADER.size  # 24
 
 _POOL_KEY_RE = re.compile(rb"[A-Za-z0-9._-]{1,128}")
 
@@ -137,25 +133,12 @@ COUNTERS = (
     "remote_errors",  # blocks not read because a round trip failed
     "skipped_unavailable",  # exists/fetch calls answered "miss" because the tier was unavailable
     "bytes_fetched",  # payload bytes of remote_hits
-    "writes_queued",
-    "writes_done",
-    "writes_failed",  # sent but refused or lost (server error, connection lost mid-batch)
-    "writes_dropped_full",
-    "writes_dropped_unavailable",
-    "writes_not_admitted",
-    "bytes_written",
-    "deletes_queued",  # corrupt keys queued for deletion
+    *remote_writer.COUNTERS,  # writes_*, bytes_written, deletes_queued: the write-back queue's
     *remote_connection.COUNTERS,  # unavailable_events, reconnects: the connection's own
 )
 
 
 DEFAULT_SETTINGS = RemoteTierSettings()  # frozen: one shared default is safe
-
-
-class Admission(Protocol):
-    """What ``RemoteTier`` needs of an admission filter (an ``EvictionPolicy`` fits)."""
-
-    def admit(self, key: bytes) -> bool: ...
 
 
 def make_pool_key(*parts: object) -> bytes:
@@ -166,18 +149,6 @@ def make_pool_key(*parts: object) -> bytes:
     """
     canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=repr).encode()
     return hashlib.sha256(canonical).hexdigest()[:32].encode()
-
-
-def _byte_view(data: Any) -> memoryview:
-    """A flat C-contiguous byte view of a buffer (bytes, bytearray, memoryview, numpy, CPU tensor)."""
-    if hasattr(data, "numpy") and not isinstance(data, memoryview):
-        data = data.numpy()  # a CPU torch tensor; torch tensors lack the buffer protocol
-    view = memoryview(data)
-    if not view.c_contiguous:
-        raise ValueError("write_back needs a C-contiguous buffer")
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    return view
 
 
 class RemoteTier:
@@ -202,37 +173,26 @@ class RemoteTier:
         self.block_bytes = block_bytes
         self.value_bytes = HEADER_BYTES + block_bytes
         self.settings = settings
-        self.admission = admission
         self._fetch_chunk_blocks = max(1, settings.fetch_round_trip_bytes // self.value_bytes)
         self._prefix = KEY_PREFIX + pool_key + b":"
         self._use_script = not self.cluster  # cleared for good if the server refuses scripts
 
-        self._lock = threading.Lock()  # guards the counters and the lookup script below
-        self._counters: dict[str, int] = {c: 0 for c in COUNTERS if c not in remote_connection.COUNTERS}
-        self._seconds = {"exists": 0.0, "fetch": 0.0, "write": 0.0}
+        self._lock = threading.Lock()  # guards the read counters and the lookup script below
+        self._counters: dict[str, int] = {
+            c: 0 for c in COUNTERS if c not in remote_connection.COUNTERS and c not in remote_writer.COUNTERS}
+        self._seconds = {"exists": 0.0, "fetch": 0.0}
         # The lookup script, registered on each connection generation's client (as the client
         # changes on reconnect); a redis-py Script reloads itself on NOSCRIPT.
         self._script: Any = None
         self._script_generation = -1
         self._closed = False
-        self._draining_deadline: float | None = None
-
-        # Items: (block_hash, value or payload, needs_header). payload None = delete the key.
-        self._queue: queue.Queue[tuple[bytes, bytearray | memoryview | bytes | None, bool]] = queue.Queue(
-            maxsize=settings.write_queue_blocks
-        )
 
         # One synchronous connect attempt, so a healthy server is usable as soon
         # as we return; a dead one costs at most connect_timeout_s here.
         self._conn = RemoteConnection(endpoint, settings)
         self._readers = concurrent.futures.ThreadPoolExecutor(settings.reader_threads,
                                                               thread_name_prefix="kvtier-remote-read")
-        self._writers = [
-            threading.Thread(target=self._writer_loop, name=f"kvtier-remote-write-{i}", daemon=True)
-            for i in range(settings.writer_threads)
-        ]
-        for w in self._writers:
-            w.start()
+        self._writer = RemoteWriter(self._conn, settings, self.key, block_bytes, self.url, admission)
 
     # ---- keys and values --------------------------------------------------------------
 
@@ -243,19 +203,11 @@ class RemoteTier:
     @staticmethod
     def encode_header(payload: bytes | bytearray | memoryview) -> bytes:
         """The 24-byte header of a value (exposed for tests and tools)."""
-        return HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), xxhash.xxh3_64_intdigest(payload))
+        return encode_header(payload)
 
-    def _decode(self, value: bytes) -> memoryview | None:
-        """The verified payload of a value, or None if it is not a block of this tier."""
-        if len(value) != self.value_bytes:
-            return None
-        magic, version, length, digest = HEADER.unpack_from(value)
-        if magic != MAGIC or version != FORMAT_VERSION or length != self.block_bytes:
-            return None
-        payload = memoryview(value)[HEADER_BYTES:]
-        if xxhash.xxh3_64_intdigest(payload) != digest:
-            return None
-        return payload.toreadonly()
+    @property
+    def admission(self) -> Admission | None:
+        return self._writer.admission
 
     # ---- availability ------------------------------------------------------------------
 
@@ -276,17 +228,19 @@ class RemoteTier:
 
     def stats(self) -> dict[str, Any]:
         counts = self._conn.counters()  # its own lock; never taken inside ours
+        written = self._writer.counters()
+        counts.update(written)
         with self._lock:
             counts.update(self._counters)
             seconds = {f"{k}_seconds": round(v, 6) for k, v in self._seconds.items()}
         s: dict[str, Any] = {name: counts[name] for name in COUNTERS}
-        s.update(seconds)
+        s.update(seconds, write_seconds=written["write_seconds"])
         s.update(
             available=self._conn.available,
             last_error=self._conn.last_error,
             mode="cluster" if self.cluster else "standalone",
             url=self.url,
-            write_queue_depth_blocks=self._queue.qsize(),
+            write_queue_depth_blocks=self._writer.depth_blocks,
             write_queue_blocks=self.settings.write_queue_blocks,
         )
         return s
@@ -401,7 +355,7 @@ class RemoteTier:
                     errors += 1
                     first_error = first_error or value
                 else:
-                    payload = self._decode(value)
+                    payload = decode(value, self.block_bytes)
                     if payload is None:
                         corrupt += 1
                         bad_keys.append(hashes[i])
@@ -424,7 +378,7 @@ class RemoteTier:
             log.warning("remote tier %s: %d corrupt blocks in a fetch of %d (queued for deletion)",
                         self.url, len(bad_keys), len(hashes))
             for h in bad_keys:
-                self._enqueue_delete(h)
+                self._writer.delete(h)
         return out
 
     def fetch_async(
@@ -436,134 +390,15 @@ class RemoteTier:
             future.add_done_callback(callback)
         return future
 
-    # ---- writes ----------------------------------------------------------------------------
+    # ---- writes (remote_writer) ------------------------------------------------------------
 
     def write_back(self, key: bytes, data: Any, *, copy: bool = True) -> bool:
         """Queue one block for writing; False (counted) if it was dropped. Never blocks."""
-        if self._closed or not self._conn.available:
-            self._count(writes_dropped_unavailable=1)
-            return False
-        if self.admission is not None and not self.admission.admit(key):
-            self._count(writes_not_admitted=1)
-            return False
-        view = _byte_view(data)
-        if view.nbytes != self.block_bytes:
-            raise ValueError(f"write_back of {view.nbytes} bytes; blocks are {self.block_bytes} bytes")
-        if self._queue.full():
-            # Checked before copying so a saturated queue costs no memcpy.
-            self._count(writes_dropped_full=1)
-            return False
-        item: tuple[bytes, bytearray | memoryview | bytes, bool]
-        if copy:
-            # One copy, straight into the value's final layout; the writer fills the header in place.
-            value = bytearray(self.value_bytes)
-            value[HEADER_BYTES:] = view
-            item = (key, value, True)
-        else:
-            item = (key, view, False)
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self._count(writes_dropped_full=1)
-            return False
-        self._count(writes_queued=1)
-        return True
-
-    def _enqueue_delete(self, block_hash: bytes) -> None:
-        try:
-            self._queue.put_nowait((block_hash, None, False))
-            self._count(deletes_queued=1)
-        except queue.Full:
-            pass  # the next fetch finds it corrupt again and retries
-
-    def _finish_value(self, item: tuple[bytes, Any, bool]) -> bytes | memoryview | None:
-        _, data, in_place = item
-        if data is None:
-            return None
-        if in_place:
-            HEADER.pack_into(data, 0, MAGIC, FORMAT_VERSION, self.block_bytes,
-                             xxhash.xxh3_64_intdigest(memoryview(data)[HEADER_BYTES:]))
-            return memoryview(data)  # redis-py before 8 encodes memoryview but not bytearray
-        return self.encode_header(data) + data  # copy=False: the writer pays the concatenation
-
-    def _take_batch(self) -> list[tuple[bytes, Any, bool]] | None:
-        """Up to write_batch_blocks queued items; None when closing and nothing is left."""
-        try:
-            first = self._queue.get(timeout=0.1)
-        except queue.Empty:
-            return None if self._closed else []
-        batch = [first]
-        while len(batch) < self.settings.write_batch_blocks:
-            try:
-                batch.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return batch
-
-    def _writer_loop(self) -> None:
-        while True:
-            batch = self._take_batch()
-            if batch is None:
-                return
-            if not batch:
-                continue
-            try:
-                self._write_batch(batch)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-
-    def _write_batch(self, batch: list[tuple[bytes, Any, bool]]) -> None:
-        sets = sum(1 for _, data, _ in batch if data is not None)
-        deadline = self._draining_deadline
-        current = self._conn.current()
-        if current is None or (deadline is not None and time.monotonic() > deadline):
-            self._count(writes_dropped_unavailable=sets)
-            return
-        client, gen = current
-        t0 = time.perf_counter()
-        try:
-            pipe = self._conn.pipeline(client)
-            for item in batch:
-                value = self._finish_value(item)
-                if value is None:
-                    pipe.delete(self.key(item[0]))
-                else:
-                    pipe.set(self.key(item[0]), value, ex=self.settings.ttl_s)
-            replies = pipe.execute(raise_on_error=False)
-        except Exception as exc:  # noqa: BLE001 - a writer must never die
-            self._conn.failed(exc, gen, f"SET of {sets} blocks")
-            self._count(writes_failed=sets)
-            return
-        done = failed = 0
-        first_error: Exception | None = None
-        for item, reply in zip(batch, replies):
-            if item[1] is None:
-                continue
-            if isinstance(reply, Exception):
-                failed += 1
-                first_error = first_error or reply
-            else:
-                done += 1
-        if first_error is not None:
-            self._conn.failed(first_error, gen, f"SET ({failed} of {sets} blocks)")
-        else:
-            self._conn.succeeded()
-        with self._lock:
-            self._counters["writes_done"] += done
-            self._counters["writes_failed"] += failed
-            self._counters["bytes_written"] += done * self.block_bytes
-            self._seconds["write"] += time.perf_counter() - t0
-        log.debug("remote tier %s: wrote %d blocks (%d failed)", self.url, done, failed)
+        return self._writer.write_back(key, data, copy=copy)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued write was sent, failed or dropped (tests, benchmarks)."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.002)
-        return True
+        return self._writer.flush(timeout_s)
 
     # ---- shutdown ---------------------------------------------------------------------------
 
@@ -578,11 +413,8 @@ class RemoteTier:
             self._closed = True
         # No reconnect while closing: the queue drains over the current client or is dropped.
         self._conn.stop_connecting()
-        deadline = time.monotonic() + timeout_s
-        self._draining_deadline = deadline  # writers drop what they cannot send in time
-        for w in self._writers:
-            w.join(max(0.0, deadline - time.monotonic()))
-        drained = not any(w.is_alive() for w in self._writers)
+        # The writers drop what they cannot send in time.
+        drained = self._writer.close(time.monotonic() + timeout_s)
         self._readers.shutdown(wait=False, cancel_futures=True)
         self._conn.close()
         if not drained:
