@@ -72,3 +72,23 @@ def test_remote_down_daemon_keeps_serving_and_recovers(kvtierd_factory, redis_se
             wait_for(lambda: c.health()["remote"] == {"m/tp0": True}, 20.0, "the remote tier to reconnect by itself")
         finally:
             restarted.stop()
+
+
+def test_a_pinning_lookup_on_daemon_b_holds_what_only_redis_has(kvtierd_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+    # What the vLLM connector does: lookup(pin=True) at a request's arrival, restore later.
+    flags = dict(gpu_bytes=8 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES, remote_url=redis_server.url)
+    a, b = kvtierd_factory(**flags), kvtierd_factory(**flags)
+    data = [os.urandom(BLOCK_BYTES) for _ in range(40)]
+    hashes = [bytes([11, i]) * 8 for i in range(40)]
+    with Client(a.endpoint, "m/tp0", LAYOUT) as ca, Client(b.endpoint, "m/tp0", LAYOUT) as cb:
+        for i in range(0, 40, 4):
+            assert ca.store(hashes[i : i + 4], data[i : i + 4]) == (4, 0)
+        wait_for(lambda: ca.lookup(hashes[:6]) == ["remote"] * 6, 10.0, "A's evicted blocks to reach Redis")
+        (found,) = cb.lookup_many([hashes[:6]], pin=True)
+        assert list(found) == ["remote"] * 6
+        assert cb.stats()["pools"]["m/tp0"]["pinned_blocks"] == 6
+        got = cb.restore(hashes[:6])
+        assert got.tiers == ["cpu"] * 6  # fetched when pinned: the restore reads B's CPU tier
+        assert bytes(got.data) == b"".join(data[:6])
+        assert cb.unpin(hashes[:6]) == 6
+        assert cb.stats()["pools"]["m/tp0"]["pinned_blocks"] == 0

@@ -126,3 +126,29 @@ def test_remote_down_pool_keeps_serving(tmp_path: Path) -> None:
     assert torch.equal(dst.slab()[:4], src.slab()[8:])
     assert pool.lookup(keys(12, 5)[:4], count=False) == []  # evicted from CPU, Redis is down: a miss
     pool.remote.close(1.0)
+
+
+def test_pinning_a_remote_run_fetches_it_into_the_cpu_tier_and_holds_it_there(server: object) -> None:
+    server.client().flushall()
+    a, b = make_pool(server.url), make_pool(server.url, cpu_blocks=8)
+    src = _random_layout(12)
+    first = keys(4, 3)
+    a.store(first, src, range(4)).wait(5)
+    store_in_chunks(a, keys(8, 4), src, range(4, 12))  # pushes `first` out of A into Redis
+    assert a.remote.flush(5.0)
+    assert b.lookup(first, count=False) == [Tier.REMOTE] * 4
+    # B pins what only Redis has: fetched, pinned in B's CPU tier, reported as remote hits.
+    assert b.pin("engine", first) == [Tier.REMOTE] * 4
+    assert b.num_pinned() == 4 and b.lookup(first, count=False) == [Tier.CPU] * 4
+    # Pinned: 16 newer blocks through B's 4 GPU and 8 CPU blocks do not evict them.
+    store_in_chunks(b, keys(8, 5), src, range(4, 12))
+    store_in_chunks(b, keys(8, 6), src, range(4, 12))
+    assert b.lookup(keys(8, 5)[:1], count=False) != [Tier.GPU]  # the newer blocks did push older ones out
+    assert b.lookup(first, count=False) == [Tier.CPU] * 4
+    dst = BlockLayout.contiguous(4, BLOCK)
+    op = b.restore(first, dst, range(4)).wait(5)
+    assert op.error is None and op.result["tiers"] == ["cpu"] * 4
+    assert torch.equal(dst.slab(), src.slab()[:4])
+    assert b.unpin("engine", first) == 4 and b.num_pinned() == 0
+    for p in (a, b):
+        p.remote.close(2.0)

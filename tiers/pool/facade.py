@@ -15,7 +15,8 @@ Contract:
   ``Tier`` per block, a block counted for the first tier that holds it
   (GPU, then CPU). No side effect but counters and policy learning.
 - ``pin(owner, hashes)`` pins that prefix (GPU: ref count; CPU: pin count)
-  so nothing evicts it until ``unpin``/``unpin_all``; returns its tiers.
+  so nothing evicts it until ``unpin``/``unpin_all``; returns its tiers. A
+  remote run is fetched into the CPU tier first and pinned there.
 - ``allocate / append / free`` (engine-managed mode) follow the block
   manager; CPU-tier hits are restored into the new slots and the returned
   ``Op`` completes only when those bytes (and any demotion that had to
@@ -53,7 +54,7 @@ Contract:
   caller with nothing else to do, goes deeper (``idle_clean_blocks``): a
   long request's allocation after a pause then waits for no demotion either.
 - Remote tier (optional, ``remote=RemoteTier``): lookups continue past the
-  CPU tier with one pipelined existence probe; allocate/restore fetch the
+  CPU tier with one pipelined existence probe; allocate/restore/pin fetch the
   remote run into the CPU tier (checksummed; a bad or missing value ends the
   prefix there) and go on as CPU hits, attributed to ``remote``; blocks the
   CPU tier evicts are written back asynchronously (dropped, never waited
@@ -229,7 +230,10 @@ class TieredPool:
         return self._resolve.held_prefix(hashes)
 
     def pin(self, owner: str, hashes: Sequence[bytes]) -> list[Tier]:
-        held = self._resolve.held_prefix(hashes)
+        # With a remote tier its runs are fetched into the CPU tier and pinned
+        # there: a pin the remote tier cannot honour (its server evicts at will)
+        # would be no pin, and a lookup that pins would lose every remote hit.
+        held = self._resolve.held_with_remote(hashes)
         self._pins.pin(owner, hashes, held)
         return [tier for tier, _ in held]
 

@@ -1,5 +1,7 @@
 """Pins: an owner's hold on a held prefix (GPU: a reference; CPU: a pin count).
 
+A remote hit is pinned in the CPU tier, where ``TieredPool.pin`` fetched it.
+
 Each pin records the tier, the holder and the hash pinned (not the block's
 hash: a failed write may withdraw that). ``unpin`` drops, per hash asked for
 (last first), the owner's newest pin on it; ``unpin_all`` drops all of them.
@@ -35,8 +37,9 @@ class Pins:
                 assert pool.bm is not None and isinstance(obj, Block)
                 pool.bm.touch([obj])
             else:
-                assert isinstance(obj, CpuEntry)
+                assert isinstance(obj, CpuEntry)  # a CPU hit, or a remote one fetched into the CPU tier
                 pool.cpu.pin(obj)
+                tier = Tier.CPU
             # The hash pinned, not the block's: a failed write may withdraw that.
             pins.append((tier, obj, key))
 
