@@ -33,6 +33,13 @@ def wait_for(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-unty
         time.sleep(0.05)
 
 
+def store_until_in_redis(client: Client, hashes: list[bytes], data: list[bytes], head: int) -> None:
+    """Store in fours; wait until the first ``head`` blocks, pushed out of the daemon, are in Redis."""
+    for i in range(0, len(hashes), 4):
+        assert client.store(hashes[i : i + 4], data[i : i + 4]) == (4, 0)
+    wait_for(lambda: client.lookup(hashes[:head]) == ["remote"] * head, 10.0, "the evicted blocks to reach Redis")
+
+
 def test_block_stored_through_daemon_a_restores_byte_exact_through_daemon_b(kvtierd_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
     # Four GPU blocks and four CPU blocks per daemon: 12 stored blocks push the
     # first four out of A's CPU tier, which writes them back to Redis.
@@ -41,9 +48,7 @@ def test_block_stored_through_daemon_a_restores_byte_exact_through_daemon_b(kvti
     data = [os.urandom(BLOCK_BYTES) for _ in range(12)]
     hashes = [bytes([7, i]) * 8 for i in range(12)]
     with Client(a.endpoint, "m/tp0", LAYOUT) as ca, Client(b.endpoint, "m/tp0", LAYOUT) as cb:
-        for i in range(0, 12, 4):
-            assert ca.store(hashes[i : i + 4], data[i : i + 4]) == (4, 0)
-        wait_for(lambda: ca.lookup(hashes[:4]) == ["remote"] * 4, 10.0, "A's evicted blocks to reach Redis")
+        store_until_in_redis(ca, hashes, data, 4)
         assert cb.lookup(hashes[:4]) == ["remote"] * 4
         got = cb.restore(hashes[:4])
         assert got.tiers == ["remote"] * 4
@@ -81,9 +86,7 @@ def test_a_pinning_lookup_on_daemon_b_holds_what_only_redis_has(kvtierd_factory,
     data = [os.urandom(BLOCK_BYTES) for _ in range(40)]
     hashes = [bytes([11, i]) * 8 for i in range(40)]
     with Client(a.endpoint, "m/tp0", LAYOUT) as ca, Client(b.endpoint, "m/tp0", LAYOUT) as cb:
-        for i in range(0, 40, 4):
-            assert ca.store(hashes[i : i + 4], data[i : i + 4]) == (4, 0)
-        wait_for(lambda: ca.lookup(hashes[:6]) == ["remote"] * 6, 10.0, "A's evicted blocks to reach Redis")
+        store_until_in_redis(ca, hashes, data, 6)
         (found,) = cb.lookup_many([hashes[:6]], pin=True)
         assert list(found) == ["remote"] * 6
         assert cb.stats()["pools"]["m/tp0"]["pinned_blocks"] == 6
