@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         notifier = Notifier.from_environ()
         notifier.status("starting: checking devices and host memory")
         device = _resolve_device(cfg.device)
+        if device.startswith("cuda"):
+            from kvtier.tiers.transfer import warm_up
+
+            notifier.status(f"starting: CUDA context and copy self-tests on {device}")
+            started_s = time.monotonic()
+            methods = warm_up(device)
+            log.info("%s ready in %.1f s: copy methods %s", device, time.monotonic() - started_s, methods)
         from kvtier.daemon.memory import check_startup, gib, pins_cpu_tiers
         from kvtier.tiers.host_memory import HostMemoryError
 

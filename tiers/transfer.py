@@ -488,3 +488,22 @@ def make_transfer_engine(device: torch.device | str = "cpu") -> TransferEngine:
     if device.type == "cuda":
         return CudaTransferEngine(device, demote_method=BACKGROUND)
     return ThreadTransferEngine()
+
+
+def warm_up(device: torch.device | str) -> dict[str, str]:
+    """Do now what a process's first CUDA transfer engine does once: returns its copy methods.
+
+    The CUDA context, the copy kernel's compilation and each method's
+    self-test happen once per process, and took seconds on a busy GPU
+    machine. Left to the first pool, they fell inside an engine's first hello,
+    past the connector's timeout_s: the connector then served without
+    kvtierd. kvtierd calls this before it answers anyone. A no-op off CUDA.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    engine = make_transfer_engine(device)
+    try:
+        return dict(engine.copy_methods)
+    finally:
+        engine.close()

@@ -20,6 +20,7 @@ from kvtier.tiers.transfer import (
     Transfer,
     TransferError,
     make_transfer_engine,
+    warm_up,
 )
 
 BB = 256
@@ -235,6 +236,26 @@ def test_make_transfer_engine_without_cuda_uses_threads() -> None:
         assert isinstance(eng, ThreadTransferEngine)
     finally:
         eng.close()
+
+
+def test_warm_up_off_cuda_does_nothing() -> None:
+    assert warm_up("cpu") == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_warm_up_on_cuda_names_the_methods_a_pool_engine_gets_without_retesting() -> None:
+    from kvtier.tiers import transfer
+
+    methods = warm_up("cuda:0")
+    assert set(methods) == {"high", "low"} and set(methods.values()) <= {"kernel", "memcpy", "batch", "staging"}
+    # The self-tests passed once for the process: the first pool's engine does not run them again.
+    assert {m for _, m in transfer._SELF_TESTED} >= set(methods.values()) - {"staging"}
+    engine = make_transfer_engine("cuda:0")
+    try:
+        assert engine.copy_methods == methods
+    finally:
+        engine.close()
 
 
 @pytest.mark.cuda
