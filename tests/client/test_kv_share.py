@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import os
 import subprocess
@@ -29,6 +30,11 @@ from kvtier.client.shm_arena import SHM_DIR
 from kvtier.daemon.kv_import import import_kv, import_tensor
 
 NUM_BLOCKS = 6
+# pytest-xdist's workers share /dev/shm: this module's files carry its own
+# process's prefix, so the leak check below sees (and removes) only what these
+# tests made, never another worker's live engine memory.
+PREFIX = f"kvtier-kvtest_{os.getpid()}"
+_allocate = functools.partial(allocate_shared_kv, name_prefix=PREFIX)
 
 # Layouts engines use: (name, dtype, per-tensor (shape, block_dim) in the engine).
 # "views" allocates one buffer for all layers and registers per-layer views of it,
@@ -58,7 +64,7 @@ dtype = getattr(torch, sys.argv[3])
 specs = msgpack.unpackb(bytes.fromhex(sys.argv[4]))
 if layout == "views_of_one_buffer":
     if device == "cpu":
-        whole, _ = allocate_shared_kv([3, 2, %(n)d, 4, 2, 8], dtype, 2)
+        whole, _ = allocate_shared_kv([3, 2, %(n)d, 4, 2, 8], dtype, 2, name_prefix=%(prefix)r)
     else:
         whole = torch.empty([3, 2, %(n)d, 4, 2, 8], dtype=dtype, device=device)
     tensors, dims = [whole[i] for i in range(3)], [1, 1, 1]
@@ -66,7 +72,7 @@ else:
     tensors, dims = [], []
     for shape, block_dim in specs:
         if device == "cpu":
-            t, _ = allocate_shared_kv(shape, dtype, block_dim)
+            t, _ = allocate_shared_kv(shape, dtype, block_dim, name_prefix=%(prefix)r)
         else:
             t = torch.empty(shape, dtype=dtype, device=device)
         tensors.append(t)
@@ -86,7 +92,7 @@ for line in sys.stdin:
         print("ok" if ok else "MISMATCH", flush=True)
     elif line.strip() == "exit":
         break
-""" % {"n": NUM_BLOCKS}
+""" % {"n": NUM_BLOCKS, "prefix": PREFIX}
 
 
 def fill(tensors: list[torch.Tensor], seed: int) -> None:
@@ -193,15 +199,15 @@ def run_cross_process(layout: str, device: str) -> None:
 
 @pytest.fixture(autouse=True)
 def no_leaked_shm_files() -> Iterator[None]:
-    before = set(SHM_DIR.glob("kvtier-kv-*"))
+    before = set(SHM_DIR.glob(f"{PREFIX}-*"))
     yield
     # Names go when tensors do: collect cycles, and give an exiting engine
     # process (a busy machine is slow to reap) a few seconds, before calling it a leak.
     deadline = time.monotonic() + 5.0
-    while set(SHM_DIR.glob("kvtier-kv-*")) - before and time.monotonic() < deadline:
+    while set(SHM_DIR.glob(f"{PREFIX}-*")) - before and time.monotonic() < deadline:
         gc.collect()
         time.sleep(0.05)
-    leaked = set(SHM_DIR.glob("kvtier-kv-*")) - before
+    leaked = set(SHM_DIR.glob(f"{PREFIX}-*")) - before
     for path in leaked:
         path.unlink()
     assert not leaked, f"shm KV files left behind: {sorted(map(str, leaked))}"
@@ -228,7 +234,7 @@ def test_import_survives_engine_exit() -> None:
 
 
 def test_export_then_import_in_one_process_shares_memory() -> None:
-    kv, handle = allocate_shared_kv([2, NUM_BLOCKS, 4, 8], torch.float16, 1)
+    kv, handle = _allocate([2, NUM_BLOCKS, 4, 8], torch.float16, 1)
     assert handle["kind"] == "shm" and handle["size_bytes"] == kv.numel() * 2
     assert (SHM_DIR / handle["name"]).exists()
     assert kv.is_contiguous() and not kv.any()
@@ -247,7 +253,7 @@ def test_export_then_import_in_one_process_shares_memory() -> None:
 
 
 def test_strided_views_are_exported_exactly() -> None:
-    kv, _ = allocate_shared_kv([NUM_BLOCKS, 2, 4, 8], torch.float32, 0)
+    kv, _ = _allocate([NUM_BLOCKS, 2, 4, 8], torch.float32, 0)
     fill([kv], 3)
     views = [kv[:, 1], kv[:, :, 1:3], kv.transpose(2, 3)]
     desc = export_kv(views, [0, 0, 0])
@@ -260,12 +266,12 @@ def test_strided_views_are_exported_exactly() -> None:
 
 
 def test_negative_block_dim_is_normalised() -> None:
-    kv, _ = allocate_shared_kv([2, NUM_BLOCKS], torch.int32, -1)
+    kv, _ = _allocate([2, NUM_BLOCKS], torch.int32, -1)
     assert export_kv([kv], [-1])["tensors"][0]["block_dim"] == 1
 
 
 def test_file_name_goes_when_tensor_does() -> None:
-    kv, handle = allocate_shared_kv([NUM_BLOCKS, 16], torch.uint8, 0)
+    kv, handle = _allocate([NUM_BLOCKS, 16], torch.uint8, 0)
     view = kv[2:]
     path = SHM_DIR / handle["name"]
     del kv
@@ -277,7 +283,7 @@ def test_file_name_goes_when_tensor_does() -> None:
 
 
 def test_unlink_shared_kv_by_tensor_or_handle() -> None:
-    kv, handle = allocate_shared_kv([NUM_BLOCKS, 16], torch.uint8, 0)
+    kv, handle = _allocate([NUM_BLOCKS, 16], torch.uint8, 0)
     unlink_shared_kv(kv)
     assert not (SHM_DIR / handle["name"]).exists()
     unlink_shared_kv(handle)  # idempotent
@@ -310,8 +316,8 @@ def test_export_refuses_private_cpu_memory() -> None:
 
 
 def test_export_checks_block_dims_and_counts() -> None:
-    a, _ = allocate_shared_kv([NUM_BLOCKS, 4], torch.float16, 0)
-    b, _ = allocate_shared_kv([NUM_BLOCKS + 1, 4], torch.float16, 0)
+    a, _ = _allocate([NUM_BLOCKS, 4], torch.float16, 0)
+    b, _ = _allocate([NUM_BLOCKS + 1, 4], torch.float16, 0)
     with pytest.raises(KvShareError, match="blocks"):
         export_kv([a, b], [0, 0])
     with pytest.raises(KvShareError):
@@ -341,7 +347,7 @@ def test_export_checks_block_dims_and_counts() -> None:
 )
 def test_allocate_refuses_bad_arguments(shape: list[int], dtype: Any, block_dim: int) -> None:
     with pytest.raises(KvShareError):
-        allocate_shared_kv(shape, dtype, block_dim)
+        _allocate(shape, dtype, block_dim)
 
 
 def test_allocate_refuses_bad_name_prefix() -> None:
@@ -350,7 +356,7 @@ def test_allocate_refuses_bad_name_prefix() -> None:
 
 
 def test_allocate_accepts_dtype_names() -> None:
-    kv, _ = allocate_shared_kv([NUM_BLOCKS, 2], "bfloat16", 0)
+    kv, _ = _allocate([NUM_BLOCKS, 2], "bfloat16", 0)
     assert kv.dtype == torch.bfloat16
 
 
@@ -359,7 +365,7 @@ def test_allocate_accepts_dtype_names() -> None:
 
 @pytest.fixture
 def valid_desc() -> Iterator[dict[str, Any]]:
-    kv, _ = allocate_shared_kv([2, NUM_BLOCKS, 4, 2, 8], torch.float16, 1)
+    kv, _ = _allocate([2, NUM_BLOCKS, 4, 2, 8], torch.float16, 1)
     yield export_kv([kv[0], kv[1]], [0, 0])
     del kv
 
@@ -425,7 +431,7 @@ def test_hostile_descriptions_are_rejected(valid_desc: dict[str, Any], case: str
 
 
 def test_single_tensor_round_trip() -> None:
-    kv, _ = allocate_shared_kv([2, NUM_BLOCKS, 4, 8], torch.bfloat16, 1)
+    kv, _ = _allocate([2, NUM_BLOCKS, 4, 8], torch.bfloat16, 1)
     desc = export_tensor(kv[1])
     assert "block_dim" not in desc and desc["transport"] == "shm"
     assert desc["storage_offset"] == NUM_BLOCKS * 4 * 8
@@ -451,7 +457,7 @@ SINGLE_HOSTILE: dict[str, Callable[[dict[str, Any]], None]] = {
 
 @pytest.mark.parametrize("case", sorted(SINGLE_HOSTILE))
 def test_hostile_single_tensor_descriptions_are_rejected(case: str) -> None:
-    kv, _ = allocate_shared_kv([2, NUM_BLOCKS, 4, 8], torch.float16, 1)
+    kv, _ = _allocate([2, NUM_BLOCKS, 4, 8], torch.float16, 1)
     desc = copy.deepcopy(export_tensor(kv[1]))
     SINGLE_HOSTILE[case](desc)
     with pytest.raises(KvShareError):
