@@ -73,17 +73,21 @@ def test_heartbeats_keep_the_session_and_its_pins(daemon) -> None:  # type: igno
 
 
 def test_one_client_many_threads(daemon) -> None:  # type: ignore[no-untyped-def]
+    # Calls share one socket under the client's lock, which is not fair: a
+    # thread may wait while the others store many times. So the threads store
+    # no more than the GPU tier holds (4 x 8 x 2 = 64 blocks), and every
+    # restore must return all of its blocks, whatever the interleaving.
     errors: list[BaseException] = []
     with Client(daemon.endpoint, "threads", LAYOUT) as c:
         def work(seed: int) -> None:
             rng = random.Random(seed)
             try:
-                for _ in range(20):
+                for _ in range(8):
                     hashes = [rng.randbytes(16) for _ in range(2)]
                     data = rng.randbytes(2 * BLOCK_BYTES)
-                    c.store(hashes, data)
+                    assert c.store(hashes, data) == (2, 0)
                     got = c.restore(hashes)
-                    assert got.tiers and bytes(got.data) == data[: len(got.tiers) * BLOCK_BYTES]
+                    assert len(got.tiers) == 2 and bytes(got.data) == data
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
 
