@@ -51,7 +51,7 @@ import time
 import types
 from pathlib import Path
 
-from report import progress, utc_now, write_json
+from report import loadavg, loadavg_text, progress, utc_now, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"contig-2MiB": 0.80, "layers32-kv32KiB": 0.50, "layers32-kv64KiB": 0.50}
@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     layouts = ["contig-2MiB", "layers32-kv32KiB"] if args.quick else list(TARGETS)
     result: dict = {
         "when": utc_now(),
+        # The second H100 run measured the copy kernel at half the first's on
+        # fragments, same code, on a busier host: record how busy.
+        "loadavg_at_start": loadavg(),
         "device": props.name, "sms": props.multi_processor_count, "host": platform.node(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": getattr(cp, "__version__", None),
         "methods": methods, "blocks": args.blocks, "reps": args.reps,
@@ -335,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_tables(result: dict) -> None:
     print(f"\n{result['device']} ({result['sms']} SMs), torch {result['torch']}, CUDA {result['cuda']}, "
-          f"CuPy {result['cupy']}, methods {result['methods']}")
+          f"CuPy {result['cupy']}, methods {result['methods']}; load average at start "
+          f"{loadavg_text(result.get('loadavg_at_start'))}")
     print("\nPinning (allocate_host_slab):")
     for name, info in result["pinning"].items():
         print(f"  {name:18s} {info['bytes'] / 2**30:6.2f} GiB  {info['pinned']!s:8s} chunks={info['chunks']:<3d} "
