@@ -40,6 +40,9 @@ Contract
 - Packed hashes (``kvtier.client.hash_wire``): hash lists go out packed to
   a daemon that lists ``"packed_hashes"``, as arrays to an older one; either
   way ``lookup``/``pin``/``allocate``/``restore`` return a ``Sequence[str]``.
+- ``events(since)`` reads the pool's key journal (feature ``"events"``):
+  ``Events(stored_or_removed, next, lost)``; the vLLM connector turns it
+  into vLLM's KV cache events for routers.
 - Importing this module imports no torch. ``register_kv`` accepts torch
   tensors and imports ``kvtier.client.kv_share`` only when called.
 
@@ -66,7 +69,18 @@ from kvtier.client import data_planes
 from kvtier.client.curve import CurveKeys
 from kvtier.client.hash_wire import check_hashes, pack_hashes, tier_list, wire_hashes
 from kvtier.client.hashing import BlockHasher
-from kvtier.client.protocol import OPS, ErrorCode, Hints, KvtierError, ProtocolError, TierList
+from kvtier.client.protocol import (
+    EVENT_STORED,
+    FEATURE_EVENTS,
+    HASH_BYTES,
+    MAX_EVENTS,
+    OPS,
+    ErrorCode,
+    Hints,
+    KvtierError,
+    ProtocolError,
+    TierList,
+)
 from kvtier.client.session import Heartbeat, PoolLayout, Registration, Session, SessionLost
 from kvtier.client.shm_arena import ShmArena
 from kvtier.client.shm_orphans import remove_orphaned_arenas
@@ -77,6 +91,7 @@ __all__ = [
     "Allocation",
     "Client",
     "DaemonError",
+    "Events",
     "KvtierError",
     "KvtierTimeout",
     "PoolLayout",
@@ -113,6 +128,15 @@ class RestoreResult:
 
     def __len__(self) -> int:
         return len(self.tiers)
+
+
+@dataclass(frozen=True)
+class Events:
+    """What the pool started and stopped holding since a cursor (``Client.events``)."""
+
+    changes: list[tuple[bool, bytes]]  # (stored: True, removed: False; the key), oldest first
+    next: int  # the cursor to ask with next time
+    lost: bool  # events after the cursor asked with were dropped: resynchronise
 
 
 class Client:
@@ -294,6 +318,22 @@ class Client:
     def clear(self, *, timeout_s: float | None = None) -> int:
         rh, _ = self._call("clear", timeout_s=timeout_s)
         return int(rh["cleared"])
+
+    def events(self, since: int, *, max_events: int = MAX_EVENTS, timeout_s: float | None = None) -> Events:
+        """The keys the session's pool started and stopped holding after event ``since``, in order.
+
+        Start with ``since=0`` and pass each reply's ``next`` to the next call.
+        Raises ``KvtierError`` where the daemon lacks the feature.
+        """
+        if FEATURE_EVENTS not in self._session.features:
+            raise KvtierError("this kvtierd does not serve events (feature 'events'): upgrade it")
+        rh, _ = self._call("events", {"since": since, "max_events": max_events}, timeout_s=timeout_s)
+        kinds, keys = bytes(rh["kinds"]), bytes(rh["hashes"])
+        if len(keys) != HASH_BYTES * len(kinds):
+            raise ProtocolError(ErrorCode.MALFORMED, f"events reply: {len(kinds)} kinds but {len(keys)} hash bytes")
+        stored = EVENT_STORED[0]
+        changes = [(kind == stored, keys[i * HASH_BYTES:(i + 1) * HASH_BYTES]) for i, kind in enumerate(kinds)]
+        return Events(changes, int(rh["next"]), bool(rh["lost"]))
 
     # ---- lookups and pins ------------------------------------------------------
 

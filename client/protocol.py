@@ -98,7 +98,13 @@ FEATURE_PACKED_HASHES = "packed_hashes"
 FEATURE_HINTS = "hints"  # lookup / allocate / store take "hints" (HINT_FIELDS)
 FEATURE_HINT_OUTPUT_TOKENS = "hint_output_tokens"  # "hints" take "output_tokens" (added within v1)
 FEATURE_DEADLINES = "deadlines"  # store / restore take "deadline_ns"; hello's reply gives "clock" (added within v1)
-FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS, FEATURE_DEADLINES)
+FEATURE_EVENTS = "events"  # the "events" verb: keys the pool started and stopped holding (added within v1)
+FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS, FEATURE_DEADLINES, FEATURE_EVENTS)
+
+# The "events" verb's event kinds, one byte each in its reply's "kinds".
+EVENT_STORED = b"s"  # the pool holds the key now (it did not before)
+EVENT_REMOVED = b"r"  # the pool no longer holds the key
+MAX_EVENTS = MAX_HASHES  # per "events" reply
 
 
 class ErrorCode(IntEnum):
@@ -675,6 +681,15 @@ OPS: dict[str, OpSpec] = {
     "stats": OpSpec({}, session="optional", renews_lease=False, idempotent=True, doc="counters"),
     "health": OpSpec({}, session="optional", renews_lease=False, idempotent=True, doc="liveness/readiness"),
     "clear": OpSpec({}, idempotent=True, doc="drop every unpinned, unused cached block of the session's pool"),
+    "events": OpSpec(
+        {
+            "since": Spec(UInt(0, MAX_ID), doc="the last event already read (a reply's 'next'); 0: from the oldest kept"),
+            "max_events": Spec(UInt(1, MAX_EVENTS), required=False, default=MAX_EVENTS),
+        },
+        renews_lease=False,
+        idempotent=True,
+        doc='feature "events": the keys the pool started ("s") and stopped ("r") holding after event "since", in order',
+    ),
 }
 
 HEADER_FIELDS = ("v", "op", "id", "sid")

@@ -18,7 +18,8 @@ Contract:
   creates nothing); every block hash a client sends reaches a pool only
   through ``_keys`` (the tenant's namespace, ``daemon.tenants``), and no
   reply carries a pool key. ``clear`` and the ``tenants`` part of ``stats``
-  are per tenant.
+  are per tenant. ``events`` (which does reply with pool keys: the hashes
+  themselves without tenants) is refused to tenants' sessions.
 - Pool names are per tenant (``daemon.pools``): a session works in its own
   tenant's pool of the name its hello sent, and every reply and error names
   a pool by that bare name. Only the operator's view (``_viewer`` None:
@@ -46,6 +47,8 @@ from typing import Any
 
 from kvtier.client.protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    EVENT_REMOVED,
+    EVENT_STORED,
     FEATURES,
     MAX_HASHES,
     MAX_HEADER_BYTES,
@@ -67,6 +70,7 @@ from kvtier.daemon.sessions import Closeable, Registration, Session, SessionTabl
 from kvtier.daemon.tenants import ANONYMOUS, TenantRegistry
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import Op, Tier
+from kvtier.tiers.pool.journal import REMOVED, STORED
 
 log = logging.getLogger(__name__)
 
@@ -831,6 +835,24 @@ def clear(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     return Reply({"cleared": n})
 
 
+EVENT_KIND_CODES = {STORED: EVENT_STORED[0], REMOVED: EVENT_REMOVED[0]}
+
+
+def events(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    if session.tenant != ANONYMOUS:
+        # A tenant's pool keys are one-way digests of its hashes (daemon.tenants):
+        # they could not be handed back as the hashes it knows.
+        raise ProtocolError(ErrorCode.INVALID_STATE, "events are not served to tenants' sessions")
+    journal = _entry(ctx, session).pool.journal
+    if journal is None:
+        raise ProtocolError(ErrorCode.INVALID_STATE, f"pool {session.pool_name!r} keeps no key journal")
+    f = req.fields
+    found, nxt, lost = journal.since(f["since"], f["max_events"])
+    return Reply({"kinds": bytes(EVENT_KIND_CODES[kind] for kind, _ in found),
+                  "hashes": b"".join(key for _, key in found), "next": nxt, "lost": lost})
+
+
 Handler = Callable[[HandlerContext, Request, Session | None], Result]
 
 
@@ -877,4 +899,5 @@ HANDLERS: dict[str, Handler] = {
     "stats": stats,
     "health": health,
     "clear": clear,
+    "events": events,
 }

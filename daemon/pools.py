@@ -41,6 +41,9 @@ Contract:
   ``idle()``, longest idle first) goes when a new pool needs its memory or
   its idle time passes ``pool_idle_ttl_s`` (the server decides, ``close``);
   all go at ``close_all``.
+- Every pool keeps a key journal of its last ``JOURNAL_EVENTS`` events (the
+  keys it started and stopped holding: ``tiers.pool.journal``), which the
+  ``events`` verb reads.
 - Single-threaded: only the event loop calls this module.
 """
 
@@ -66,6 +69,10 @@ log = logging.getLogger(__name__)
 # (its loop stalls, then it is OOM-killed). 2**23 blocks is a 1 TiB tier of
 # 128 KiB blocks (Llama-3-8B, 16 tokens).
 MAX_BLOCKS_PER_TIER = 1 << 23
+
+# Events a pool's key journal keeps for the "events" verb: ~150 bytes each, ~10 MB at most per
+# pool. A reader polling every 0.1 s misses none below ~650k key changes a second.
+JOURNAL_EVENTS = 1 << 16
 
 ANONYMOUS = ""  # the tenant of every session on a daemon without tenants (daemon.tenants.ANONYMOUS)
 
@@ -266,6 +273,7 @@ class PoolRegistry:
             clean_ahead_blocks=sizing.clean_ahead_blocks,
             remote=remote,
             defer_learning=True,  # the loop calls learn() after sending its replies
+            journal_events=JOURNAL_EVENTS,
             policy_wrapper=self._policy_wrapper(block_bytes) if self._policy_wrapper is not None else None,
         )
         if gpu_layout is not None:

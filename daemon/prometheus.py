@@ -188,6 +188,8 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
                "Blocks a lookup can find by hash (GPU: referenced or evictable; CPU: every occupied slot).",
                (("tier", "gpu"),)),
     PoolMetric("cpu_used_blocks", "cached_blocks", "gauge", "", (("tier", "cpu"),)),
+    PoolMetric("held_blocks", "held_blocks", "gauge",
+               "Distinct blocks the pool holds, in any tier (a block in both tiers counts once)."),
     PoolMetric("pinned_blocks", "pinned_blocks", "gauge",
                "Block pins held by sessions, both tiers (a block pinned by two sessions counts twice)."),
     PoolMetric("copies_in_flight", "copies_in_flight", "gauge", "Copies started and not yet finished."),

@@ -54,6 +54,11 @@ Primitives (store mode, pins, clean-ahead):
     discard_hash(block)      withdraw a hash whose bytes never arrived
     evict_free_cached() -> list[Evicted]   drop every unreferenced cached block
 
+Observer: ``key_observer``, when set, is told ``added(hash)`` when a hash
+enters the index and ``removed(hash)`` when its last live block loses it (a
+duplicate coming or going changes nothing): the pool's key journal
+(``kvtier.tiers.pool.journal``).
+
 Errors: NoFreeBlocks for capacity, KeyError for an unknown request id,
 ValueError for input that contradicts the request's state.
 """
@@ -62,6 +67,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class KeyObserver(Protocol):
+    def added(self, key: bytes) -> None: ...
+    def removed(self, key: bytes) -> None: ...
 
 
 # Hashes a prefix lookup maps at once (see longest_cached_prefix).
@@ -176,6 +187,7 @@ class BlockManager:
         # apart to keep the per-block metadata small.
         self._duplicates: dict[bytes, list[Block]] = {}
         self._requests: dict[str, _Request] = {}
+        self.key_observer: KeyObserver | None = None
 
     # ---- queries -------------------------------------------------------
 
@@ -285,6 +297,8 @@ class BlockManager:
                 else:  # the only live copy of the hash, hence the indexed one
                     del index[block_hash]
                     block.block_hash = None
+                    if self.key_observer is not None:
+                        self.key_observer.removed(block_hash)
             block.ref_cnt = 1
             blocks.append(block)
             block = nxt
@@ -333,6 +347,8 @@ class BlockManager:
         block.block_hash = block_hash
         if block_hash not in self._index:
             self._index[block_hash] = block
+            if self.key_observer is not None:
+                self.key_observer.added(block_hash)
         else:
             self._duplicates.setdefault(block_hash, []).append(block)
 
@@ -382,6 +398,8 @@ class BlockManager:
                     del self._duplicates[block_hash]
             else:
                 del self._index[block_hash]
+                if self.key_observer is not None:
+                    self.key_observer.removed(block_hash)
         elif dups is not None:
             dups.remove(block)
             if not dups:
@@ -411,13 +429,15 @@ class BlockManager:
         new, evicted = self.allocate_blocks(num_needed)
         if self.enable_caching:
             # commit() inlined: the new blocks were just allocated, so none carries a hash.
-            index = self._index
+            index, observer = self._index, self.key_observer
             for block, block_hash in zip(new, block_hashes[num_hits:]):
                 block.block_hash = block_hash
                 if block_hash in index:
                     self._duplicates.setdefault(block_hash, []).append(block)
                 else:
                     index[block_hash] = block
+                    if observer is not None:
+                        observer.added(block_hash)
         self._requests[request_id] = _Request(hits + new, num_tokens, num_full)
         new_ids = [b.block_id for b in new]
         return Allocation(request_id, [b.block_id for b in hits] + new_ids, num_hits, new_ids, evicted)

@@ -22,6 +22,9 @@ Contract (the pool is the only caller; one thread):
   both only inform the policy (``EvictionPolicy.on_promote``/``on_gpu_drop``).
 - ``on_evict(entry)``, when set, is called for each victim just before its
   slot is reused (the remote tier's write-back copies the bytes there).
+- ``key_observer``, when set, is told ``added(key)`` when ``reserve`` makes an
+  entry and ``removed(key)`` when one goes (evicted, discarded, aborted):
+  the pool's key journal (``kvtier.tiers.pool.journal``).
 - ``storage`` is a ``BlockLayout`` slab of ``capacity_blocks`` rows, or None
   in bookkeeping-only mode (trace replay): then no bytes exist at all.
 """
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING
 from kvtier.tiers.policies.base import EvictionPolicy
 
 if TYPE_CHECKING:
+    from kvtier.tiers.block_manager import KeyObserver
     from kvtier.tiers.layout import BlockLayout
 
 
@@ -70,6 +74,7 @@ class CpuTier:
         # Pop from the end: low slots are reused first, which keeps tests readable.
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
         self.on_evict: Callable[[CpuEntry], None] | None = None
+        self.key_observer: KeyObserver | None = None
         self.evictions = 0
         self.full_failures = 0
         self.not_admitted = 0
@@ -144,6 +149,8 @@ class CpuTier:
             entry = CpuEntry(key, self._free_slots.pop())
             self._entries[key] = entry
             entries.append(entry)
+            if self.key_observer is not None:
+                self.key_observer.added(key)
         return entries
 
     def commit(self, entry: CpuEntry) -> None:
@@ -157,6 +164,8 @@ class CpuTier:
             raise ValueError(f"entry {entry.key.hex()} is not a pending write")
         del self._entries[entry.key]
         self._free_slots.append(entry.slot)
+        if self.key_observer is not None:
+            self.key_observer.removed(entry.key)
 
     def hit(self, key: bytes) -> None:
         self.policy.on_hit(key)
@@ -202,3 +211,5 @@ class CpuTier:
         del self._entries[entry.key]
         self.policy.on_remove(entry.key)
         self._free_slots.append(entry.slot)
+        if self.key_observer is not None:
+            self.key_observer.removed(entry.key)

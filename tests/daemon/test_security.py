@@ -238,6 +238,10 @@ def test_tenant_a_never_sees_tenant_b_blocks(tenant_daemon: KvtierDaemon, keys: 
         no_hashes_in(stats)
         assert list(stats["tenants"]) == ["bob"]
         assert a.stats()["tenants"].keys() == {"alice"}
+        # events would hand out pool keys: refused to tenants.
+        with pytest.raises(DaemonError) as info:
+            b.events(0)
+        assert info.value.code == ErrorCode.INVALID_STATE and "tenants" in str(info.value)
 
 
 def test_allocate_hits_are_per_tenant(tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:

@@ -24,7 +24,9 @@ maps each hash to a block carrying it and every hash-carrying block is
 indexed or a duplicate; every cached GPU block and every ready CPU entry
 with no copy in flight holds its model bytes; the CPU tier never exceeds
 its capacity; no two copies in flight touch the same slot where one of them
-writes. After ``settle`` (every copy run and polled) nothing is left busy.
+writes; replaying the key journal's events gives exactly the keys the tiers
+hold (a key never stored twice or removed unheld). After ``settle`` (every
+copy run and polled) nothing is left busy.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier.client.hashing import BlockHasher
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import NoSpace, Op, PoolSpec, Tier, TieredPool
+from kvtier.tiers.pool.journal import REMOVED, STORED
 from kvtier.tiers.transfer import CopyKind, TransferError
 from tests.stepped_engine import SteppedEngine
 
@@ -48,6 +51,7 @@ BB = 40  # bytes per block
 GPU_BLOCKS = 9
 CPU_BLOCKS = 5
 CLEAN_AHEAD = 2
+JOURNAL_EVENTS = 100_000  # more than a run makes: the invariant reads every event
 POISON = 0xA7
 OWNERS = ("o1", "o2")
 MAX_REQUESTS = 2  # live engine requests at once
@@ -92,8 +96,12 @@ class PoolMachine(RuleBasedStateMachine):
         self.cpu_storage = BlockLayout.contiguous(CPU_BLOCKS, BB)
         self.cpu_storage.slab().fill_(POISON)
         self.pool = TieredPool(PoolSpec("sm", BS, BB), cpu_blocks=CPU_BLOCKS, transfer=self.engine,
-                               cpu_storage=self.cpu_storage, clean_ahead_blocks=CLEAN_AHEAD)
+                               cpu_storage=self.cpu_storage, clean_ahead_blocks=CLEAN_AHEAD,
+                               journal_events=JOURNAL_EVENTS)
         self.pool.attach_gpu(self.gpu)
+        # What a reader of the key journal (a router) believes the pool holds, and where it read up to.
+        self.journal_view: set[bytes] = set()
+        self.journal_cursor = 0
         self.bm = self.pool.bm
         self.model: dict[bytes, torch.Tensor] = {}
         # rid -> (tokens, block table)
@@ -538,6 +546,23 @@ class PoolMachine(RuleBasedStateMachine):
         for key, n in pinned.items():
             entry = cpu.get(key)
             assert entry is not None and entry.pins == n, "a pinned CPU entry was evicted or lost a pin"
+
+    @invariant()
+    def journal_replays_to_what_the_pool_holds(self) -> None:
+        events, self.journal_cursor, lost = self.pool.journal.since(self.journal_cursor, JOURNAL_EVENTS)
+        assert not lost
+        for kind, key in events:
+            if kind == STORED:
+                assert key not in self.journal_view, f"{key.hex()} stored twice without a removal"
+                self.journal_view.add(key)
+            else:
+                assert kind == REMOVED and key in self.journal_view, f"{key.hex()} removed while not held"
+                self.journal_view.remove(key)
+        held = set(self.bm._index) | set(self.pool.cpu._entries)
+        assert self.pool.journal.held == len(held) == self.pool.stats()["held_blocks"]
+        assert self.journal_view == held, (
+            f"journal says {sorted(k.hex() for k in self.journal_view ^ held)} wrongly"
+        )
 
     @invariant()
     def cpu_writes_match_unready_entries(self) -> None:

@@ -62,6 +62,9 @@ Contract:
   round trip on the caller's thread, bounded by the remote tier's timeout.
 - Bookkeeping mode (``data=False``): no bytes and no transfer engine; every
   copy is complete at once. Trace replay uses it to drive the same code.
+- Key journal (optional, ``journal_events=N``): ``journal`` records the keys
+  the pool starts and stops holding, its last N events (``journal.py``), for
+  the daemon's ``events`` verb.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ from kvtier.tiers.pool.copies import CopyScheduler, Op
 from kvtier.tiers.pool.counters import Counters
 from kvtier.tiers.pool.demotion import Demoter
 from kvtier.tiers.pool.learning import LEARN_CHUNK_KEYS, LearningQueue
+from kvtier.tiers.pool.journal import REMOVED, KeyJournal
 from kvtier.tiers.pool.pins import Pins
 from kvtier.tiers.pool.resolve import Resolver
 
@@ -121,6 +125,7 @@ class TieredPool:
         remote: RemoteStore | None = None,
         defer_learning: bool = False,
         policy_wrapper: PolicyWrapper | None = None,
+        journal_events: int = 0,
     ) -> None:
         if data and transfer is None:
             raise ValueError("a pool that moves bytes needs a transfer engine")
@@ -155,6 +160,10 @@ class TieredPool:
         self._pins = Pins(self)
         self._learning = LearningQueue(self.cpu, defer=defer_learning)
         self._demoter = Demoter(self)
+        # Which keys the pool started and stopped holding, for routers (journal.py); 0: none kept.
+        self.journal = KeyJournal(journal_events) if journal_events > 0 else None
+        if self.journal is not None:
+            self.cpu.key_observer = self.journal.observer(self._gpu_has)
         if remote is not None:
             # In bookkeeping mode (replay) the remote tier is a stand-in that
             # tracks keys only: fetch returns placeholders, write_back gets None.
@@ -176,6 +185,8 @@ class TieredPool:
         if not num_blocks:
             raise PoolError("a GPU tier needs at least one block")
         self.bm = BlockManager(num_blocks, self.spec.block_size, enable_caching=self.enable_caching)
+        if self.journal is not None:
+            self.bm.key_observer = self.journal.observer(self._cpu_has)
         self.gpu = self._copies.gpu = layout
 
     def detach_gpu(self, timeout_s: float = 10.0) -> None:
@@ -187,8 +198,18 @@ class TieredPool:
         held = [b.block_hash for b in self.bm.blocks if b.block_hash is not None]
         self.bm = None
         self._demoter.dropped(held)
+        if self.journal is not None:
+            for key in dict.fromkeys(held):  # duplicates once
+                if not self._cpu_has(key):
+                    self.journal.record(REMOVED, key)
         self.gpu = None
         self._copies.detach_gpu()
+
+    def _gpu_has(self, key: bytes) -> bool:
+        return self.bm is not None and self.bm.get_cached(key) is not None
+
+    def _cpu_has(self, key: bytes) -> bool:
+        return self.cpu.get(key) is not None
 
     # ---- capacity and contents (what the daemon reads) ------------------------------
 
@@ -422,6 +443,8 @@ class TieredPool:
             copies_in_flight=len(self._copies),
             block_bytes=self.spec.block_bytes,
         )
+        if self.journal is not None:
+            s["held_blocks"] = self.journal.held
         if self.remote is not None:
             s["remote"] = self.remote.stats()
         if self.transfer is not None:
