@@ -14,6 +14,7 @@ Settings: ``settings.py``; documentation: ``docs/vllm.md``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -60,7 +62,9 @@ class KvtierConnector(KVConnectorBase_V1):
             # Lookups and pins go to rank 0's pool; each rank restores from its own.
             pool = choose_pool(vllm_config, kv_cache_config, model_id=settings.model_id,
                                hash_algo=settings.hash_algo, tp_rank=0)
-            self._scheduler = SchedulerSide(settings, pool)
+            events = vllm_config.kv_events_config
+            self._scheduler = SchedulerSide(settings, pool,
+                                            kv_events=events is not None and bool(events.enable_kv_cache_events))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -163,6 +167,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._s().take_events() if self._scheduler is not None else ()
 
     def reset_cache(self) -> bool | None:
         # vLLM's reset_prefix_cache(reset_connector=True): the scheduler's call; keys live there.

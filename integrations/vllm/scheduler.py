@@ -43,6 +43,10 @@ scheduler never waits on a round trip:
   (``update_connector_output``), or when the request finishes or is aborted
   (``request_finished``). A daemon that is down answers every lookup with 0:
   vLLM computes, nothing waits.
+- With vLLM's KV cache events on (``--kv-events-config``), the blocks this
+  engine stores or loads are announced to vLLM's publisher as held in
+  kvtierd's tier (medium ``CPU``) while kvtierd's journal says they are
+  (``kv_events.py``); ``take_events`` hands them to vLLM.
 - ``get_external_cache_hit_sources`` splits a load's tokens by the kvtier
   tier that held them at lookup (gpu: ``device``, cpu: ``host``, remote:
   ``external_unspecified``), for vLLM's ``prompt_tokens_cached_by_source``.
@@ -77,6 +81,7 @@ from kvtier.client.protocol import Hints
 from kvtier.integrations.vllm.background import Background
 from kvtier.integrations.vllm.hints import hints_of
 from kvtier.integrations.vllm.keys import RequestKeys
+from kvtier.integrations.vllm.kv_events import KvEvents
 from kvtier.integrations.vllm.link import DaemonLink
 from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.transfers import BlockTransfer
@@ -115,12 +120,15 @@ def _with_output(hints: Hints | None, output_tokens: int) -> Hints | None:
 
 
 class SchedulerSide:
-    def __init__(self, settings: ConnectorSettings, pool: PoolChoice) -> None:
+    def __init__(self, settings: ConnectorSettings, pool: PoolChoice, *, kv_events: bool = False) -> None:
         self._bs = pool.block_size
         self._hasher = BlockHasher(pool.block_size, settings.hash_algo)
         self._link = DaemonLink(settings.socket, pool.name, pool.layout, retry_s=settings.retry_s,
                                 client_kwargs=settings.client_kwargs())
         self._jobs = Background("kvtier-scheduler")
+        # vLLM publishes KV cache events: kvtierd's go with them (kv_events.py).
+        self._events = KvEvents(self._link, self._jobs, self._bs, interval_s=settings.events_interval_s,
+                                max_blocks=settings.events_max_blocks) if kv_events else None
         self._batch: list[tuple[_Tracked, int, Future[int]]] = []  # lookups not yet sent
         self._batch_lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
@@ -235,6 +243,8 @@ class SchedulerSide:
         self._loads.append(BlockTransfer(keys[start:end], list(block_ids[start:end]), request.request_id,
                                          background=t.background))
         self._load_pins[request.request_id] = pinned
+        if self._events is not None:
+            self._events.note(request, start, keys[start:end], held=True)
 
     # ---- each step ---------------------------------------------------------------------
 
@@ -260,7 +270,11 @@ class SchedulerSide:
             if full > t.stored_blocks:
                 meta.stores.append(BlockTransfer(keys[t.stored_blocks:full], block_ids[t.stored_blocks:full], req_id,
                                                  _with_output(t.hints, t.request.num_output_tokens)))
+                if self._events is not None:
+                    self._events.note(t.request, t.stored_blocks, keys[t.stored_blocks:full], held=False)
                 t.stored_blocks = full
+        if self._events is not None:
+            self._events.poll()
         return meta
 
     def begin_step(self) -> None:
@@ -317,6 +331,8 @@ class SchedulerSide:
                 t.held_blocks = t.stored_blocks = 0
                 rekeyed += 1
         self._unpin(drop)
+        if self._events is not None:
+            self._events.forget_all()  # this engine asks for none of those keys again
         log.info("kvtier: cache reset: new key epoch; %d waiting requests look up again, %d running ones "
                  "store no more", rekeyed, kept)
         return True
@@ -333,6 +349,10 @@ class SchedulerSide:
         # Stores still in flight are waited for by the worker before vLLM
         # reuses any block (handle_preemptions), so the blocks may go now.
         return False, None
+
+    def take_events(self) -> list[Any]:
+        """vLLM KV cache events of kvtierd's tier since the last call (``kv_events.py``); [] when off."""
+        return self._events.take() if self._events is not None else []
 
     def _unpin(self, keys: list[bytes]) -> None:
         if keys:

@@ -34,6 +34,8 @@ class ConnectorSettings:
     load_failure_policy: str = "recompute"  # vLLM's kv_load_failure_policy while kvtier is used
     lookup_wait_ms: float = 3.0  # per scheduler step, how long new requests' lookups may be waited for
     load_mode: str = "adaptive"  # "sync": before the forward; "async": beside it; "adaptive": async while busy
+    events_interval_s: float = 0.1  # with vLLM's KV cache events on: how often kvtierd's are read
+    events_max_blocks: int = 100_000  # with them on: blocks whose vLLM hashes are remembered for events
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -68,8 +70,13 @@ class ConnectorSettings:
             fail("data_plane", f"one of {', '.join(DATA_PLANES)}")
         if self.load_mode not in LOAD_MODES:
             fail("load_mode", f"one of {', '.join(LOAD_MODES)}")
-        if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int) or self.staging_blocks < 1:
-            fail("staging_blocks", "a positive number of blocks")
+        for key in ("staging_blocks", "events_max_blocks"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(key, "a positive number of blocks")
+        if isinstance(self.events_interval_s, bool) or not isinstance(self.events_interval_s, (int, float)) \
+                or not 0.001 <= self.events_interval_s <= 60:
+            fail("events_interval_s", "a number of seconds in [0.001, 60]")
         if self.load_failure_policy not in ("recompute", "fail"):
             fail("load_failure_policy", "'recompute' or 'fail'")
         if (self.curve_server_key is None) != (self.curve_secret_key_file is None):

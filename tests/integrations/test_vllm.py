@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,10 @@ EXTRA = {"timeout_s": 1.0, "retry_s": 0.5}
 class Engine:
     """One vllm_driver.py process."""
 
-    def __init__(self, model_dir: Path, socket: str | None, log_path: Path, *, tp: int = 1, **extra: Any) -> None:
+    def __init__(self, model_dir: Path, socket: str | None, log_path: Path, *, tp: int = 1,
+                 driver_args: Sequence[str] = (), **extra: Any) -> None:
         argv = [sys.executable, str(DRIVER), "--model-dir", str(model_dir), "--tp", str(tp),
-                "--extra", json.dumps({**EXTRA, **extra})]
+                "--extra", json.dumps({**EXTRA, **extra}), *driver_args]
         if socket:
             argv += ["--socket", socket]
         self.log_path = log_path

@@ -297,3 +297,83 @@ def test_hits_are_split_by_the_tier_that_held_them(kvtierd_factory) -> None:  # 
             sched.request_finished(req)  # type: ignore[arg-type]
         sched.close()
         client.close()
+
+
+def test_kv_events_follow_what_kvtierd_holds_of_this_engines_blocks(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    # LRU: which blocks twelve more stores push out is then certain (the default policy may keep some).
+    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, policy="lru")
+    layout = PoolLayout(model="events", block_size=BS, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
+                        kv_heads=1, head_dim=8, mode="store")
+    pool = PoolChoice(name="test/events", layout=layout, layer_names=("layer0",), block_size=BS)
+    settings = ConnectorSettings.from_extra_config({"socket": daemon.endpoint, "events_interval_s": 0.01,
+                                                 "lookup_wait_ms": 500})
+    sched = SchedulerSide(settings, pool, kv_events=True)
+    client = Client(daemon.endpoint, pool.name, layout)
+    tokens = [(13 * i) % 30000 + 3 for i in range(4 * BS + 1)]
+    req = FakeRequest("e", tokens)
+    req.block_hashes = [bytes([7, i]) * 16 for i in range(4)]  # type: ignore[attr-defined]  # vLLM's, per process
+    req.prompt_embeds = None  # type: ignore[attr-defined]
+    got: list[Any] = []
+
+    def believed(events: list[Any], start: set[Any] = frozenset()) -> set[Any]:  # type: ignore[assignment]
+        """What a router that believed ``start`` believes after ``events``, applied in order."""
+        view = set(start)
+        for e in events:
+            (view.add if isinstance(e, BlockStored) else view.discard)(e.block_hashes[0])
+        return view
+
+    def events_until(cond: Any) -> bool:
+        def step() -> bool:
+            _step_meta(sched, {}, {})  # each step may start a read of kvtierd's events
+            got.extend(sched.take_events())
+            return bool(cond())
+        return _wait_for(step)
+
+    try:
+        sched.on_new_request(req)  # type: ignore[arg-type]
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+        sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 0)  # type: ignore[arg-type]
+        sched.kv_cache_manager = SimpleNamespace(get_block_ids=lambda req_id: ([1, 2, 3, 4, 5],))
+        (st,) = _step_meta(sched, {"e": 0}, {"e": req.num_tokens}).stores
+        time.sleep(0.05)
+        _step_meta(sched, {}, {})
+        assert sched.take_events() == [], "announced before kvtierd holds the blocks"
+        client.store(st.keys, bytes(4 * BLOCK_BYTES))  # what the worker half does with the stores
+        client.store([bytes([8, i]) * 8 for i in range(2)], bytes(2 * BLOCK_BYTES))  # another engine's blocks
+        mine = [maybe_convert_block_hash(h) for h in req.block_hashes]  # type: ignore[attr-defined]
+        assert events_until(lambda: believed(got) == set(mine))
+        assert all(e.medium == MEDIUM_CPU for e in got)
+        # (A block the GPU tier evicts before clean-ahead copied it shows as removed, then stored again.)
+        first = {}
+        for e in got:
+            if isinstance(e, BlockStored):
+                first.setdefault(e.block_hashes[0], e)
+        assert list(first) == mine
+        assert [e.parent_block_hash for e in first.values()] == [None] + mine[:3]
+        assert [e.token_ids for e in first.values()] == [tokens[i * BS:(i + 1) * BS] for i in range(4)]
+        assert all(e.block_size == BS for e in first.values())
+        got.clear()
+        # Twelve blocks more in a 4 + 4 block pool: kvtierd lets this engine's four go, and vLLM is told.
+        for tag in (9, 10, 11):
+            client.store([bytes([tag, i]) * 8 for i in range(4)], bytes(4 * BLOCK_BYTES))
+        held = set(mine)
+        assert events_until(lambda: believed(got, held) == set())
+        assert isinstance(got[-1], BlockRemoved)
+        got.clear()
+        # Stored again (by anyone: the keys are content's), announced again.
+        client.store(st.keys[:2], bytes(2 * BLOCK_BYTES))
+        assert events_until(lambda: believed(got) == set(mine[:2]))
+        got.clear()
+        # A reset: this engine asks for none of those keys again; what was announced goes.
+        sched.reset_cache()
+        got.extend(sched.take_events())
+        assert [type(e) for e in got] == [BlockRemoved, BlockRemoved]
+    finally:
+        sched.request_finished(req)  # type: ignore[arg-type]
+        sched.close()
+        client.close()

@@ -1,6 +1,6 @@
 """A vLLM engine in its own process, driven by the vLLM tests over stdin/stdout.
 
-``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N] [--tp N]``
+``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N] [--tp N] [--kv-events ENDPOINT]``
 starts ``vllm.LLM`` on the random-weight model in DIR (with KvtierConnector
 when ``--socket`` is given; weights from ``context_sensitive_weights``, seed 0),
 prints ``@@ready``, then serves one JSON command
@@ -80,6 +80,8 @@ def main() -> None:
                     help="vLLM's own KV cache, in blocks of 128 tokens (one is vLLM's null block)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (each rank's threads get their own cores)")
+    ap.add_argument("--kv-events", metavar="ENDPOINT",
+                    help="publish vLLM's KV cache events on this ZMQ endpoint (vLLM binds it)")
     args = ap.parse_args()
     if args.tp > 1:
         # vLLM's CPU backend binds each rank's threads to a NUMA node; one node here, so by hand.
@@ -100,6 +102,10 @@ def main() -> None:
             "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_connector_extra_config": {"socket": args.socket, **json.loads(args.extra)},
         }
+    if args.kv_events:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events)
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=(args.gpu_blocks - 1) * BLOCK_SIZE,
               block_size=BLOCK_SIZE, num_gpu_blocks_override=args.gpu_blocks, enforce_eager=True, seed=0,
               tensor_parallel_size=args.tp,
