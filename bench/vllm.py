@@ -10,7 +10,8 @@ the end (SIGTERM, exit status checked).
 
 1. TTFT (time of ``llm.generate`` with ``max_tokens=1``, one request at a time) of a prompt made of a
    long shared prefix (default 4,096 tokens) and a short unique suffix (32 tokens), on a random-weight
-   Llama (``load_format="dummy"``; default hidden 1024, 8 heads of 128, 2 KV heads (GQA), 4 layers,
+   Llama (``load_format="dummy"``, then ``kvtier.testing.vllm_weights.context_sensitive_weights``, so
+   the next token depends on the whole prefix's KV; default hidden 1024, 8 heads of 128, 2 KV heads (GQA), 4 layers,
    float32: a 4,096-token prefill costs ~10 s on this CPU, so a restore has a lot to beat, while the KV is
    8 KiB a token, 32 MiB for the prefix, so the copy is not free either; bfloat16 runs 4-25x slower on a
    CPU without AVX-512 BF16, as this one: 72 s for the prefix, 7.5 s for a prefix-cache hit). Cases:
@@ -107,6 +108,7 @@ TARGET_VS_EXAMPLE = 1.0  # kvtier TTFT / ExampleConnector TTFT, below
 TARGET_SCHED_US = 50.0  # scheduler-thread us per get_num_new_matched_tokens call, amortized, 64 waiting
 RESULT_TAG = "@@BENCH-RESULT@@ "
 BLOCK_SIZE = 128  # vLLM's CPU backend wants a multiple of 32
+WEIGHT_SEED = 7  # every engine of a run gets the same weights (kvtier.testing.vllm_weights)
 
 
 def progress(msg: str) -> None:
@@ -391,6 +393,11 @@ def child_main(spec: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     startup_s = time.perf_counter() - t0
+    # vLLM's dummy weights make the next token depend on the last token only: "same token as the
+    # recompute" would then hold for any KV. Every engine gets the same context-sensitive weights.
+    from kvtier.testing.vllm_weights import context_sensitive_weights
+
+    llm.collective_rpc(context_sensitive_weights, args=(WEIGHT_SEED,))
     info = llm.collective_rpc(_install_trace, args=(connector,))[0]
     progress(f"{engine}: LLM started in {startup_s:.1f} s (engine core pid {info['pid']})")
     sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
@@ -565,7 +572,7 @@ def ttft_section(args: argparse.Namespace, daemon: KvtierDaemon, workdir: Path, 
     base["example_dir"] = str(example_dir)
     hd = args.hidden // args.heads
     kv_bytes_per_token = args.layers * 2 * args.kv_heads * hd * (4 if args.dtype == "float32" else 2)
-    out: dict[str, Any] = {"model": cfg | {"parameters": parameters(cfg), "weights": "load_format=dummy (random)"},
+    out: dict[str, Any] = {"model": cfg | {"parameters": parameters(cfg), "weights": f"load_format=dummy, then context_sensitive_weights(seed={WEIGHT_SEED})"},
                            "kv_bytes_per_token": kv_bytes_per_token,
                            "prefix_kv_bytes": kv_bytes_per_token * args.prefix_tokens,
                            "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
