@@ -37,8 +37,13 @@ def too_big_bytes() -> int:
     return max(st.f_blocks, st.f_bavail) * st.f_frsize + GIB
 
 
-def kvtier_files() -> set[str]:
-    return {p.name for p in SHM_DIR.glob("kvtier-*")}
+# This module's own files: xdist workers beside it create and remove theirs
+# at any time, so a before/after comparison of all of /dev/shm could fail.
+PREFIX = f"kvtier-spacetest_{os.getpid()}"
+
+
+def own_files() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(f"{PREFIX}*")}
 
 
 def assert_names_sizes_and_fixes(message: str, asked_bytes: int) -> None:
@@ -60,24 +65,22 @@ def sparse_path() -> Iterator[Path]:
 
 
 def test_an_arena_larger_than_dev_shm_is_refused_at_creation_with_the_sizes() -> None:
-    before = kvtier_files()
     asked_bytes = too_big_bytes()
     with pytest.raises(ShmSpaceError) as err:
-        ShmArena.create(1, asked_bytes)
+        ShmArena.create(1, asked_bytes, name_prefix=PREFIX)
     assert_names_sizes_and_fixes(str(err.value), asked_bytes)
-    assert kvtier_files() <= before, "the refused file must be removed"
+    assert own_files() == set(), "the refused file must be removed"
 
 
 def test_a_shared_kv_tensor_larger_than_dev_shm_is_refused_with_the_sizes() -> None:
     from kvtier.client.kv_description import KvShareError
     from kvtier.client.kv_share import allocate_shared_kv
 
-    before = kvtier_files()
     asked_bytes = too_big_bytes()
     with pytest.raises(KvShareError) as err:
-        allocate_shared_kv([asked_bytes], "uint8", 0)
+        allocate_shared_kv([asked_bytes], "uint8", 0, name_prefix=PREFIX)
     assert_names_sizes_and_fixes(str(err.value), asked_bytes)
-    assert kvtier_files() <= before
+    assert own_files() == set(), "the refused file must be removed"
 
 
 def test_share_in_place_refuses_a_storage_dev_shm_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:
