@@ -171,7 +171,7 @@ def format_stats(stats: Mapping[str, Any], endpoint: str) -> str:
                          *(f"{fmt_int(c[k])} {fmt_pct(r[k])}" for k in (*TIERS, "miss"))])
         out += render_table(["pool", "lookups", "blocks", "gpu", "cpu", "remote", "miss"], rows, indent=2)
 
-        out += ["", "OCCUPANCY (blocks; used + free = capacity; pins count both tiers)"]
+        out += ["", "OCCUPANCY (blocks; used + free = capacity; pins count both tiers; held: distinct keys either tier holds)"]
         rows = []
         for name in names:
             p = pools[name]
@@ -180,8 +180,9 @@ def format_stats(stats: Mapping[str, Any], endpoint: str) -> str:
                 o = occ[tier]
                 rows.append([name if tier == "gpu" else "", tier, fmt_int(o["capacity"]), fmt_int(o["used"]),
                              fmt_int(o["free"]), fmt_int(o["cached"]),
-                             fmt_int(_num(p, "pinned_blocks")) if tier == "gpu" else ""])
-        out += render_table(["pool", "tier", "capacity", "used", "free", "cached", "pinned"], rows, indent=2)
+                             fmt_int(_num(p, "pinned_blocks")) if tier == "gpu" else "",
+                             fmt_int(_num(p, "held_blocks")) if tier == "gpu" else ""])
+        out += render_table(["pool", "tier", "capacity", "used", "free", "cached", "pinned", "held"], rows, indent=2)
 
         out += ["", "COPIES (bytes, and seconds from submission to completion summed over copies)"]
         rows = []

@@ -93,6 +93,9 @@ def test_stats_table(daemon) -> None:  # type: ignore[no-untyped-def]
     assert cells[1:3] == [f"{p['lookups']:,}", f"{total:,}"]
     assert cells[3:5] == [f"{p['hit_blocks_gpu']:,}", f"{100 * p['hit_blocks_gpu'] / total:.1f}%"]
     assert cells[9:11] == [f"{p['miss_blocks']:,}", f"{100 * p['miss_blocks'] / total:.1f}%"]
+    # Occupancy's GPU row ends with pinned and held: the 12 stored keys, 4 of them only in the CPU tier.
+    (gpu_row,) = [line for line in text.splitlines() if line.startswith(f"  {POOL} ") and " gpu " in line]
+    assert p["held_blocks"] == 12 and gpu_row.split()[-2:] == [f"{p['pinned_blocks']:,}", "12"]
 
 
 def test_stats_opens_no_session(daemon) -> None:  # type: ignore[no-untyped-def]
