@@ -2,16 +2,18 @@
 """kvtier under vLLM: what restoring a long prefix costs the requests already decoding.
 
 Usage:
-    python bench/vllm_busy.py [--cases sync,adaptive,recompute] [--reps 3] [--rounds 2] [--json PATH]
+    python bench/vllm_busy.py [--cases sync,adaptive,async,recompute] [--reps 3] [--rounds 2] [--json PATH]
 
 The question (docs/vllm.md 3.4): a request arrives whose 4,096-token prefix
 kvtierd holds, while other requests decode. With ``load_mode="sync"`` the
 restore runs inside the next engine step, before its forward, and every
-decoding request waits for it. With ``"adaptive"`` (the default; on a busy
-engine it is vLLM's asynchronous loading) the restore runs on the worker's
-load thread beside the decode steps, and the arriving request is scheduled
-one step after its load ran. ``recompute`` (vLLM without a connector) is the
-reference: the arriving request's whole prefill runs in one step.
+decoding request waits for it. With ``"async"`` (vLLM's asynchronous loading)
+the restore runs on the worker's load thread beside the decode steps, and
+the arriving request is scheduled in a step after its load ran.
+``"adaptive"`` (the default) picks one per load from the measured restore
+rate, step period and running requests (``integrations/vllm/load_modes.py``).
+``recompute`` (vLLM without a connector) is the reference: the arriving
+request's whole prefill runs in one step.
 
 One run, on this machine: the bench starts one kvtierd (``--device cpu``,
 store mode) and, per case and round, a fresh vLLM engine as its own child
@@ -69,7 +71,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 from kvtier.testing.daemon import KvtierDaemon  # noqa: E402
 
-CASES = ("sync", "adaptive", "recompute")
+CASES = ("sync", "adaptive", "async", "recompute")
 RESULT_TAG = "@@BENCH-RESULT@@ "
 BLOCK_SIZE = 128
 WEIGHT_SEED = 7
@@ -281,9 +283,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         if reference:
             s["same_token_as_recompute"] = [r["token"] == reference.get(r["suffix"]) for r in reps]
         out[case] = s
-    if "sync" in out and "adaptive" in out:
-        out["adaptive_over_sync"] = {k: round(out["adaptive"][k] / out["sync"][k], 3) if out["sync"][k] else None
-                                     for k in ("max_gap_ms", "delay_ms", "ttft_ms")}
+    for case in ("adaptive", "async"):
+        if "sync" in out and case in out:
+            out[f"{case}_over_sync"] = {k: round(out[case][k] / out["sync"][k], 3) if out["sync"][k] else None
+                                        for k in ("max_gap_ms", "delay_ms", "ttft_ms")}
     return out
 
 
@@ -300,8 +303,9 @@ def print_table(summary: dict[str, Any], cases: list[str]) -> None:
     print("\nA restored prefix arriving while requests decode (ms, medians; see the module docstring)")
     for r in rows:
         print("  " + "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths))))
-    if "adaptive_over_sync" in summary:
-        print("  adaptive / sync: " + ", ".join(f"{k} {v}x" for k, v in summary["adaptive_over_sync"].items()))
+    for case in ("adaptive", "async"):
+        if f"{case}_over_sync" in summary:
+            print(f"  {case} / sync: " + ", ".join(f"{k} {v}x" for k, v in summary[f"{case}_over_sync"].items()))
 
 
 def environment() -> dict[str, Any]:

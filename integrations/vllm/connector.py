@@ -129,7 +129,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         loaded = self._w().take_loaded()
-        return KvtierWorkerMetadata(loaded) if loaded else None
+        blocks, seconds = self._w().take_load_timing()
+        return KvtierWorkerMetadata(loaded, blocks, seconds) if loaded or blocks else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

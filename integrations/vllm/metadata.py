@@ -22,10 +22,19 @@ class KvtierMetadata(StepTransfers, KVConnectorMetadata):
 
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Requests whose loads ran this step (done or failed): their pins can go."""
+    """Requests whose loads ran this step (done or failed): their pins can go.
+
+    With them, the blocks the worker restored and the seconds that took
+    (``WorkerSide.take_load_timing``), for the scheduler half's load mode.
+    """
 
     loaded_req_ids: set[str] = field(default_factory=set)
+    load_blocks: int = 0
+    load_s: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata)
-        return KvtierWorkerMetadata(self.loaded_req_ids | other.loaded_req_ids)
+        # Tensor-parallel ranks restore their shares of the same blocks at
+        # once: the step waited for the slowest, not for their sum.
+        return KvtierWorkerMetadata(self.loaded_req_ids | other.loaded_req_ids,
+                                    max(self.load_blocks, other.load_blocks), max(self.load_s, other.load_s))

@@ -23,12 +23,15 @@ scheduler never waits on a round trip:
   With requests running it never waits: their next step goes first. Repeated
   calls for a waiting request cost a dict lookup.
 - Each answer also says whether the load runs beside the forward
-  (``load_mode``): ``sync`` loads before the step's forward, which then
-  waits for it; ``async`` loads while vLLM runs steps without the request
-  (it waits in WAITING_FOR_REMOTE_KVS until the worker reports it loaded,
-  at least one step later); ``adaptive`` (the default) loads async while
-  the engine is busy, so running requests are not stalled by a restore,
-  and sync when it is idle, where waiting a step would only add latency.
+  (``load_mode``, ``load_modes.py``): ``sync`` loads before the step's
+  forward, which then waits for it; ``async`` loads while vLLM runs steps
+  without the request (it waits in WAITING_FOR_REMOTE_KVS until the worker
+  reports it loaded, at least one step later); ``adaptive`` (the default)
+  loads sync on an idle engine, where waiting a step would only add
+  latency, and on a busy one whichever costs less: the running requests'
+  stall under a sync load (the measured restore rate times the blocks,
+  times the requests running) or the request's own extra steps under an
+  async one.
 - ``update_state_after_alloc`` turns an answer into a load (keys + vLLM block
   ids) for the next ``build_connector_meta``; pins of blocks not loaded go.
 - ``build_connector_meta`` hands the worker this step's loads, and the full
@@ -83,6 +86,7 @@ from kvtier.integrations.vllm.hints import hints_of
 from kvtier.integrations.vllm.keys import RequestKeys
 from kvtier.integrations.vllm.kv_events import KvEvents
 from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.vllm.load_modes import make_load_mode
 from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.transfers import BlockTransfer
 from kvtier.integrations.vllm.pool import PoolChoice
@@ -138,7 +142,7 @@ class SchedulerSide:
         self._loads: list[BlockTransfer] = []  # decided by update_state_after_alloc, sent by the next meta
         self._load_pins: dict[str, list[bytes]] = {}  # req_id -> pins to drop once its load ran
         self.kv_cache_manager: KVCacheManager | None = None
-        self._load_mode = settings.load_mode
+        self._load_mode = make_load_mode(settings.load_mode)
         self._wait_per_step_s = settings.lookup_wait_ms / 1e3
         self._wait_left_s = self._wait_per_step_s  # refilled by build_connector_meta (once a step)
         self._engine_busy = False  # the last step scheduled tokens: a wait would delay running requests
@@ -219,8 +223,7 @@ class SchedulerSide:
             except Exception:
                 t.held_blocks = 0
             tokens = max(0, t.held_blocks * self._bs - num_computed_tokens)
-            t.background = tokens > 0 and (self._load_mode == "async"
-                                           or self._load_mode == "adaptive" and self._engine_busy)
+            t.background = tokens > 0 and self._load_mode.background(-(-tokens // self._bs))
             return tokens, t.background
         finally:
             self.calls_s += time.perf_counter() - t0
@@ -253,6 +256,7 @@ class SchedulerSide:
         self._loads = []
         self.begin_step()
         self._engine_busy = bool(out.num_scheduled_tokens)
+        self._load_mode.observe_step(len(out.num_scheduled_tokens), time.monotonic())
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -294,6 +298,7 @@ class SchedulerSide:
         if isinstance(meta, KvtierWorkerMetadata):
             for req_id in meta.loaded_req_ids:
                 self._unpin(self._load_pins.pop(req_id, []))
+            self._load_mode.observe_load(meta.load_blocks, meta.load_s)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """``num_external_tokens`` (the load planned for ``request``) by the tier each block was in at lookup."""

@@ -14,9 +14,9 @@ from typing import Any
 
 from kvtier.client.admin import resolve_endpoint
 from kvtier.client.hashing import HASH_ALGOS
+from kvtier.integrations.vllm.load_modes import LOAD_MODES
 
 DATA_PLANES = ("auto", "registered", "staged")
-LOAD_MODES = ("adaptive", "sync", "async")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class ConnectorSettings:
     curve_secret_key_file: str | None = None  # this engine's secret key file
     load_failure_policy: str = "recompute"  # vLLM's kv_load_failure_policy while kvtier is used
     lookup_wait_ms: float = 3.0  # per scheduler step, how long new requests' lookups may be waited for
-    load_mode: str = "adaptive"  # "sync": before the forward; "async": beside it; "adaptive": async while busy
+    load_mode: str = "adaptive"  # "sync": before the forward; "async": beside it; "adaptive": whichever costs less (load_modes.py)
     events_interval_s: float = 0.1  # with vLLM's KV cache events on: how often kvtierd's are read
     events_max_blocks: int = 100_000  # with them on: blocks whose vLLM hashes are remembered for events
 

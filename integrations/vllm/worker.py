@@ -27,7 +27,9 @@ session on the rank's pool.
   a block is never reused while kvtierd reads it. A store that fails is a
   future miss, nothing else.
 - ``take_loaded``: the requests whose loads ran, so the scheduler half
-  drops their pins (the connector wraps them in vLLM's worker metadata).
+  drops their pins; ``take_load_timing``: the blocks restored and the
+  seconds it took, for the scheduler half's ``load_mode`` (the connector
+  wraps both in vLLM's worker metadata).
 - ``take_stats``: the transfer counters (``STAT_NAMES``) since the last
   call, for vLLM's own stats (``stats.KvtierStats``). ``blocks_loaded``,
   ``blocks_stored`` and ``load_s`` are also kept as running totals.
@@ -84,6 +86,9 @@ class WorkerSide:
         self.loads_background = 0
         self.blocks_stored = 0
         self.load_s = 0.0  # the forward waited this long for loads, in all
+        # Restores since the last take_load_timing (both kinds): the scheduler's load mode weighs them.
+        self._timed_blocks = 0
+        self._timed_s = 0.0
         self._stats_taken = dict.fromkeys(STAT_NAMES, 0.0)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -139,10 +144,15 @@ class WorkerSide:
     def _load(self, load: BlockTransfer) -> int:
         """Restore one request's blocks; returns how many were not restored (reported as load errors)."""
         got = 0
+        t0 = time.perf_counter()
         if self._plane is not None and self._link is not None:
             plane = self._plane
             got = self._link.call(lambda c: plane.restore(c, load.keys, load.block_ids)) or 0
+        elapsed_s = time.perf_counter() - t0
         with self._results_lock:
+            if got:  # a skipped call (daemon down) says nothing about a restore's time
+                self._timed_blocks += got
+                self._timed_s += elapsed_s
             self._load_errors.update(load.block_ids[got:])
             self.blocks_loaded += got
             self.blocks_load_failed += len(load.keys) - got
@@ -179,6 +189,13 @@ class WorkerSide:
         delta = {name: now[name] - self._stats_taken[name] for name in STAT_NAMES}
         self._stats_taken = now
         return delta
+
+    def take_load_timing(self) -> tuple[int, float]:
+        """Blocks restored since the last call, and the seconds their restores took."""
+        with self._results_lock:
+            timing = (self._timed_blocks, self._timed_s)
+            self._timed_blocks, self._timed_s = 0, 0.0
+        return timing
 
     def take_loaded(self) -> set[str]:
         """The requests whose loads ran since the last call (done or failed): their pins can go."""

@@ -175,6 +175,41 @@ def test_a_load_runs_beside_the_forward_while_the_engine_is_busy_under_adaptive(
         client.close()
 
 
+@pytest.mark.parametrize("seconds_per_block, background", [(1e-7, False), (10.0, True)])
+def test_adaptive_weighs_the_restore_rate_the_worker_reports(daemon, seconds_per_block: float, background: bool) -> None:  # type: ignore[no-untyped-def]
+    """On a busy engine, a load runs before the forward when the running requests' stall is the smaller cost."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.metadata import KvtierWorkerMetadata
+
+    sched, client, _ = setup(daemon, f"load-rate-{background}", load_mode="adaptive")
+
+    def step(scheduled: dict[str, int]) -> Any:
+        out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                              num_scheduled_tokens=scheduled)
+        return sched.build_connector_meta(out)  # type: ignore[arg-type]
+
+    req = FakeRequest("r", stored_prompt(client, 40 + background, 3))
+    try:
+        for _ in range(3):  # busy steps: their period is measured (microseconds here, up to seconds on a slow host)
+            step({"a": 10, "b": 1})
+        # The worker reports a load it ran: 4 blocks in 4 x seconds_per_block (the slowest TP rank's).
+        fast = KvtierWorkerMetadata(set(), 4, 4 * seconds_per_block / 2)
+        slow = KvtierWorkerMetadata(set(), 4, 4 * seconds_per_block)
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=fast.aggregate(slow)))  # type: ignore[arg-type]
+        sched.on_new_request(req)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 5
+        tokens, chosen = None, None
+        while tokens is None and time.monotonic() < deadline:
+            tokens, chosen = sched.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+        # 2 running x 3 blocks x 0.1 us is below any step period; x 10 s is above any.
+        assert tokens == 3 * BS and chosen is background
+    finally:
+        sched.request_finished(req)  # type: ignore[arg-type]
+        sched.close()
+        client.close()
+
+
 def test_an_unknown_load_mode_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="load_mode: one of adaptive, sync, async"):
         ConnectorSettings.from_extra_config({"socket": "ipc:///tmp/x.sock", "load_mode": "eager"})

@@ -114,6 +114,9 @@ def test_blocks_kvtierd_lacks_are_load_errors(daemon: Any, plane: str) -> None:
     w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, [4, 5, 6, 7], "r")]))
     assert w.get_block_ids_with_load_errors() == {6, 7}
     assert w.get_block_ids_with_load_errors() == set()  # reported once
+    # The scheduler's load mode hears of the 2 blocks restored and the time it took, once.
+    blocks, seconds = w.take_load_timing()
+    assert blocks == 2 and seconds > 0 and w.take_load_timing() == (0, 0.0)
     w.shutdown()
 
 
@@ -201,6 +204,7 @@ def test_a_dead_daemon_turns_loads_into_errors_and_stores_into_nothing(daemon: A
     w.wait_for_stores()  # a failed store is a future miss, not an error
     w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, [3, 4, 5], "r")]))
     assert w.get_block_ids_with_load_errors() == {3, 4, 5}
+    assert w.take_load_timing() == (0, 0.0)  # nothing restored says nothing about a restore's time
     # The daemon comes back: the next calls reconnect and re-register.
     daemon.restart()
     import time

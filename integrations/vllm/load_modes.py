@@ -1,0 +1,127 @@
+"""When a load runs: before the step's forward, or beside it (``load_mode``).
+
+Contract
+========
+
+The scheduler half asks its mode once per request with something to load,
+``background(blocks)``, when vLLM first gets a non-zero answer: ``False`` is a
+synchronous load (the next step's forward waits for it), ``True`` one that
+runs on the worker's load thread while vLLM runs steps without the request
+(vLLM's asynchronous loads). It never raises.
+
+The mode is told what it may base that on, by the scheduler half:
+``observe_step(running, now_s)`` at the end of each scheduler step (how many
+requests it scheduled, on the monotonic clock), and ``observe_load(blocks,
+seconds)`` when the worker reports loads it ran (restored blocks, and the
+seconds those restores took).
+
+Modes, by ``load_mode`` name (``LOAD_MODES``):
+
+- ``sync``: always before the forward.
+- ``async``: always beside it.
+- ``adaptive`` (the default): on an idle engine (its last step scheduled
+  nothing) before the forward, since the request would only wait a step
+  longer. On a busy one it weighs the two costs, in request-seconds: a
+  synchronous load stalls each of the ``running`` requests for the load's
+  time (estimated from the measured seconds per block), while an
+  asynchronous one costs the arriving request about ``ASYNC_EXTRA_STEPS``
+  engine steps (measured by ``bench/vllm_busy.py``: its load is reported
+  done at the end of a step, and it is scheduled in the step after). Beside
+  the forward when the stall costs more. Until a load and a busy step have
+  been measured it loads beside the forward: the first loads measure the
+  restore rate.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+# The arriving request's extra wait under an asynchronous load, in engine
+# steps. bench/vllm_busy.py (this 2-core VM, 4 decoders): adaptive's TTFT
+# exceeded sync's by 2.3 before-arrival inter-token latencies.
+ASYNC_EXTRA_STEPS = 2.0
+# Weight of a new measurement in the running averages: a few steps follow a
+# change of load (a longer batch), one outlier does not swing the choice.
+SMOOTHING = 0.25
+
+
+class LoadMode(Protocol):
+    name: str
+
+    def background(self, blocks: int) -> bool: ...
+
+    def observe_step(self, running: int, now_s: float) -> None: ...
+
+    def observe_load(self, blocks: int, seconds: float) -> None: ...
+
+
+class SyncLoads:
+    name = "sync"
+
+    def background(self, blocks: int) -> bool:
+        return False
+
+    def observe_step(self, running: int, now_s: float) -> None:
+        pass
+
+    def observe_load(self, blocks: int, seconds: float) -> None:
+        pass
+
+
+class AsyncLoads:
+    name = "async"
+
+    def background(self, blocks: int) -> bool:
+        return blocks > 0
+
+    def observe_step(self, running: int, now_s: float) -> None:
+        pass
+
+    def observe_load(self, blocks: int, seconds: float) -> None:
+        pass
+
+
+class AdaptiveLoads:
+    name = "adaptive"
+
+    def __init__(self) -> None:
+        self.running = 0  # requests the last step scheduled
+        self.step_s: float | None = None  # a busy step's period, smoothed
+        self.seconds_per_block: float | None = None  # a restore's rate, smoothed
+        self._last_step_at_s: float | None = None
+        self._last_running = 0
+
+    def background(self, blocks: int) -> bool:
+        if blocks <= 0 or self.running == 0:
+            return False
+        if self.step_s is None or self.seconds_per_block is None:
+            return True
+        stall_s = self.running * blocks * self.seconds_per_block
+        return stall_s > ASYNC_EXTRA_STEPS * self.step_s
+
+    def observe_step(self, running: int, now_s: float) -> None:
+        # A step's period is the time from the end of its scheduling to the
+        # end of the next one's; only busy ones count (an idle engine's
+        # period is its polling, not a forward).
+        if self._last_step_at_s is not None and self._last_running > 0 and running > 0:
+            self.step_s = _smooth(self.step_s, now_s - self._last_step_at_s)
+        self._last_step_at_s, self._last_running = now_s, running
+        self.running = running
+
+    def observe_load(self, blocks: int, seconds: float) -> None:
+        if blocks > 0 and seconds >= 0:
+            self.seconds_per_block = _smooth(self.seconds_per_block, seconds / blocks)
+
+
+def _smooth(average: float | None, sample: float) -> float:
+    return sample if average is None else average + SMOOTHING * (sample - average)
+
+
+LOAD_MODES: dict[str, type[SyncLoads] | type[AsyncLoads] | type[AdaptiveLoads]] = {
+    "adaptive": AdaptiveLoads, "sync": SyncLoads, "async": AsyncLoads,
+}
+
+
+def make_load_mode(name: str) -> LoadMode:
+    """The mode ``name`` (one of ``LOAD_MODES``; ``ConnectorSettings`` checked it)."""
+    return LOAD_MODES[name]()
