@@ -23,7 +23,7 @@ Modes, by ``load_mode`` name (``LOAD_MODES``):
   nothing) before the forward, since the request would only wait a step
   longer. On a busy one it weighs the two costs, in request-seconds: a
   synchronous load stalls each of the ``running`` requests for the load's
-  time (estimated from the measured seconds per block), while an
+  time (the blocks times the measured restore rate), while an
   asynchronous one costs the arriving request about ``ASYNC_EXTRA_STEPS``
   engine steps (measured by ``bench/vllm_busy.py``: its load is reported
   done at the end of a step, and it is scheduled in the step after). Beside
@@ -37,9 +37,10 @@ from __future__ import annotations
 from typing import Protocol
 
 # The arriving request's extra wait under an asynchronous load, in engine
-# steps. bench/vllm_busy.py (this 2-core VM, 4 decoders): adaptive's TTFT
-# exceeded sync's by 2.3 before-arrival inter-token latencies.
-ASYNC_EXTRA_STEPS = 2.0
+# steps. bench/vllm_busy.py (the 2-core VM, 4 decoders, always-async
+# against sync): its TTFT exceeded sync's by 2.5 before-arrival
+# inter-token latencies.
+ASYNC_EXTRA_STEPS = 2.5
 # Weight of a new measurement in the running averages: a few steps follow a
 # change of load (a longer batch), one outlier does not swing the choice.
 SMOOTHING = 0.25
@@ -87,9 +88,18 @@ class AdaptiveLoads:
     def __init__(self) -> None:
         self.running = 0  # requests the last step scheduled
         self.step_s: float | None = None  # a busy step's period, smoothed
-        self.seconds_per_block: float | None = None  # a restore's rate, smoothed
+        # Restores reported, smoothed: blocks and seconds apart, so a load's
+        # fixed cost (a round trip, ~3 ms for 1 block on the 2-core bench
+        # against 11 ms for 32) weighs by its blocks, not as a rate of its own.
+        self._blocks: float | None = None
+        self._seconds: float | None = None
         self._last_step_at_s: float | None = None
         self._last_running = 0
+
+    @property
+    def seconds_per_block(self) -> float | None:
+        """The restore rate: smoothed seconds over smoothed blocks."""
+        return None if not self._blocks or self._seconds is None else self._seconds / self._blocks
 
     def background(self, blocks: int) -> bool:
         if blocks <= 0 or self.running == 0:
@@ -110,7 +120,8 @@ class AdaptiveLoads:
 
     def observe_load(self, blocks: int, seconds: float) -> None:
         if blocks > 0 and seconds >= 0:
-            self.seconds_per_block = _smooth(self.seconds_per_block, seconds / blocks)
+            self._blocks = _smooth(self._blocks, blocks)
+            self._seconds = _smooth(self._seconds, seconds)
 
 
 def _smooth(average: float | None, sample: float) -> float:

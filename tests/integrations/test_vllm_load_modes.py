@@ -70,6 +70,16 @@ def test_adaptive_measures_only_busy_step_periods_and_smooths_them() -> None:
     assert 0.04 < mode.step_s < 0.24 and mode.step_s == pytest.approx(0.04 + 0.25 * 0.20)
 
 
+def test_a_small_loads_fixed_cost_weighs_by_its_blocks() -> None:
+    """The 2-core bench's reports: 1 block in 3.3 ms (mostly the round trip), then 32 in 11.3 ms."""
+    mode = AdaptiveLoads()
+    mode.observe_load(1, 0.0033)
+    mode.observe_load(32, 0.0113)
+    assert mode.seconds_per_block is not None and mode.seconds_per_block < 0.001  # not 3.3 ms a block
+    busy(mode, 4, 0.060)
+    assert mode.background(32) is False  # 4 x 32 x 0.6 ms = 78 ms of stall < 2.5 steps of 60 ms
+
+
 def test_adaptive_ignores_reports_of_nothing_restored() -> None:
     mode = AdaptiveLoads()
     mode.observe_load(0, 3.0)
