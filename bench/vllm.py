@@ -101,6 +101,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 from kvtier.testing.daemon import KvtierDaemon  # noqa: E402
 from kvtier.testing.vllm_requests import FakeRequest  # noqa: E402
+from kvtier.testing.vllm_trace import take_events as _take_events  # noqa: E402
 
 TARGET_VS_RECOMPUTE = 0.2  # kvtier TTFT / recompute TTFT, at most
 TARGET_VS_PREFIX_CACHE = 1.2  # kvtier TTFT / vLLM prefix-cache TTFT, at most
@@ -221,20 +222,11 @@ def _worker_load_stats(worker: Any) -> dict[str, Any]:
 
 
 def _install_trace(worker: Any, connector: bool) -> dict[str, Any]:
-    import time as _t
+    from functools import partial
 
-    ev: list[tuple[Any, ...]] = []
-    worker._bench_events = ev
+    from kvtier.testing.vllm_trace import timed as _timed, trace_events
 
-    def timed(name: str, orig: Any, count: Any = None) -> Any:
-        def call(*a: Any, **k: Any) -> Any:
-            t0 = _t.monotonic()
-            try:
-                return orig(*a, **k)
-            finally:
-                ev.append((name, t0, _t.monotonic(), count(*a) if count else None))
-        return call
-
+    timed = partial(_timed, trace_events(worker))
     # Instance attributes win over WorkerWrapperBase's methods / __getattr__ in run_method's getattr.
     worker.execute_model = timed("exec", worker.execute_model, lambda so, *_: int(so.total_num_scheduled_tokens))
     worker.sample_tokens = timed("sample", worker.sample_tokens)
@@ -294,13 +286,6 @@ def _patch_scheduler_side(path: str) -> None:
     SchedulerSide.on_new_request = on_new_request  # type: ignore[method-assign]
     SchedulerSide.get_num_new_matched_tokens = get_num_new_matched_tokens  # type: ignore[method-assign]
     SchedulerSide.update_state_after_alloc = update_state_after_alloc  # type: ignore[method-assign]
-
-
-def _take_events(worker: Any) -> list[tuple[Any, ...]]:
-    ev = worker._bench_events
-    out = list(ev)
-    ev.clear()
-    return out
 
 
 def breakdown(t_submit: float, t_done: float, events: list[tuple[Any, ...]]) -> dict[str, Any]:

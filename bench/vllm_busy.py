@@ -70,6 +70,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from kvtier.testing.daemon import KvtierDaemon  # noqa: E402
+from kvtier.testing.vllm_trace import take_events as _take_events  # noqa: E402
 
 CASES = ("sync", "adaptive", "async", "recompute")
 RESULT_TAG = "@@BENCH-RESULT@@ "
@@ -108,24 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------
-# In vLLM's engine-core process (collective_rpc): step and load time stamps
+# In vLLM's engine-core process (collective_rpc, kvtier.testing.vllm_trace):
+# step and synchronous-load time stamps
 # ---------------------------------------------------------------------------
 
 def _install_trace(worker: Any, connector: bool) -> bool:
-    import time as _t
+    from functools import partial
 
-    ev: list[tuple[Any, ...]] = []
-    worker._bench_events = ev
+    from kvtier.testing.vllm_trace import timed as _timed, trace_events
 
-    def timed(name: str, orig: Any, count: Any) -> Any:
-        def call(*a: Any, **k: Any) -> Any:
-            t0 = _t.monotonic()
-            try:
-                return orig(*a, **k)
-            finally:
-                ev.append((name, t0, _t.monotonic(), count(*a)))
-        return call
-
+    timed = partial(_timed, trace_events(worker))
     worker.execute_model = timed("exec", worker.execute_model, lambda so, *_: int(so.total_num_scheduled_tokens))
     if connector:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -134,12 +127,6 @@ def _install_trace(worker: Any, connector: bool) -> bool:
         side.start_load_kv = timed("load", side.start_load_kv,
                                    lambda meta: sum(len(x.keys) for x in meta.loads if not x.background))
     return connector
-
-
-def _take_events(worker: Any) -> list[tuple[Any, ...]]:
-    ev = worker._bench_events
-    out, ev[:] = list(ev), []
-    return out
 
 
 def _worker_counts(worker: Any) -> dict[str, Any]:

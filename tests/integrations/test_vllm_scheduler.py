@@ -142,20 +142,15 @@ def test_a_load_runs_beside_the_forward_while_the_engine_is_busy_under_adaptive(
 
     sched, client, _ = setup(daemon, f"load-{mode}", lookup_wait_ms=500, load_mode=mode)
 
-    def step(scheduled: dict[str, int]) -> Any:
-        out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-                              num_scheduled_tokens=scheduled)
-        return sched.build_connector_meta(out)  # type: ignore[arg-type]
-
     idle, busy = FakeRequest("idle", stored_prompt(client, 30, 3)), FakeRequest("busy", stored_prompt(client, 31, 3))
     try:
         sched.kv_cache_manager = SimpleNamespace(get_block_ids=lambda req_id: ([0, 1, 2],))
-        step({})  # the engine ran nothing last step
+        _step_meta(sched, {}, {})  # the engine ran nothing last step
         sched.on_new_request(idle)  # type: ignore[arg-type]
         tokens, background = sched.get_num_new_matched_tokens(idle, 0)  # type: ignore[arg-type]
         assert tokens == 3 * BS and background is (mode == "async")
         sched.update_state_after_alloc(idle, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), tokens)  # type: ignore[arg-type]
-        (load,) = step({"other": 100}).loads  # the engine is busy from here on
+        (load,) = _step_meta(sched, {}, {"other": 100}).loads  # the engine is busy from here on
         assert load.req_id == "idle" and load.block_ids == [7, 8, 9] and load.background is (mode == "async")
         sched.on_new_request(busy)  # type: ignore[arg-type]
         deadline = time.monotonic() + 5
@@ -184,15 +179,10 @@ def test_adaptive_weighs_the_restore_rate_the_worker_reports(daemon, seconds_per
 
     sched, client, _ = setup(daemon, f"load-rate-{background}", load_mode="adaptive")
 
-    def step(scheduled: dict[str, int]) -> Any:
-        out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-                              num_scheduled_tokens=scheduled)
-        return sched.build_connector_meta(out)  # type: ignore[arg-type]
-
     req = FakeRequest("r", stored_prompt(client, 40 + background, 3))
     try:
         for _ in range(3):  # busy steps: their period is measured (microseconds here, up to seconds on a slow host)
-            step({"a": 10, "b": 1})
+            _step_meta(sched, {}, {"a": 10, "b": 1})
         # The worker reports a load it ran: 4 blocks in 4 x seconds_per_block (the slowest TP rank's).
         fast = KvtierWorkerMetadata(set(), 4, 4 * seconds_per_block / 2)
         slow = KvtierWorkerMetadata(set(), 4, 4 * seconds_per_block)
@@ -341,7 +331,9 @@ def test_kv_events_follow_what_kvtierd_holds_of_this_engines_blocks(kvtierd_fact
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     # LRU: which blocks twelve more stores push out is then certain (the default policy may keep some).
-    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, policy="lru")
+    # The CPU tier holds this engine's 4 blocks and another engine's 2 at once: with 4 slots, clean-ahead
+    # would demote the other's 2 and LRU would evict 2 of these, sometimes before the first read saw them.
+    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=8 * BLOCK_BYTES, policy="lru")
     layout = PoolLayout(model="events", block_size=BS, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
                         kv_heads=1, head_dim=8, mode="store")
     pool = PoolChoice(name="test/events", layout=layout, layer_names=("layer0",), block_size=BS)
@@ -393,7 +385,7 @@ def test_kv_events_follow_what_kvtierd_holds_of_this_engines_blocks(kvtierd_fact
         assert [e.token_ids for e in first.values()] == [tokens[i * BS:(i + 1) * BS] for i in range(4)]
         assert all(e.block_size == BS for e in first.values())
         got.clear()
-        # Twelve blocks more in a 4 + 4 block pool: kvtierd lets this engine's four go, and vLLM is told.
+        # Twelve blocks more in a 4 + 8 block pool: kvtierd lets this engine's four go, and vLLM is told.
         for tag in (9, 10, 11):
             client.store([bytes([tag, i]) * 8 for i in range(4)], bytes(4 * BLOCK_BYTES))
         held = set(mine)
