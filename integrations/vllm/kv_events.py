@@ -31,6 +31,9 @@ enabled, and calls it on vLLM's scheduler thread:
 - What is remembered is bounded (``max_blocks``, oldest first); an announced
   block forgotten that way is removed too, so a router is never left
   believing in a block nobody will report gone.
+- Within one read only each key's last change counts: a block that left
+  kvtierd and came back in between (an eviction from its GPU tier before the
+  CPU copy existed, then the copy) makes no event.
 - kvtierd's journal says ``lost`` (this reader fell behind its ring, or a
   restarted daemon): every announced block is removed, and announced again
   when kvtierd holds it anew. Wrong in the safe direction: a router loses
@@ -68,6 +71,21 @@ _UNSUPPORTED = object()  # _fetch's "no events from this daemon", with the reaso
 class _Block:
     stored: Any  # vLLM's BlockStored for this block, built from its request
     announced: bool = False  # vLLM was told it is held (and not told since that it went)
+
+
+def _last_change(changes: Sequence[tuple[bool, bytes]]) -> dict[bytes, bool]:
+    """Each key's last change in one read, in the order of those last changes.
+
+    A key that went and came back within one read (a GPU-tier eviction before
+    clean-ahead had copied the block, then the copy) is held at the end of
+    it, as it was before: a router needs neither event. One that came and
+    went is not held, and was never announced: it makes none either.
+    """
+    last: dict[bytes, bool] = {}
+    for stored, key in changes:
+        last.pop(key, None)
+        last[key] = stored
+    return last
 
 
 class KvEvents:
@@ -160,7 +178,7 @@ class KvEvents:
                     if block.announced:
                         block.announced = False
                         self._out.append(self._removed(block))
-            for stored, key in got.changes:
+            for key, stored in _last_change(got.changes).items():
                 block = self._blocks.get(key)
                 if block is None or block.announced == stored:
                     continue

@@ -375,7 +375,8 @@ def test_kv_events_follow_what_kvtierd_holds_of_this_engines_blocks(kvtierd_fact
         mine = [maybe_convert_block_hash(h) for h in req.block_hashes]  # type: ignore[attr-defined]
         assert events_until(lambda: believed(got) == set(mine))
         assert all(e.medium == MEDIUM_CPU for e in got)
-        # (A block the GPU tier evicts before clean-ahead copied it shows as removed, then stored again.)
+        # (Across two reads, a block the GPU tier evicts before clean-ahead copied it shows as removed, then
+        # stored again; within one read it shows as nothing: test_a_block_that_flaps_within_one_read_...)
         first = {}
         for e in got:
             if isinstance(e, BlockStored):
@@ -404,3 +405,32 @@ def test_kv_events_follow_what_kvtierd_holds_of_this_engines_blocks(kvtierd_fact
         sched.request_finished(req)  # type: ignore[arg-type]
         sched.close()
         client.close()
+
+
+def test_a_block_that_flaps_within_one_read_makes_no_event() -> None:
+    """Only each key's last change in one read of kvtierd's journal counts."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from kvtier.client.client import Events
+    from kvtier.integrations.vllm.kv_events import KvEvents
+
+    req = FakeRequest("f", [(7 * i) % 30000 + 3 for i in range(3 * BS + 1)])
+    req.block_hashes = [bytes([5, i]) * 16 for i in range(3)]  # type: ignore[attr-defined]
+    req.prompt_embeds = None  # type: ignore[attr-defined]
+    hashes = [maybe_convert_block_hash(h) for h in req.block_hashes]  # type: ignore[attr-defined]
+    keys = [bytes([6, i]) * 8 for i in range(3)]
+    events = KvEvents(None, None, BS, interval_s=1.0, max_blocks=100)  # type: ignore[arg-type]  # no reads here
+    events.note(req, 0, keys, held=False)  # type: ignore[arg-type]  # stores on their way
+    # kvtierd holds all three; block 1 was evicted from its GPU tier before its CPU copy, then copied;
+    # block 2 came and went.
+    events._apply(Events([(True, keys[0]), (True, keys[1]), (False, keys[1]), (True, keys[1]),
+                          (True, keys[2]), (False, keys[2])], 6, False))
+    got = events.take()
+    assert [type(e) for e in got] == [BlockStored, BlockStored]
+    assert [e.block_hashes[0] for e in got] == hashes[:2]
+    events._apply(Events([(False, keys[0]), (True, keys[0])], 8, False))
+    assert events.take() == []
+    events._apply(Events([(True, keys[0]), (False, keys[1])], 10, False))
+    (gone,) = events.take()
+    assert isinstance(gone, BlockRemoved) and gone.block_hashes == [hashes[1]]
