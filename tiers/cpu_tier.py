@@ -15,6 +15,10 @@ Contract (the pool is the only caller; one thread):
   fetch's whole prefix) that making room must not evict.
 - ``commit(entry)`` marks a write finished (the policy learns the key);
   ``abort(entry)`` frees a reserved slot whose write failed.
+- ``discard(keys)`` / ``clear()`` drop the evictable entries among the keys
+  at once, and mark the unheld ones still being written: their ``commit``
+  drops them instead (a clear that lands while a demotion is in flight
+  leaves nothing behind). A ``pin`` or read before then keeps the entry.
 - ``begin_read`` / ``end_read`` bracket a copy out of a slot; ``pin`` /
   ``unpin`` bracket a client's hold. Neither kind of entry is evicted.
 - ``promoted(keys)`` / ``gpu_dropped(keys)``: the pool says that resident
@@ -53,6 +57,7 @@ class CpuEntry:
     pins: int = 0
     readers: int = 0
     ready: bool = False
+    discarded: bool = False  # dropped by discard while its write was in flight: commit drops it
 
     @property
     def evictable(self) -> bool:
@@ -71,6 +76,7 @@ class CpuTier:
         self.policy = policy
         self.storage = storage
         self._entries: dict[bytes, CpuEntry] = {}
+        self._writing: set[bytes] = set()  # keys reserved and not yet committed or aborted
         # Pop from the end: low slots are reused first, which keeps tests readable.
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
         self.on_evict: Callable[[CpuEntry], None] | None = None
@@ -148,6 +154,7 @@ class CpuTier:
         for key in keys:
             entry = CpuEntry(key, self._free_slots.pop())
             self._entries[key] = entry
+            self._writing.add(key)
             entries.append(entry)
             if self.key_observer is not None:
                 self.key_observer.added(key)
@@ -156,6 +163,10 @@ class CpuTier:
     def commit(self, entry: CpuEntry) -> None:
         if entry.ready or self._entries.get(entry.key) is not entry:
             raise ValueError(f"entry {entry.key.hex()} is not a pending write")
+        if entry.discarded:
+            self.abort(entry)  # the policy never learnt the key; the observer hears it went
+            return
+        self._writing.discard(entry.key)
         entry.ready = True
         self.policy.on_insert(entry.key)
 
@@ -163,9 +174,14 @@ class CpuTier:
         if entry.ready or self._entries.get(entry.key) is not entry:
             raise ValueError(f"entry {entry.key.hex()} is not a pending write")
         del self._entries[entry.key]
+        self._writing.discard(entry.key)
         self._free_slots.append(entry.slot)
         if self.key_observer is not None:
             self.key_observer.removed(entry.key)
+
+    def writing(self) -> list[bytes]:
+        """The keys whose writes are in flight (reserved, neither committed nor aborted)."""
+        return list(self._writing)
 
     def hit(self, key: bytes) -> None:
         self.policy.on_hit(key)
@@ -180,6 +196,7 @@ class CpuTier:
 
     def begin_read(self, entry: CpuEntry) -> None:
         entry.readers += 1
+        entry.discarded = False  # wanted after all: a discard before its write landed no longer holds
 
     def end_read(self, entry: CpuEntry) -> None:
         if entry.readers <= 0:
@@ -188,6 +205,7 @@ class CpuTier:
 
     def pin(self, entry: CpuEntry) -> None:
         entry.pins += 1
+        entry.discarded = False
 
     def unpin(self, entry: CpuEntry) -> None:
         if entry.pins <= 0:
@@ -195,13 +213,18 @@ class CpuTier:
         entry.pins -= 1
 
     def discard(self, keys: Iterable[bytes]) -> int:
-        """Drop the evictable entries among ``keys``; returns how many went."""
+        """Drop the evictable entries among ``keys``, and the unheld ones being written once their
+        write lands; returns how many go."""
         dropped = 0
         for key in keys:
             entry = self._entries.get(key)
-            if entry is not None and entry.evictable:
+            if entry is None or entry.pins or entry.readers:
+                continue
+            if entry.ready:
                 self._drop(entry)
-                dropped += 1
+            else:
+                entry.discarded = True
+            dropped += 1
         return dropped
 
     def clear(self) -> int:

@@ -184,20 +184,38 @@ def test_pins_and_reads_are_counted() -> None:
         tier.end_read(e)
 
 
-def test_discard_and_clear_drop_only_evictable_entries() -> None:
+def test_discard_and_clear_drop_only_unheld_entries() -> None:
     tier = make_tier(4)
     e1, e2, e3 = put(tier, k(1), k(2), k(3))
     (pending,) = tier.reserve([k(4)])
     tier.pin(e1)
     tier.begin_read(e2)
-    assert tier.discard([k(1), k(2), k(3), k(4), k(99)]) == 1
-    assert tier.get(k(3)) is None
-    assert tier.clear() == 0
-    assert {key for key in tier._entries} == {k(1), k(2), k(4)}
+    # k(3) goes now; k(4), being written, goes when its write lands.
+    assert tier.discard([k(1), k(2), k(3), k(4), k(99)]) == 2
+    assert tier.get(k(3)) is None and tier.get(k(4)) is pending
+    assert tier.clear() == 1  # k(4) again: still only marked
+    tier.commit(pending)
+    assert tier.get(k(4)) is None and tier.num_free_slots == 2
+    assert {key for key in tier._entries} == {k(1), k(2)}
     tier.unpin(e1)
     tier.end_read(e2)
-    tier.commit(pending)
-    assert tier.clear() == 3 and len(tier) == 0 and tier.num_free_slots == 4
+    assert tier.clear() == 2 and len(tier) == 0 and tier.num_free_slots == 4
+    check(tier)
+
+
+def test_a_pin_or_read_before_the_write_lands_keeps_a_discarded_entry() -> None:
+    tier = make_tier(4)
+    pinned, read, failed = tier.reserve([k(1), k(2), k(3)])
+    assert tier.clear() == 3
+    tier.pin(pinned)
+    tier.begin_read(read)
+    tier.commit(pinned)
+    tier.commit(read)
+    tier.abort(failed)  # a discarded write that fails goes as any failed write
+    assert tier.contains(k(1)) and tier.contains(k(2)) and tier.get(k(3)) is None
+    tier.unpin(pinned)
+    tier.end_read(read)
+    assert list(tier.policy.victims()) == [k(1), k(2)]
     check(tier)
 
 

@@ -69,6 +69,7 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -356,7 +357,8 @@ class TieredPool:
 
     def clear_matching(self, match: Callable[[bytes], bool], cpu_keys: Iterable[bytes]) -> int:
         """``clear`` for some keys: the GPU tier's unused cached blocks whose key ``match``-es, and the
-        unused entries of ``cpu_keys`` in the CPU tier (no demotion); returns the count."""
+        unused entries of ``cpu_keys`` in the CPU tier, and those being written whose key ``match``-es
+        (no demotion); returns the count."""
         dropped = 0
         bm = self.bm
         if bm is not None:
@@ -368,7 +370,9 @@ class TieredPool:
                     bm.discard_hash(block)
             self._demoter.dropped(gone)
             dropped += len(gone)
-        return dropped + self.cpu.discard(cpu_keys)
+        # Writes in flight are not in cpu_keys (the policy learns a key when its write lands).
+        writing = [key for key in self.cpu.writing() if match(key)]
+        return dropped + self.cpu.discard(itertools.chain(cpu_keys, writing))
 
     def poll(self, wait_s: float = 0.0) -> list[Op]:
         """Apply finished copies; returns the ops that completed."""
