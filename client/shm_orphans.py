@@ -7,7 +7,7 @@ Contract:
   mapping of it lives in that process (client/shm_arena.py). A file whose
   lock nobody holds has no live creator: it crashed, or exited without
   removing it.
-- ``remove_orphaned_arenas(min_age_s=60.0) -> list[str]`` removes, from
+- ``remove_orphaned_arenas(min_age_s=60.0, name_prefix="kvtier") -> list[str]`` removes, from
   ``/dev/shm``, the ``ShmArena.create`` files of *this* user (a sticky
   ``/dev/shm`` lets nobody else remove them anyway) that nobody holds
   locked and that have not changed for ``min_age_s`` (a file being created
@@ -15,6 +15,8 @@ Contract:
   Recognised by name: ``kvtier-...-<16 hex digits>``, the random tail
   ``create`` gives; ``share_kv_in_place``'s links end in 12 hex digits and
   are never touched (torch's own file backs them, and they hold no lock).
+  ``name_prefix`` narrows it to the files ``create`` named under that prefix
+  (a test sweeping with ``min_age_s=0`` must not take another test's files).
   The daemon's own mappings hold no lock: a file only the daemon still maps
   is an orphan too, and removing its name leaves that mapping valid.
 - Best effort and quiet: a file that vanishes or changes while looked at is
@@ -39,9 +41,10 @@ from kvtier.client.shm_arena import SHM_DIR
 _CREATED_RE = re.compile(r"kvtier(-[A-Za-z0-9_]{1,64})*-[0-9a-f]{16}")
 
 
-def remove_orphaned_arenas(min_age_s: float = 60.0) -> list[str]:
+def remove_orphaned_arenas(min_age_s: float = 60.0, name_prefix: str = "kvtier") -> list[str]:
     """See the module docstring."""
     removed: list[str] = []
+    start = name_prefix + "-"
     uid = os.geteuid()
     now_s = time.time()
     try:
@@ -49,7 +52,7 @@ def remove_orphaned_arenas(min_age_s: float = 60.0) -> list[str]:
     except OSError:
         return removed
     for entry in entries:
-        if not _CREATED_RE.fullmatch(entry.name):
+        if not entry.name.startswith(start) or not _CREATED_RE.fullmatch(entry.name):
             continue
         try:
             st = entry.stat(follow_symlinks=False)
