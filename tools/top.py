@@ -150,9 +150,10 @@ def render_frame(prev: Mapping[str, Any] | None, cur: Mapping[str, Any], elapsed
             return f"{fmt_int(o['used'])}/{fmt_int(o['capacity'])} {share}"
 
         rows.append([name, used("gpu"), fmt_int(occ["gpu"]["cached"]), used("cpu"), fmt_int(_num(p, "pinned_blocks")),
+                     fmt_int(_num(p, "held_blocks")) if "held_blocks" in p else "-",
                      fmt_int(_num(p, "copies_in_flight")), fmt_int(_num(p, "sessions"))])
-    lines += ["", "OCCUPANCY (blocks; gpu used = referenced, cpu used = occupied)"]
-    lines += render_table(["pool", "gpu used", "gpu cached", "cpu used", "pinned", "copies", "sessions"], rows,
+    lines += ["", "OCCUPANCY (blocks; gpu used = referenced, cpu used = occupied, held = distinct keys either tier holds)"]
+    lines += render_table(["pool", "gpu used", "gpu cached", "cpu used", "pinned", "held", "copies", "sessions"], rows,
                           indent=2)
 
     rows = []

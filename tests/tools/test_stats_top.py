@@ -150,6 +150,10 @@ def test_top_once_shows_the_daemons_numbers(daemon) -> None:  # type: ignore[no-
                  if line.split()[:1] == [POOL] and re.search(r"last \d\.\d s", line)]
     assert window.split()[4:7] == ["0", "0.0/s", "-"]  # nothing looked up in the interval: no rates
     assert f"  {p['cpu_used_blocks']}/{p['cpu_blocks']} " in out.stdout  # occupancy of the CPU tier
+    (occupancy,) = [line for line in out.stdout.splitlines() if line.split()[:1] == [POOL] and "/" in line
+                    and "%" in line and "last" not in line and "since" not in line]
+    # ... pinned, held (the 12 stored keys), copies, sessions
+    assert occupancy.split()[-4:-2] == [f"{p['pinned_blocks']:,}", "12"]
 
 
 def _pool(**kw: float) -> dict[str, Any]:
