@@ -18,7 +18,9 @@ Contract (the pool is the only caller; one thread):
 - ``discard(keys)`` / ``clear()`` drop the evictable entries among the keys
   at once, and mark the unheld ones still being written: their ``commit``
   drops them instead (a clear that lands while a demotion is in flight
-  leaves nothing behind). A ``pin`` or read before then keeps the entry.
+  leaves nothing behind). A ``pin``, a read or ``keep(key)`` (a store that
+  counts the block as present, an eviction that leaves this copy the only
+  one) before then keeps the entry.
 - ``begin_read`` / ``end_read`` bracket a copy out of a slot; ``pin`` /
   ``unpin`` bracket a client's hold. Neither kind of entry is evicted.
 - ``promoted(keys)`` / ``gpu_dropped(keys)``: the pool says that resident
@@ -202,6 +204,13 @@ class CpuTier:
         if entry.readers <= 0:
             raise ValueError(f"entry {entry.key.hex()} has no read in flight")
         entry.readers -= 1
+
+    def keep(self, key: bytes) -> None:
+        """A caller relies on ``key``'s entry, ready or being written: a discard before its write
+        lands no longer holds."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.discarded = False
 
     def pin(self, entry: CpuEntry) -> None:
         entry.pins += 1

@@ -216,6 +216,11 @@ def test_a_pin_or_read_before_the_write_lands_keeps_a_discarded_entry() -> None:
     tier.unpin(pinned)
     tier.end_read(read)
     assert list(tier.policy.victims()) == [k(1), k(2)]
+    (kept,) = tier.reserve([k(4)])
+    assert tier.clear() == 3  # two ready, one being written
+    tier.keep(k(4))  # a store counted it present
+    tier.commit(kept)
+    assert tier.contains(k(4)) and len(tier) == 1
     check(tier)
 
 

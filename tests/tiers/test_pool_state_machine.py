@@ -1,7 +1,7 @@
 """Stateful property test: random engine-mode and store-mode traffic on a tiny TieredPool.
 
 Hypothesis drives allocate / append / free / store / restore / pin / unpin /
-poll / settle (and operations whose copies fail) on a pool with real bytes: a
+clear / poll / settle (and operations whose copies fail) on a pool with real bytes: a
 GPU-tier stand-in slab of 9 blocks, a CPU tier of 5, and clean-ahead on, so
 eviction and demotion happen on almost every step.
 
@@ -409,6 +409,27 @@ class PoolMachine(RuleBasedStateMachine):
     def unpin_all(self, owner: str) -> None:
         assert self.pool.unpin_all(owner) == len(self.pins[owner])
         self.pins[owner] = []
+
+    # ---- maintenance ------------------------------------------------------------------------
+
+    @rule(some=st.booleans())
+    def clear(self, some: bool) -> None:
+        """Drop what nobody holds, at any point, copies in flight or not; ``some``: only keys of even
+        first byte, as a tenant's clear (``clear_matching``, with the ready CPU keys it names)."""
+        pool, cpu = self.pool, self.pool.cpu
+
+        def match(key: bytes) -> bool:
+            return not some or key[0] % 2 == 0
+
+        if some:
+            pool.clear_matching(match, [k for k, e in cpu._entries.items() if e.ready and match(k)])
+        else:
+            pool.clear()
+        for b in self.bm.iter_free():
+            assert b.block_hash is None or not match(b.block_hash), f"free block {b.block_id} kept its hash"
+        for key, e in cpu._entries.items():
+            if match(key):
+                assert e.pins or e.readers or (not e.ready and e.discarded), "clear left an unheld CPU entry"
 
     # ---- copies -----------------------------------------------------------------------------
 

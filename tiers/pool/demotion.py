@@ -55,6 +55,7 @@ class Demoter:
             h = ev.block_hash
             must_follow |= copies.busy_copies([ev.block_id])
             if cpu.get(h) is not None:
+                cpu.keep(h)  # the GPU copy goes: a clear racing its demotion must not take this one too
                 pool.counters.demotions_skipped_clean += 1
                 if bm is None or bm.get_cached(h) is None:
                     held.append(h)

@@ -4,8 +4,10 @@ The block manager decides (vLLM v1's prefix caching: hits are referenced
 before anything is evicted); the pool turns its decisions into copies:
 CPU-tier (and fetched remote) hits are restored into the new slots, and the
 blocks it evicts are vacated (demoted) first. The returned ``Op`` completes
-only when those bytes are in place; if a restore fails, the hashes whose
-bytes never arrived are withdrawn and the request is freed.
+only when those bytes are in place and no copy still touches a new block
+(with or without a hash: ``clear`` drops the hashes of blocks a demotion is
+still reading); if a restore fails, the hashes whose bytes never arrived are
+withdrawn and the request is freed.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tok
     for c in copies.busy_copies(alloc.block_ids[: alloc.num_hit_blocks], writes_only=True):
         copies.attach(op, c)
     vacate = pool._demoter.vacate(alloc.evicted, op)
+    # A reused block may still be read by a copy that took it before its hash went (a clean-ahead
+    # demotion a clear raced): the engine writes the misses only once the op is done.
+    copies.wait_for(op, copies.busy_copies(alloc.block_ids[alloc.num_hit_blocks:]))
     restored_blocks = [dst for _, dst in cpu_hits]
     if cpu_hits:
         copy = copies.copy(CopyKind.RESTORE, cpu.storage, [e.slot for e in entries],  # type: ignore[union-attr]
@@ -112,6 +117,7 @@ def append(pool: TieredPool, request_id: str, num_new_tokens: int, new_hashes: S
         raise PoolError(str(exc)) from None
     op = Op(pool, "append", {"block_ids": alloc.block_ids, "new_block_ids": alloc.new_block_ids})
     pool._demoter.vacate(alloc.evicted, op)
+    pool._copies.wait_for(op, pool._copies.busy_copies(alloc.new_block_ids))  # as in allocate
     pool._copies.settle(op)
     return op
 

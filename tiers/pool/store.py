@@ -54,7 +54,10 @@ def store(pool: TieredPool, hashes: Sequence[bytes], src: BlockLayout | None, sr
     counters = pool.counters
     # "Present" must mean held: a present block whose own store is still in
     # flight is acknowledged only with that copy, and fails if it fails.
-    for copy in _writes_in_flight(pool, [h for h in hashes if holds(h)]):
+    present = [h for h in hashes if holds(h)]
+    for h in present:
+        pool.cpu.keep(h)  # acknowledged as held: a clear racing its copy must not drop it after all
+    for copy in _writes_in_flight(pool, present):
         pool._copies.attach(op, copy)
     if not new:
         counters.stores_present += len(hashes)
