@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Issue 14's checks on a lent GPU machine, in one call: the CUDA tests, the
-# daemon and client tests with the daemon on CUDA, bench/gpu.py,
-# bench/gpu_qos.py, bench/ttft.py (a 1B model; TTFT_IDLE_S, TTFT_PREFIXES).
+# Issue 14's checks on a lent GPU machine, in one call: bench/gpu.py,
+# bench/gpu_qos.py, bench/ttft.py (a 1B model; TTFT_IDLE_S, TTFT_PREFIXES), the
+# CUDA tests, the daemon and client tests with the daemon on CUDA.
 #
 # Usage (repository root of a plain checkout; no install needed):
 #     OUT=/tmp/gpu-out bash bench/gpu_check.sh [steps]
-# steps: any of env cuda bench qos daemon ttft (default: all, in that order).
+# steps: any of env bench qos ttft cuda daemon (default: all, in that order:
+# the benchmarks first, on an idle host; xdist test workers left a load average
+# of 10-11 on 16 cores, which halved the copy kernel's fragment bandwidth).
 # Each step has its own time limit, so one that hangs costs only its share.
 # Logs and JSON go to $OUT (at most 8 files: the device tool returns no more).
 # The machine has CUDA torch, CuPy, msgpack, xxhash, psutil but no pyzmq:
@@ -13,7 +15,7 @@
 set -uo pipefail
 OUT=${OUT:?set OUT to a folder for logs and results}
 PY=${PY:-python3}
-steps=${*:-env cuda bench qos daemon ttft}
+steps=${*:-env bench qos ttft cuda daemon}
 mkdir -p "$OUT"
 root=$(pwd)
 
@@ -58,7 +60,7 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
     timeout 150 $PY bench/gpu.py --out "$OUT" 2>&1 | tee -a "$log" ;;
   qos)
     step "bench/gpu_qos.py"
-    timeout 90 $PY bench/gpu_qos.py --out "$OUT" 2>&1 | tee -a "$log" ;;
+    timeout 150 $PY bench/gpu_qos.py --out "$OUT" 2>&1 | tee -a "$log" ;;
   ttft)
     idle=${TTFT_IDLE_S:-0}
     for prefix in ${TTFT_PREFIXES:-2048 8192}; do
@@ -66,7 +68,7 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
       timeout 60 $PY bench/ttft.py --model-size 1b --prefix-tokens "$prefix" --reps 3 --idle-s "$idle" \
         --json-out "$OUT/ttft-1b-daemon-cuda-$prefix-idle$idle.json" 2>&1 | tail -30 | tee -a "$log"
     done ;;
-  *) echo "unknown step $s: choose from env cuda daemon bench qos ttft" >&2; exit 2 ;;
+  *) echo "unknown step $s: choose from env bench qos ttft cuda daemon" >&2; exit 2 ;;
   esac
 done
 step done
