@@ -24,9 +24,10 @@ Modes, by ``load_mode`` name (``LOAD_MODES``):
   longer. On a busy one it weighs the two costs, in request-seconds: a
   synchronous load stalls each of the ``running`` requests for the load's
   time (the blocks times the measured restore rate), while an
-  asynchronous one costs the arriving request about ``ASYNC_EXTRA_STEPS``
-  engine steps (measured by ``bench/vllm_busy.py``: its load is reported
-  done at the end of a step, and it is scheduled in the step after). Beside
+  asynchronous one costs the arriving request about ``async_extra_steps``
+  engine steps (the setting; default ``ASYNC_EXTRA_STEPS``, measured by
+  ``bench/vllm_busy.py``: its load is reported done at the end of a step,
+  and it is scheduled in the step after). Beside
   the forward when the stall costs more. Until a load and a busy step have
   been measured it loads beside the forward: the first loads measure the
   restore rate.
@@ -39,7 +40,8 @@ from typing import Protocol
 # The arriving request's extra wait under an asynchronous load, in engine
 # steps. bench/vllm_busy.py (the 2-core VM, 4 decoders, always-async
 # against sync): its TTFT exceeded sync's by 2.5 before-arrival
-# inter-token latencies.
+# inter-token latencies. With vLLM's async scheduling on a GPU it may be
+# nearer 1-2 (unmeasured): the connector's async_extra_steps setting.
 ASYNC_EXTRA_STEPS = 2.5
 # Weight of a new measurement in the running averages: a few steps follow a
 # change of load (a longer batch), one outlier does not swing the choice.
@@ -85,7 +87,8 @@ class AsyncLoads:
 class AdaptiveLoads:
     name = "adaptive"
 
-    def __init__(self) -> None:
+    def __init__(self, async_extra_steps: float = ASYNC_EXTRA_STEPS) -> None:
+        self.async_extra_steps = async_extra_steps
         self.running = 0  # requests the last step scheduled
         self.step_s: float | None = None  # a busy step's period, smoothed
         # Restores reported, smoothed: blocks and seconds apart, so a load's
@@ -107,7 +110,7 @@ class AdaptiveLoads:
         if self.step_s is None or self.seconds_per_block is None:
             return True
         stall_s = self.running * blocks * self.seconds_per_block
-        return stall_s > ASYNC_EXTRA_STEPS * self.step_s
+        return stall_s > self.async_extra_steps * self.step_s
 
     def observe_step(self, running: int, now_s: float) -> None:
         # A step's period is the time from the end of its scheduling to the
@@ -133,6 +136,6 @@ LOAD_MODES: dict[str, type[SyncLoads] | type[AsyncLoads] | type[AdaptiveLoads]] 
 }
 
 
-def make_load_mode(name: str) -> LoadMode:
-    """The mode ``name`` (one of ``LOAD_MODES``; ``ConnectorSettings`` checked it)."""
-    return LOAD_MODES[name]()
+def make_load_mode(name: str, async_extra_steps: float = ASYNC_EXTRA_STEPS) -> LoadMode:
+    """The mode ``name`` (one of ``LOAD_MODES``; ``ConnectorSettings`` checked both)."""
+    return AdaptiveLoads(async_extra_steps) if name == AdaptiveLoads.name else LOAD_MODES[name]()

@@ -142,7 +142,7 @@ class SchedulerSide:
         self._loads: list[BlockTransfer] = []  # decided by update_state_after_alloc, sent by the next meta
         self._load_pins: dict[str, list[bytes]] = {}  # req_id -> pins to drop once its load ran
         self.kv_cache_manager: KVCacheManager | None = None
-        self._load_mode = make_load_mode(settings.load_mode)
+        self._load_mode = make_load_mode(settings.load_mode, float(settings.async_extra_steps))
         self._wait_per_step_s = settings.lookup_wait_ms / 1e3
         self._wait_left_s = self._wait_per_step_s  # refilled by build_connector_meta (once a step)
         self._engine_busy = False  # the last step scheduled tokens: a wait would delay running requests

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtier.client.admin import resolve_endpoint
 from kvtier.client.hashing import HASH_ALGOS
-from kvtier.integrations.vllm.load_modes import LOAD_MODES
+from kvtier.integrations.vllm.load_modes import ASYNC_EXTRA_STEPS, LOAD_MODES
 
 DATA_PLANES = ("auto", "registered", "staged")
 
@@ -34,6 +34,7 @@ class ConnectorSettings:
     load_failure_policy: str = "recompute"  # vLLM's kv_load_failure_policy while kvtier is used
     lookup_wait_ms: float = 3.0  # per scheduler step, how long new requests' lookups may be waited for
     load_mode: str = "adaptive"  # "sync": before the forward; "async": beside it; "adaptive": whichever costs less (load_modes.py)
+    async_extra_steps: float = ASYNC_EXTRA_STEPS  # adaptive: engine steps an async load costs the arriving request
     events_interval_s: float = 0.1  # with vLLM's KV cache events on: how often kvtierd's are read
     events_max_blocks: int = 100_000  # with them on: blocks whose vLLM hashes are remembered for events
 
@@ -70,6 +71,9 @@ class ConnectorSettings:
             fail("data_plane", f"one of {', '.join(DATA_PLANES)}")
         if self.load_mode not in LOAD_MODES:
             fail("load_mode", f"one of {', '.join(LOAD_MODES)}")
+        if isinstance(self.async_extra_steps, bool) or not isinstance(self.async_extra_steps, (int, float)) \
+                or not 0 < self.async_extra_steps <= 100:
+            fail("async_extra_steps", "a number of engine steps in (0, 100]")
         for key in ("staging_blocks", "events_max_blocks"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -71,6 +71,11 @@ def test_settings_defaults_and_errors() -> None:
     with pytest.raises(ValueError, match="curve"):
         ConnectorSettings.from_extra_config({"curve_server_key": "abc"})
     assert s.lookup_wait_ms == 3.0
+    assert s.async_extra_steps == 2.5
+    assert ConnectorSettings.from_extra_config({"async_extra_steps": 1}).async_extra_steps == 1
+    for bad in (0, -1, 101, True, "2"):
+        with pytest.raises(ValueError, match="async_extra_steps"):
+            ConnectorSettings.from_extra_config({"async_extra_steps": bad})
     for bad in (-1, 5000, "3", True):
         with pytest.raises(ValueError, match="lookup_wait_ms"):
             ConnectorSettings.from_extra_config({"lookup_wait_ms": bad})

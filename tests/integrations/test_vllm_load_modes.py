@@ -87,3 +87,14 @@ def test_adaptive_ignores_reports_of_nothing_restored() -> None:
     mode.observe_load(10, 0.01)
     mode.observe_load(0, 0.0)
     assert mode.seconds_per_block == pytest.approx(0.001)
+
+
+def test_the_extra_steps_an_async_load_costs_are_a_setting() -> None:
+    """On a GPU with vLLM's async scheduling the extra wait may be nearer one step (unmeasured)."""
+    default, eager = make_load_mode("adaptive"), make_load_mode("adaptive", async_extra_steps=1.0)
+    assert isinstance(default, AdaptiveLoads) and default.async_extra_steps == ASYNC_EXTRA_STEPS
+    for mode in (default, eager):
+        busy(mode, 4, 0.050)
+        mode.observe_load(32, 0.0096)
+    # 4 x 64 blocks x 0.3 ms = 77 ms of stall: above one 50 ms step, below 2.5 of them.
+    assert default.background(64) is False and eager.background(64) is True
