@@ -95,6 +95,7 @@ AutoNote = Callable[["DaemonConfig", int], str]
 SERVER = "server"
 RUNTIME = "runtime"
 TCP_SECURITY = "tcp security"
+REMOTE_TIER = "remote tier"
 POOLS = "pools"
 
 _SIZE_READERS: frozenset[Coerce] = frozenset({_as_size, _as_optional_size, _as_optional_cpu_size})
@@ -381,6 +382,25 @@ def _check_curve(cfg: DaemonConfig) -> None:
         raise ConfigError("curve_public_keys_dir", f"{public_dir} does not exist or is not a directory")
 
 
+def _check_remote_secret(cfg: DaemonConfig) -> None:
+    # Presence here, like the CURVE keys; the daemon reads the file (and refuses
+    # a bad one, exit 2) when it starts.
+    remote = cfg.remote_url_keys
+    secret = cfg.remote_secret_key_file
+    if not remote:
+        return
+    if secret is None:
+        raise ConfigError(
+            "remote_secret_key_file",
+            f"is required with a remote tier ({remote[0]} is set): every value in the server is authenticated "
+            "with this secret, so nobody else who can write there can make this daemon serve a block. Create "
+            "one with `kvtier keygen /etc/kvtier --remote-secret` and give every daemon that shares the "
+            "server the same file",
+        )
+    if not Path(secret).is_file():
+        raise ConfigError("remote_secret_key_file", f"{secret} does not exist or is not a file")
+
+
 # --------------------------------------------------------------------------------------------
 # What "auto" comes to (--print-config's comments)
 
@@ -604,6 +624,11 @@ class DaemonConfig:
     curve_public_keys_dir: Path | None = field(default=None, metadata=key(
         _as_optional_path, "directory of authorised client CURVE public keys (tcp://)", "DIR",
         group=TCP_SECURITY, rank=3))
+    # Presence and existence are checked with the remote URLs; the daemon reads it at start.
+    remote_secret_key_file: Path | None = field(default=None, metadata=key(
+        _as_optional_path, "the remote tier's secret (kvtier keygen DIR --remote-secret): every value in Redis is "
+        "authenticated with it; required with remote_url, the same file on every daemon sharing the server",
+        "FILE", group=REMOTE_TIER, rank=1))
     socket_mode: int = field(default=0o600, metadata=key(
         _as_mode, "file mode of the ipc socket: 0600, or 0660 to let the socket's group connect", "MODE",
         group=SERVER, rank=2, check=_check_socket_mode))
@@ -643,6 +668,13 @@ class DaemonConfig:
         # Frozen all the way down: nobody edits the pools table after loading.
         object.__setattr__(self, "pools", MappingProxyType(pools))
         object.__setattr__(self, "tenants", MappingProxyType(_check_tenants(self.tenants)))
+        _check_remote_secret(self)
+
+    @property
+    def remote_url_keys(self) -> list[str]:
+        """The dotted keys that configure a remote tier (``default_pool.remote_url``, ``pools."x".remote_url``)."""
+        found = ["default_pool.remote_url"] if self.default_pool.remote_url else []
+        return found + [f"{pool_key(n)}.remote_url" for n, o in self.pools.items() if o.remote_url]
 
     @property
     def is_tcp(self) -> bool:
