@@ -24,6 +24,7 @@ import zmq
 
 from kvtier.daemon.config import (ConfigError, DaemonConfig, exit_on_config_error, load_config_or_exit,
                                   resolve_cpu_budget_bytes)
+from kvtier.daemon.config.host import check_gpu_bytes
 from kvtier.daemon.faults import FAULTS_ENV, FaultPlan, parse_faults
 from kvtier.daemon.lifecycle import StopFlag, refuse_if_served
 from kvtier.daemon.sd_notify import Notifier
@@ -199,6 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         notifier = Notifier.from_environ()
         notifier.status("starting: checking devices and host memory")
         device = _resolve_device(cfg.device)
+        try:
+            check_gpu_bytes(cfg, device)  # needs the resolved device: "auto" is torch's to answer
+        except ConfigError as exc:
+            notifier.status(f"refused to start: {exc}")
+            exit_on_config_error(exc)
         if device.startswith("cuda"):
             from kvtier.tiers.transfer import warm_up
 
