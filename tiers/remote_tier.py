@@ -30,7 +30,7 @@ Contract:
 - Keys: ``b"kvtier:v2:" + pool_key + b":" + block_hash.hex()``. ``pool_key``
   identifies pool (layout) *and* tenant, so neither ever sees another's
   blocks; it is restricted to ``[A-Za-z0-9._-]`` (no glob or hash-tag
-  characters, so ``SCAN MATCH kvtier:v1:<pool_key>:*`` is exact and Cluster
+  characters, so ``SCAN MATCH kvtier:v2:<pool_key>:*`` is exact and Cluster
   spreads a pool's keys over all slots). ``make_pool_key(...)`` derives one.
 - Values: a 32-byte header ``struct "<4sBxxxQ16s"`` = magic ``b"KVT1"``,
   format version (2), payload length, a 16-byte MAC (keyed BLAKE3 over the
