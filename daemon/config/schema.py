@@ -311,7 +311,8 @@ def _check_log_level(key: str, value: object) -> None:
         raise ConfigError(key, f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
 
 
-_HOST_NAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+# RFC 1123 labels, with "_" too (found in /etc/hosts names); no spaces, ports or schemes.
+_HOST_NAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*")
 
 
 def _check_host(key: str, value: object) -> None:
