@@ -24,6 +24,7 @@ import zmq
 
 from kvtier.daemon.config import (ConfigError, DaemonConfig, exit_on_config_error, load_config_or_exit,
                                   resolve_cpu_budget_bytes)
+from kvtier.daemon.config.host import check_gpu_bytes
 from kvtier.daemon.faults import FAULTS_ENV, FaultPlan, parse_faults
 from kvtier.daemon.lifecycle import StopFlag, refuse_if_served
 from kvtier.daemon.sd_notify import Notifier
@@ -74,8 +75,27 @@ def curve_from_config(cfg: DaemonConfig) -> CurveOptions | None:
     return CurveOptions(public, secret, ClientKeys(cfg.curve_public_keys_dir, tenant_by_key))
 
 
+def remote_secret_from_config(cfg: DaemonConfig) -> bytes | None:
+    """The remote tier's secret, or None without a remote tier; a bad file or missing library exits 2."""
+    if not cfg.remote_url_keys:
+        return None
+    try:
+        import blake3  # noqa: F401 - the values' MAC
+        import redis  # noqa: F401
+    except ImportError as exc:
+        exit_on_config_error(ConfigError(cfg.remote_url_keys[0], f"the remote tier needs {exc.name}: "
+                                         "pip install 'kvtier[remote]'"))
+    from kvtier.tiers.remote_secret import load_secret
+
+    assert cfg.remote_secret_key_file is not None  # the configuration requires it with a remote tier
+    try:
+        return load_secret(cfg.remote_secret_key_file)
+    except (OSError, ValueError) as exc:
+        exit_on_config_error(ConfigError("remote_secret_key_file", str(exc)))
+
+
 def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None,
-                        curve: CurveOptions | None = None) -> ServeOptions:
+                        curve: CurveOptions | None = None, remote_secret: bytes | None = None) -> ServeOptions:
     from kvtier.daemon.pools import PoolSizing
     from kvtier.daemon.server import ServeOptions
     from kvtier.daemon.tenants import TenantRegistry
@@ -90,6 +110,7 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
             policy=settings.policy,
             clean_ahead_blocks=settings.clean_ahead_blocks,
             remote_url=settings.remote_url,
+            remote_secret=remote_secret if settings.remote_url else None,
             fault_hook=fault_plan,
         )
 
@@ -146,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         exit_on_config_error(ConfigError(FAULTS_ENV, str(exc)))
     curve = curve_from_config(cfg)
+    remote_secret = remote_secret_from_config(cfg)
     _setup_logging(cfg.log_level)
     if cfg.curve_secret_key_file is not None and curve is None:
         log.warning("curve_secret_key_file is set but %s is not tcp://: CURVE is not used (the socket file's mode "
@@ -178,6 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         notifier = Notifier.from_environ()
         notifier.status("starting: checking devices and host memory")
         device = _resolve_device(cfg.device)
+        try:
+            check_gpu_bytes(cfg, device)  # needs the resolved device: "auto" is torch's to answer
+        except ConfigError as exc:
+            notifier.status(f"refused to start: {exc}")
+            exit_on_config_error(exc)
         if device.startswith("cuda"):
             from kvtier.tiers.transfer import warm_up
 
@@ -195,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             exit_on_config_error(ConfigError("cpu_bytes", str(exc)))
         log.info("CPU tiers planned: %s (allocated when the first hello names each pool)",
                  ", ".join(f"{key} = {gib(n)}" for key, n in plan))
-        server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve), stop,
+        server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve,
+                                            remote_secret=remote_secret), stop,
                         kv_import=_import_kv_tensor, notifier=notifier)
         exporter = None
         if cfg.metrics_port is not None:

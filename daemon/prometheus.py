@@ -129,6 +129,8 @@ class PoolMetric:
 
 
 _TIERS = ("gpu", "cpu", "remote")
+# The remote tier's stats counters remote_<reason> (kvtier.tiers.remote_tier.COUNTERS).
+_REMOTE_REJECTIONS = ("unauthentic", "oversized", "corrupt")
 _DIRECTIONS = {
     "demote": "GPU tier to CPU tier (demotions, including clean-ahead)",
     "restore": "CPU tier to GPU tier (engine-mode allocations that hit the CPU tier)",
@@ -328,6 +330,11 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
     blocks = family("blocks", "gauge", BLOCKS_HELP, [*pool_label_names, "tier", "state"])
     up = family("remote_up", "gauge",
                 "1 when the pool's remote tier is reachable, 0 when not (absent: no remote tier).", pool_label_names)
+    rejected = family("remote_rejected_blocks", "counter",
+                      "Values the remote tier fetched and refused to serve (misses), by reason: unauthentic (a "
+                      "wrong MAC: copied from another key, forged, or another secret's), oversized (longer than a "
+                      "block: never read past one byte), corrupt (too short or malformed).",
+                      [*pool_label_names, "reason"])
     attached = family("gpu_attached", "gauge",
                       "1 when the pool has a GPU tier (store mode: always; engine mode: while the engine's KV "
                       "tensors are registered).", pool_label_names)
@@ -347,6 +354,10 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
         remote = p.get("remote")
         if isinstance(remote, Mapping):
             up.add_metric(labels, 1.0 if remote.get("available") else 0.0)
+            for reason in _REMOTE_REJECTIONS:
+                count = remote.get(f"remote_{reason}")
+                if isinstance(count, int) and not isinstance(count, bool):
+                    rejected.add_metric([*labels, reason], count)
 
     tenants: Mapping[str, Mapping[str, Any]] = stats.get("tenants") or {}
     if tenants:

@@ -73,6 +73,36 @@ def test_keygen_writes_a_private_secret_and_refuses_to_overwrite(tmp_path: Path)
         main(["keygen", str(tmp_path / "keys"), "--name", "engine-0"])
 
 
+
+def test_keygen_writes_a_remote_tier_secret_that_kvtierd_reads(tmp_path: Path) -> None:
+    from kvtier.tiers.remote_secret import load_secret
+    from kvtier.tools.cli import main
+
+    old = os.umask(0o002)  # a permissive umask: the file must be 0600 whatever it says
+    try:
+        assert main(["keygen", str(tmp_path / "keys"), "--remote-secret"]) == 0
+    finally:
+        os.umask(old)
+    path = tmp_path / "keys" / "remote.remote_secret"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    text = path.read_text()
+    assert len(text) == 65 and text.endswith("\n") and load_secret(path) == bytes.fromhex(text)
+    with pytest.raises(SystemExit, match="exists"):
+        main(["keygen", str(tmp_path / "keys"), "--remote-secret"])
+    assert main(["keygen", str(tmp_path / "keys"), "--remote-secret", "--name", "other"]) == 0
+    assert load_secret(tmp_path / "keys" / "other.remote_secret") != load_secret(path)
+    with pytest.raises(SystemExit, match="no public half"):
+        main(["keygen", str(tmp_path / "keys"), "--remote-secret", "--print-public", "--name", "x"])
+    # What kvtierd refuses at start (exit 2, remote_secret_key_file named): readable by others, not a secret.
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by others"):
+        load_secret(path)
+    bad = tmp_path / "bad"
+    bad.write_text("0123")
+    bad.chmod(0o600)
+    with pytest.raises(ValueError, match="kvtier keygen"):
+        load_secret(bad)
+
 # ---- daemons on tcp:// ---------------------------------------------------------------------------
 
 
