@@ -80,7 +80,7 @@ from kvtier.client.protocol import (
 from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits
 from kvtier.daemon.connections import Connection, connection_of
 from kvtier.daemon.replies import ReplyQueue
-from kvtier.daemon.descriptors import FdBudget, auto_per_peer
+from kvtier.daemon.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
 from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Reply, stats_fields
 from kvtier.daemon.lifecycle import StopFlag
 from kvtier.daemon.log_limit import RateLimitedLog
@@ -169,8 +169,13 @@ class Server:
                  notifier: Notifier | None = None) -> None:
         self.options = options
         self.stop = stop
-        self.fds = FdBudget.at_start()
-        max_connections = options.max_connections if options.max_connections is not None else self.fds.connections
+        try:
+            # The configuration checked max_connections against the same limit; this fails only
+            # when raising the soft limit to the hard one did.
+            self.fds = FdBudget.at_start(options.max_connections)
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
+        max_connections = self.fds.connections
         self.connection_limits = ConnectionLimits(
             max_connections,
             options.max_connections_per_peer if options.max_connections_per_peer is not None
@@ -261,9 +266,11 @@ class Server:
         # Watching connections must start before the first one is accepted.
         self._connection_guard = ConnectionGuard.start(self._zctx, sock, self.connection_limits)
         if self.fds.small:
-            log.warning("only %d file descriptors (RLIMIT_NOFILE): room for %d client connections and %d "
-                        "shared-memory files; raise LimitNOFILE= (systemd) or ulimit -n",
-                        self.fds.limit_fds, self.fds.connections, self.fds.shm_files)
+            log.warning("only %d file descriptors (RLIMIT_NOFILE): room for %d client connections, %d "
+                        "shared-memory files and %d for a connection flood (under %d, a flood on a starved CPU "
+                        "may outrun the connection guard); raise LimitNOFILE= (systemd) or ulimit -n",
+                        self.fds.limit_fds, self.fds.connections, self.fds.shm_files, self.fds.flood_room_fds,
+                        FLOOD_ROOM_GUARANTEED_FDS)
         endpoint = self.options.endpoint
         if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
             self._ipc_path = endpoint[len("ipc://"):]

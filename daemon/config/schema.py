@@ -29,7 +29,6 @@ import json
 import math
 import os
 import re
-import resource
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,7 +40,7 @@ import psutil
 
 from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
 from kvtier.daemon.config.errors import ConfigError
-from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer
+from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer, descriptor_limit
 from kvtier.daemon.config.units import (
     Coerce,
     CpuBytes,
@@ -395,12 +394,22 @@ def _cpu_budget_note(cfg: DaemonConfig, available_bytes: int) -> str:
 
 
 def _max_connections_note(cfg: DaemonConfig, available_bytes: int) -> str:
-    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    budget = FdBudget.of(descriptor_limit())
     return f"a quarter of the file descriptors (now {budget.connections} of {budget.limit_fds})"
 
 
+def _check_max_connections(key: str, value: object) -> None:
+    _check_int(key, value, minimum=1)
+    assert isinstance(value, int)
+    try:
+        # What the daemon's descriptor limit allows: libzmq aborts the daemon when an accept finds none.
+        FdBudget.of(descriptor_limit(), value)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
+
+
 def _per_peer_note(cfg: DaemonConfig, available_bytes: int) -> str:
-    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    budget = FdBudget.of(descriptor_limit())
     total = cfg.max_connections if cfg.max_connections is not None else budget.connections
     return f"a quarter of max_connections, at most {MAX_AUTO_CONNECTIONS_PER_PEER} (now {auto_per_peer(total)})"
 
@@ -568,8 +577,8 @@ class DaemonConfig:
     # Both caps shed connections as libzmq accepts them (daemon.connection_limits).
     max_connections: int | None = field(default=None, metadata=key(
         _as_optional_int, "client connections held at once; past it new ones get TOO_MANY_CONNECTIONS and are "
-        "closed ('auto' = a quarter of the file descriptors)", "N",
-        group=SERVER, rank=15, check=_optional(partial(_check_int, minimum=1)), unset="auto",
+        "closed ('auto' = a quarter of the file descriptors; at most half of them)", "N",
+        group=SERVER, rank=15, check=_optional(_check_max_connections), unset="auto",
         auto_note=_max_connections_note))
     max_connections_per_peer: int | None = field(default=None, metadata=key(
         _as_optional_int, "client connections one peer (a uid on ipc://, an IP address on tcp://) may hold at "
