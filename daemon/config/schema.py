@@ -565,6 +565,14 @@ class DaemonConfig:
     max_pools: int = field(default=128, metadata=key(
         _as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N",
         group=SERVER, rank=10, check=partial(_check_int, minimum=1)))
+    # Each live session costs ~3.7 KB and a place in every lease sweep.
+    max_auth_failures_per_minute: int = field(default=10, metadata=key(
+        _as_int, "wrong tenant tokens one peer (a uid on ipc://, an IP address on tcp://) may send in hello per "
+        "minute; past it its hellos with a token get TOO_MANY_AUTH_FAILURES, the token unchecked", "N",
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=100_000)))
+    max_sessions: int = field(default=4096, metadata=key(
+        _as_int, "live sessions the daemon holds at once; a hello past it gets TOO_MANY_SESSIONS", "N",
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=1 << 20)))
     max_pinned_share: float = field(default=0.5, metadata=key(
         _as_share,
         "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks",
@@ -573,6 +581,11 @@ class DaemonConfig:
         _as_size,
         "bytes of block payload in replies one connection has not read yet; past it its requests get "
         "UNREAD_REPLIES (e.g. 512MiB)", "SIZE",
+        group=SERVER, rank=14, check=partial(_check_int, minimum=MIN_MESSAGE_BYTES)))
+    max_unread_reply_bytes_total: int = field(default=1 * GiB, metadata=key(
+        _as_size,
+        "bytes of copied block payload (not lent tier memory) in replies all connections have not read yet; past "
+        "it a connection with replies unread gets UNREAD_REPLIES (e.g. 1GiB)", "SIZE",
         group=SERVER, rank=14, check=partial(_check_int, minimum=MIN_MESSAGE_BYTES)))
     # Both caps shed connections as libzmq accepts them (daemon.connection_limits).
     max_connections: int | None = field(default=None, metadata=key(

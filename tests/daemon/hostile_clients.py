@@ -91,7 +91,7 @@ def _guess(endpoint: str, seconds: float) -> None:
     import zmq
 
     layout = {"model": "m", "block_size": 4, "block_bytes": 4096, "dtype": "bfloat16", "num_layers": 1,
-              "kv_heads": 1, "head_dim": 8, "mode": "store"}
+              "kv_heads": 1, "head_dim": 8, "tp_rank": 0, "tp_size": 1, "hash_algo": "xxh3_128", "mode": "store"}
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
