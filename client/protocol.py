@@ -133,8 +133,10 @@ class ErrorCode(IntEnum):
     TOO_MANY_FILES = 302  # the session (or the daemon) maps as many shared-memory files as it may
     TOO_MANY_POOLS = 303  # the daemon holds max_pools pools; a hello may join one, not create another
     TOO_MANY_PINS = 304  # the session (or its tenant) holds max_pinned_share of the pool pinned
-    UNREAD_REPLIES = 305  # this connection's replies not yet read hold max_unread_reply_bytes
+    UNREAD_REPLIES = 305  # this connection's (or, with some, all connections') unread replies hold their cap
     TOO_MANY_CONNECTIONS = 306  # the daemon (or this peer) holds as many connections as it may; this one is closed
+    TOO_MANY_SESSIONS = 307  # the daemon holds max_sessions live sessions; hello again after some end
+    TOO_MANY_AUTH_FAILURES = 308  # this peer's wrong tenant tokens used up max_auth_failures_per_minute; wait
 
     TRANSFER_FAILED = 400  # a copy failed; nothing was committed
     SHUTTING_DOWN = 401  # the daemon is draining and takes no new work

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import resource
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,7 +42,7 @@ import psutil
 from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
 from kvtier.client.protocol import OPS, ProtocolError  # what a hello may send: pool names, leases
 from kvtier.daemon.config.errors import ConfigError
-from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer
+from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer, descriptor_limit
 from kvtier.daemon.config.units import (
     Coerce,
     CpuBytes,
@@ -443,17 +442,11 @@ def _check_metrics_port(cfg: DaemonConfig) -> None:
                                           "the second bind would fail: choose another")
 
 
-def _auto_max_connections() -> int:
-    """What ``max_connections = "auto"`` comes to on this host (daemon.descriptors)."""
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    return FdBudget.of(1 << 20 if hard == resource.RLIM_INFINITY else hard).connections  # as FdBudget.at_start
-
-
 def _check_per_peer(cfg: DaemonConfig) -> None:
     per_peer = cfg.max_connections_per_peer
     if per_peer is None:
         return  # auto: a quarter of max_connections
-    total = cfg.max_connections if cfg.max_connections is not None else _auto_max_connections()
+    total = cfg.max_connections if cfg.max_connections is not None else FdBudget.of(descriptor_limit()).connections
     if per_peer > total:
         source = "" if cfg.max_connections is not None else " ('auto' here: a quarter of the file descriptors)"
         raise ConfigError("max_connections_per_peer", f"is {per_peer}, more than max_connections ({total}{source}): "
@@ -510,12 +503,22 @@ def _cpu_budget_note(cfg: DaemonConfig, available_bytes: int) -> str:
 
 
 def _max_connections_note(cfg: DaemonConfig, available_bytes: int) -> str:
-    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    budget = FdBudget.of(descriptor_limit())
     return f"a quarter of the file descriptors (now {budget.connections} of {budget.limit_fds})"
 
 
+def _check_max_connections(key: str, value: object) -> None:
+    _check_int(key, value, minimum=1)
+    assert isinstance(value, int)
+    try:
+        # What the daemon's descriptor limit allows: libzmq aborts the daemon when an accept finds none.
+        FdBudget.of(descriptor_limit(), value)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
+
+
 def _per_peer_note(cfg: DaemonConfig, available_bytes: int) -> str:
-    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    budget = FdBudget.of(descriptor_limit())
     total = cfg.max_connections if cfg.max_connections is not None else budget.connections
     return f"a quarter of max_connections, at most {MAX_AUTO_CONNECTIONS_PER_PEER} (now {auto_per_peer(total)})"
 
@@ -682,6 +685,14 @@ class DaemonConfig:
     max_pools: int = field(default=128, metadata=key(
         _as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N",
         group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=MAX_POOLS)))
+    max_auth_failures_per_minute: int = field(default=10, metadata=key(
+        _as_int, "wrong tenant tokens one peer (a uid on ipc://, an IP address on tcp://) may send in hello per "
+        "minute; past it its hellos with a token get TOO_MANY_AUTH_FAILURES, the token unchecked", "N",
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=100_000)))
+    # Each live session costs ~3.7 KB and a place in every lease sweep.
+    max_sessions: int = field(default=4096, metadata=key(
+        _as_int, "live sessions the daemon holds at once; a hello past it gets TOO_MANY_SESSIONS", "N",
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=1 << 20)))
     max_pinned_share: float = field(default=0.5, metadata=key(
         _as_share,
         "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks",
@@ -692,11 +703,17 @@ class DaemonConfig:
         "UNREAD_REPLIES (e.g. 512MiB)", "SIZE",
         group=SERVER, rank=14, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
                                              what="unread replies are held in memory")))
+    max_unread_reply_bytes_total: int = field(default=1 * GiB, metadata=key(
+        _as_size,
+        "bytes of copied block payload (not lent tier memory) in replies all connections have not read yet; past "
+        "it a connection with replies unread gets UNREAD_REPLIES (e.g. 1GiB)", "SIZE",
+        group=SERVER, rank=14, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
+                                             what="unread replies are held in memory")))
     # Both caps shed connections as libzmq accepts them (daemon.connection_limits).
     max_connections: int | None = field(default=None, metadata=key(
         _as_optional_int, "client connections held at once; past it new ones get TOO_MANY_CONNECTIONS and are "
-        "closed ('auto' = a quarter of the file descriptors)", "N",
-        group=SERVER, rank=15, check=_optional(partial(_check_int, minimum=1)), unset="auto",
+        "closed ('auto' = a quarter of the file descriptors; at most half of them)", "N",
+        group=SERVER, rank=15, check=_optional(_check_max_connections), unset="auto",
         auto_note=_max_connections_note))
     max_connections_per_peer: int | None = field(default=None, metadata=key(
         _as_optional_int, "client connections one peer (a uid on ipc://, an IP address on tcp://) may hold at "
