@@ -126,7 +126,8 @@ class _Tracked:
     tiers: Sequence[str] = ()  # the lookup's answer: the tier of each block held
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
     stores: bool = True  # False once it ran across a reset_cache: its KV is from before it
-    looked_up: bool = False  # a pinned lookup under its tag was sent: its end releases the tag
+    # kvtierd may hold pins under its tag (a lookup found blocks, or its answer was lost): its end releases the tag
+    may_hold_pins: bool = False
 
     @property
     def tag(self) -> str:
@@ -198,7 +199,6 @@ class SchedulerSide:
         fut: Future[int] = Future()
         t.lookup = fut
         t.asked = False
-        t.looked_up = True
         with self._batch_lock:
             self._batch.append((t, max_blocks, fut))
             first = len(self._batch) == 1
@@ -225,6 +225,8 @@ class SchedulerSide:
             answer = answers[i] if answers else ()
             tiers: Sequence[str] = () if isinstance(answer, KvtierError) else answer
             held = len(tiers)
+            if held or answers is None:
+                t.may_hold_pins = True
             with self._reset_lock:
                 current = t.lookup is fut  # else reset_cache replaced it while this one was out
                 if current:
@@ -400,11 +402,10 @@ class SchedulerSide:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         t = self._tracked.pop(request.request_id, None)
         self._load_pins.pop(request.request_id, None)
-        if t is not None and t.looked_up:
-            # Every pin of its tag, known here or not. The background thread runs jobs in
-            # order, and a lookup still out was submitted before this: it has pinned by then.
-            tag = t.tag
-            self._jobs.submit(lambda: self._release(tag))
+        if t is not None:
+            # Every pin of its tag, known here or not. The background thread runs jobs in order,
+            # and a lookup still out was submitted before this: it has pinned (and said so) by then.
+            self._jobs.submit(lambda: self._release(t.tag) if t.may_hold_pins else None)
         # Stores still in flight are waited for by the worker before vLLM
         # reuses any block (handle_preemptions), so the blocks may go now.
         return False, None
