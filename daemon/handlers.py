@@ -439,8 +439,7 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     if req.fields["pin"] and tiers:
         _check_pins(ctx, session, entry, len(tiers))
         # Same thread, no copy in between: the pinned prefix is the one looked up.
-        tiers = pool.pin(session.sid, hashes[: len(tiers)])
-        session.num_pins += len(tiers)
+        tiers = _pin(session, entry, hashes[: len(tiers)], req.fields["pin_tag"])
     return Reply({"tiers": _reply_tiers(req, tiers), "pinned": len(tiers) if req.fields["pin"] else 0})
 
 
@@ -449,9 +448,17 @@ def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     entry = _entry(ctx, session)
     hashes = _keys(ctx, session, req.fields["hashes"])
     _check_pins(ctx, session, entry, len(entry.pool.lookup(hashes, count=False)))
-    tiers = entry.pool.pin(session.sid, hashes)
-    session.num_pins += len(tiers)
+    tiers = _pin(session, entry, hashes, req.fields["pin_tag"])
     return Reply({"tiers": _reply_tiers(req, tiers)})
+
+
+def _pin(session: Session, entry: PoolEntry, keys: Sequence[bytes], tag: str | None) -> list[Tier]:
+    """Pin the held prefix of ``keys`` for the session (under ``tag``): the session's counts follow."""
+    tiers = entry.pool.pin(session.pin_owner(tag), keys)
+    session.num_pins += len(tiers)
+    if tag is not None and tiers:
+        session.pin_tags[tag] = session.pin_tags.get(tag, 0) + len(tiers)
+    return tiers
 
 
 def _check_pins(ctx: HandlerContext, session: Session, entry: PoolEntry, more: int) -> None:
@@ -474,9 +481,23 @@ def _check_pins(ctx: HandlerContext, session: Session, entry: PoolEntry, more: i
 
 
 def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    """Drop pins on ``hashes`` (the tag's, with ``pin_tag``), or, with ``pin_tag`` alone, every pin of the tag:
+    those whose replies the client never read too (a lost reply, a resent lookup)."""
     assert session is not None
-    n = _entry(ctx, session).pool.unpin(session.sid, _keys(ctx, session, req.fields["hashes"]))
+    f = req.fields
+    tag, hashes = f["pin_tag"], f["hashes"]
+    if hashes is None and tag is None:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "unpin needs 'hashes', or 'pin_tag' alone to drop every pin of a tag")
+    pool = _entry(ctx, session).pool
+    owner = session.pin_owner(tag)
+    n = pool.unpin_all(owner) if hashes is None else pool.unpin(owner, _keys(ctx, session, hashes))
     session.num_pins -= n
+    if tag is not None:
+        left = session.pin_tags.get(tag, 0) - n
+        if hashes is None or left <= 0:
+            session.pin_tags.pop(tag, None)
+        else:
+            session.pin_tags[tag] = left
     return Reply({"unpinned": n})
 
 

@@ -4,7 +4,8 @@ Contract:
 
 - A session is opened by ``hello`` on one pool and is named by a random
   ``sid`` (32 hex chars). It owns, and on release gives back, everything the
-  client acquired through it: pins (the pool's pin owner is the sid), engine
+  client acquired through it: pins (the pool's pin owner is the sid, or
+  ``"<sid>#<tag>"`` for pins taken under a pin tag: ``pin_tags``), engine
   requests (pool request ids ``"<sid>:<req>"``), KV registrations, and its
   shared-memory staging arena.
 - The lease: every session verb except ``lookup``, ``stats`` and ``health``
@@ -76,6 +77,8 @@ class Session:
     # is HandlerContext.file_owner.
     files: dict[tuple[int, int], int] = field(default_factory=dict)
     num_pins: int = 0  # pin calls minus unpins, for stats only (the pool holds the truth)
+    # pin tag -> pins taken under it minus those dropped (never below the pool's count); released with the session
+    pin_tags: dict[str, int] = field(default_factory=dict)
     in_flight: int = 0  # parked requests whose copies are still running
     ended: str = ""  # why the session ended ("expired", "bye", "shutdown"); "" while live
     tenant: str = ""  # whose block namespace it works in ("" = the anonymous tenant: no tenants configured)
@@ -87,6 +90,10 @@ class Session:
     def pool_request_id(self, req: str) -> str:
         # The sid prefix keeps two clients' request ids apart in one pool.
         return f"{self.sid}:{req}"
+
+    def pin_owner(self, tag: str | None) -> str:
+        # "#" appears in no sid: a tag's pins never mix with the untagged ones.
+        return self.sid if tag is None else f"{self.sid}#{tag}"
 
     def summary(self) -> dict[str, Any]:
         return {
