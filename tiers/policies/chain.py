@@ -111,10 +111,11 @@ peak of blocks used within the horizon is 69,120 on the conversation trace
 (11.8 per CPU-tier block at 5,859 blocks), 40,147 on the synthetic one and
 84,968 on Claude Code's (10.9 at 7,812 blocks). It does below ~1,080
 CPU-tier blocks (conversation) or ~1,330 (Claude Code). Measured (``kvtier
-replay``, block hit rate, bound then none): conversation at 976 blocks
-(500k tokens) 0.0764 against 0.0784 (46,378 uses forgotten); at 32 per block instead of 64, conversation at
-1,953 blocks 0.1047 against 0.1067, Claude Code (GPU 976) at 1,953 blocks
-0.2984 against 0.2957 (so 64: no measured drop down to 1M tokens).
+replay``, block hit rate, bound then none): conversation at 976 blocks (500k
+tokens) 0.0764 against 0.0784 (46,378 uses forgotten). At 32 per block
+instead of 64: conversation at 1,953 blocks (1M tokens) 0.1047 against
+0.1067, Claude Code (GPU 976 blocks) at 1,953 blocks 0.2984 against 0.2957;
+hence 64, which leaves both unchanged at 1M tokens.
 
 Without ``record_request`` calls (a store-only client), every block is one
 class at age 0 and the policy degrades to FIFO with admit-all.
