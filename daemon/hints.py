@@ -16,7 +16,8 @@ hears:
   share of the pool: half the pool's blocks (GPU + CPU tier) divided by the
   sessions on the pool. A request past the share keeps its other hints and
   loses ``retain_s`` (counted in ``hints_retain_refused_total``): a hint is
-  soft, so exceeding the share is no error.
+  soft, so exceeding the share is no error. The ledger is
+  ``kvtier.daemon.retention.Retention``: O(log n) per request.
 - ``at_s`` is the daemon's monotonic clock when the request arrived.
 - ``output_tokens`` passes as it came (validated: 0..2**31-1).
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,27 +65,11 @@ def request_hints(wire: Mapping[str, Any] | None, session: Session, entry: PoolE
     key = wire.get("session")
     scoped = session_key(session.tenant, key) if key is not None else None
     retain_s = min(float(wire.get("retain_s") or 0.0), MAX_RETAIN_S)
-    if retain_s > 0.0 and not _reserve_retention(session.retained, now_s, retain_s, num_blocks,
-                                                 retain_share_blocks(entry)):
+    if retain_s > 0.0 and not session.retained.reserve(now_s, now_s + retain_s, num_blocks,
+                                                        retain_share_blocks(entry)):
         metrics.inc("hints_retain_refused_total")
         retain_s = 0.0
     hints = RequestHints(session=scoped, retain_s=retain_s, priority=int(wire.get("priority") or 0), at_s=now_s,
                          output_tokens=int(wire.get("output_tokens") or 0))
     return None if hints.empty else hints
 
-
-def _reserve_retention(retained: deque[tuple[float, int]], now_s: float, retain_s: float, num_blocks: int,
-                       share_blocks: int) -> bool:
-    """Book ``num_blocks`` retained until ``now_s + retain_s`` if the session's live retention leaves room."""
-    while retained and retained[0][0] <= now_s:
-        retained.popleft()
-    held = sum(n for _, n in retained)
-    if held + num_blocks > share_blocks:
-        return False
-    retained.append((now_s + retain_s, num_blocks))
-    if len(retained) > 1 and retained[-2][0] > retained[-1][0]:
-        # Deadlines arrive out of order when retain_s differs between requests.
-        items = sorted(retained)
-        retained.clear()
-        retained.extend(items)
-    return True

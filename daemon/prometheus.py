@@ -192,6 +192,9 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
     PoolMetric("cpu_used_blocks", "cached_blocks", "gauge", "", (("tier", "cpu"),)),
     PoolMetric("held_blocks", "held_blocks", "gauge",
                "Distinct blocks the pool holds, in any tier (a block in both tiers counts once)."),
+    PoolMetric("policy_keys", "policy_keys", "gauge",
+               "Block keys the CPU tier's eviction policy holds state for, resident or not (its history, "
+               "ghosts, streams' chains): bounded by the pool's size, whatever the traffic."),
     PoolMetric("pinned_blocks", "pinned_blocks", "gauge",
                "Block pins held by sessions, both tiers (a block pinned by two sessions counts twice)."),
     PoolMetric("copies_in_flight", "copies_in_flight", "gauge", "Copies started and not yet finished."),

@@ -29,12 +29,12 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
+from kvtier.daemon.retention import Retention
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ class Session:
     tenant: str = ""  # whose block namespace it works in ("" = the anonymous tenant: no tenants configured)
     peer: str | None = None  # CURVE User-Id that opened it; only that identity may use the sid
     uid: int | None = None  # ipc: the uid of the process that opened it; only that user may use the sid
-    # (deadline_s, blocks) of the retain_s hints it holds, earliest first (kvtier.daemon.hints)
-    retained: deque[tuple[float, int]] = field(default_factory=deque)
+    # the retain_s hints it holds (kvtier.daemon.hints)
+    retained: Retention = field(default_factory=Retention)
 
     def pool_request_id(self, req: str) -> str:
         # The sid prefix keeps two clients' request ids apart in one pool.

@@ -313,6 +313,9 @@ class TenantQuotaPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self.inner)
 
+    def remembered_keys(self) -> int:
+        return self.inner.remembered_keys()
+
     def admit(self, key: bytes) -> bool:
         if not self._in_batch:
             self._in_batch = True

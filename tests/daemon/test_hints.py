@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +12,7 @@ from kvtier.client.client import Client, DaemonError, PoolLayout
 from kvtier.client.protocol import FEATURE_HINT_OUTPUT_TOKENS, FEATURE_HINTS, ErrorCode, Hints, ProtocolError
 from kvtier.daemon import hints as daemon_hints
 from kvtier.daemon.metrics import Counters
+from kvtier.daemon.retention import Retention
 from kvtier.tiers.hints import MAX_SESSION_KEY_BYTES
 
 BLOCK_BYTES = 1024
@@ -94,7 +94,7 @@ def entry(sessions: int) -> SimpleNamespace:
 
 
 def session(tenant: str = "") -> SimpleNamespace:
-    return SimpleNamespace(tenant=tenant, retained=deque())
+    return SimpleNamespace(tenant=tenant, retained=Retention())
 
 
 def test_session_keys_are_scoped_to_the_tenant_and_at_s_is_the_daemons_clock() -> None:

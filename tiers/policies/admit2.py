@@ -128,6 +128,9 @@ class AdmissionWrapper(EvictionPolicy):
     def __len__(self) -> int:
         return len(self.inner)
 
+    def remembered_keys(self) -> int:
+        return len(self._seen) + self.inner.remembered_keys()
+
     def _touch(self, key: bytes) -> _Sighting:
         sighting = self._seen.get(key)
         if sighting is None:

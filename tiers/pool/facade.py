@@ -443,6 +443,7 @@ class TieredPool:
             cpu_evictions=self.cpu.evictions,
             cpu_full_failures=self.cpu.full_failures,
             cpu_not_admitted=self.cpu.not_admitted,
+            policy_keys=self.cpu.policy.remembered_keys(),
             pinned_blocks=self.num_pinned(),
             copies_in_flight=len(self._copies),
             block_bytes=self.spec.block_bytes,
