@@ -152,4 +152,6 @@ def test_tenants_flooding_their_pools_stay_within_each_pools_bound(kvtierd_facto
         assert own["shared-name"]["policy_keys"] <= bound_keys
     grown = rss1 - rss0
     assert grown <= 2 * bound_keys * BYTES_PER_KEY + SLACK_BYTES, f"grew by {grown / 2**20:.0f} MiB"
-    assert prober.probes > 0 and prober.slowest_s < PROBE_LIMIT_S, prober.slowest_s
+    # Two floods take turns on one loop: a probe may wait for one lookup of each (2.5-3.8 s measured at a
+    # load average of 16 on 2 cores), so the limit is the single pool's, twice.
+    assert prober.probes > 0 and prober.slowest_s < 2 * PROBE_LIMIT_S, prober.slowest_s
