@@ -95,6 +95,7 @@ from kvtier.daemon.sd_notify import Notifier
 from kvtier.daemon.security import CurveGuard, CurveOptions, check_socket_dir, peer_uid, peer_user_id
 from kvtier.daemon.sessions import Session, SessionTable
 from kvtier.daemon.tenants import TenantRegistry
+from kvtier.tiers.persistent_arena import ArenaDirectory
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
 from kvtier.tiers.copy_types import DeadlinePassed
 from kvtier.tiers.transfer import TransferError
@@ -121,7 +122,8 @@ class ServeOptions:
 
     endpoint: str
     device: str = "cpu"
-    sizing_for: Callable[[str], PoolSizing] = field(default=lambda _name: PoolSizing(256 << 20, 1 << 30))
+    # (pool name, memory its persistent CPU tier's files already hold) -> its sizing (daemon.pool_admission)
+    sizing_for: Callable[[str, int], PoolSizing] = field(default=lambda _name, _reusable=0: PoolSizing(256 << 20, 1 << 30))
     lease_s: float = 10.0  # also the longest lease a client may ask for
     heartbeat_s: float | None = None  # recommended to clients; None: lease_s / 3
     poll_interval_s: float = 0.1  # loop wakes at least this often when idle
@@ -140,6 +142,7 @@ class ServeOptions:
     max_unread_reply_bytes: int = 512 << 20  # payload bytes of replies one connection has not read
     max_connections: int | None = None  # client connections at once; None: a quarter of the descriptors (FdBudget)
     max_connections_per_peer: int | None = None  # of one uid (ipc) or IP address (tcp); None: auto_per_peer
+    arenas: ArenaDirectory | None = None  # persistent CPU tiers (daemon.pools); None: private memory
 
 
 
@@ -201,6 +204,8 @@ class Server:
             wakeup=self._wakeup,
             progress=self.admission.allocation_progress,
             policy_wrapper=options.tenants.policy_wrapper,
+            arenas=options.arenas,
+            close_timeout_s=options.drain_timeout_s,
         )
         self.admission.attach(self.pools)
         self.sessions = SessionTable(lambda session, reason: release_session(self.ctx, self.replies, session, reason))
@@ -310,6 +315,9 @@ class Server:
     # ---- the loop ------------------------------------------------------------
 
     def run(self) -> int:
+        # Before the socket: no hello may create a pool whose arena is still to be adopted.
+        tenants = self.options.tenants
+        self.pools.adopt_arenas(lambda t: t in set(tenants) if tenants.enabled else t == "")
         self.bind()
         # Everything built so far (torch and the other modules: ~170k objects)
         # lives as long as the process. Left to the cyclic GC, each full
