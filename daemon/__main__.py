@@ -130,7 +130,8 @@ def _arena_directory(cfg: DaemonConfig) -> ArenaDirectory | None:
     """Where the persistent CPU tiers live (None: persistence off); a missing directory is a config error."""
     if not cfg.persist_cpu_tier:
         return None
-    from kvtier.tiers.persistent_arena import ArenaDirectory, list_arenas
+    from kvtier.tiers.arena_files import list_arenas
+    from kvtier.tiers.persistent_arena import ArenaDirectory
     from kvtier.tiers.units import format_gib
 
     if not cfg.arena_dir.is_dir() or not os.access(cfg.arena_dir, os.W_OK | os.X_OK):

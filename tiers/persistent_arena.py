@@ -7,7 +7,7 @@ socket adopts them (``kvtier.tiers.pool.adoption``) and serves what verifies.
 Contract
 ========
 
-- Files, per pool of one daemon instance: ``<arena_dir>/kvtierd-<uid>-<instance>-<pool>.index``
+- Files, per pool of one daemon instance (named by ``arena_files``): ``<arena_dir>/kvtierd-<uid>-<instance>-<pool>.index``
   (a ``kvtier.tiers.slot_index.SlotIndex``: which slot holds which key, with a
   checksum of its bytes) and ``....data`` (the slab: one row of
   ``block_bytes`` per slot). ``instance`` is a digest of the daemon's
@@ -39,19 +39,15 @@ Contract
   key journal's reserved numbering. ``close(remove=False)`` releases the lock
   and keeps the files for the next daemon; ``remove=True`` deletes them
   (the memory goes once the last mapping does).
-- ``list_arenas(path)`` lists every kvtier arena in a directory (any uid,
-  any instance: the ``kvtier arenas`` command), each with its identity (or
-  why it is unreadable), its bytes in memory, and whether a live daemon
-  holds it; ``remove_arena(info)`` deletes one no daemon holds.
-  ``ArenaDirectory.instance_arenas()`` lists this instance's and clears
-  leftovers of interrupted creations.
+- ``ArenaDirectory.instance_arenas()`` lists this instance's arenas
+  (``kvtier.tiers.arena_files``: names, listing, removal, no torch) and
+  clears leftovers of interrupted creations.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import mmap
 import os
@@ -61,6 +57,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.tiers.arena_files import (
+    DATA_SUFFIX,
+    INDEX_SUFFIX,
+    PREFIX,
+    ArenaInfo,
+    allocated_bytes,
+    arena_stem,
+    instance_id,
+    list_arenas,
+)
 from kvtier.tiers.host_memory import HostMemoryError, map_shared_slab
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.slot_index import (
@@ -70,28 +76,13 @@ from kvtier.tiers.slot_index import (
     SlotIndexFormatError,
     SlotRecord,
     block_checksum,
-    is_held,
-    read_identity,
 )
 from kvtier.tiers.units import format_gib
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ARENA_DIR = Path("/dev/shm")
-PREFIX = "kvtierd-"  # not "kvtier-": clients sweep their own orphaned "kvtier-..." files (client/shm_orphans.py)
-INDEX_SUFFIX = ".index"
-DATA_SUFFIX = ".data"
 # fallocate this much at a time, reporting progress between (a large tier takes seconds).
 ALLOCATE_CHUNK_BYTES = 256 * 1024**2
-
-
-def instance_id(endpoint: str) -> str:
-    """The daemon instance's part of its arenas' names: a digest of its endpoint."""
-    return hashlib.sha256(endpoint.encode()).hexdigest()[:12]
-
-
-def arena_stem(uid: int, endpoint: str, pool_key: str) -> str:
-    return f"{PREFIX}{uid}-{instance_id(endpoint)}-{hashlib.sha256(pool_key.encode()).hexdigest()[:16]}"
 
 
 def _kvtier_version() -> str:
@@ -120,88 +111,6 @@ class Opened:
     def dropped(self) -> int:
         return self.torn + self.unfit + self.duplicates
 
-
-@dataclass
-class ArenaInfo:
-    """One arena in a directory, as ``list_arenas`` sees it."""
-
-    stem: str
-    index_path: Path
-    data_path: Path
-    uid: int | None
-    instance: str
-    memory_bytes: int  # what its files hold in memory (allocated blocks)
-    held: bool  # a live daemon holds it
-    identity: dict[str, Any] | None = None
-    slots: int = 0
-    block_bytes: int = 0
-    problem: str = ""  # why it is unreadable (another format, damaged, no index)
-
-
-def _allocated_bytes(path: Path) -> int:
-    try:
-        return os.stat(path).st_blocks * 512
-    except FileNotFoundError:
-        return 0
-
-
-def _parse_stem(stem: str) -> tuple[int | None, str]:
-    parts = stem[len(PREFIX):].split("-")
-    if len(parts) != 3:
-        return None, ""
-    try:
-        return int(parts[0]), parts[1]
-    except ValueError:
-        return None, parts[1]
-
-
-def list_arenas(path: Path, *, uid: int | None = None) -> list[ArenaInfo]:
-    """See the module docstring (``uid``: only that user's). A missing directory lists nothing; an arena
-    this user cannot read counts as held, with its problem said."""
-    path = Path(path)
-    stems: dict[str, None] = {}
-    try:
-        names = sorted(os.listdir(path))
-    except FileNotFoundError:
-        return []
-    for name in names:
-        if name.startswith(PREFIX) and (name.endswith(INDEX_SUFFIX) or name.endswith(DATA_SUFFIX)):
-            stems[name.rsplit(".", 1)[0]] = None
-    found = []
-    for stem in stems:
-        index_path, data_path = path / (stem + INDEX_SUFFIX), path / (stem + DATA_SUFFIX)
-        owner, instance = _parse_stem(stem)
-        if uid is not None and owner != uid:
-            continue
-        info = ArenaInfo(stem, index_path, data_path, owner, instance,
-                         _allocated_bytes(index_path) + _allocated_bytes(data_path), held=True)
-        try:
-            info.held = is_held(index_path)
-        except PermissionError:
-            info.problem = "not readable by this user"
-            found.append(info)
-            continue
-        if not index_path.exists():
-            info.problem = "no index (a creation was interrupted)"
-        else:
-            try:
-                info.slots, info.block_bytes, info.identity = read_identity(index_path)
-            except SlotIndexFormatError as exc:
-                info.identity = exc.identity
-                info.problem = str(exc)
-            except OSError as exc:
-                info.problem = f"unreadable: {exc}"
-        found.append(info)
-    return found
-
-
-def remove_arena(info: ArenaInfo) -> None:
-    """Delete an arena's files; refuses (``RuntimeError``) one a live daemon holds."""
-    if is_held(info.index_path):
-        raise RuntimeError(f"{info.stem} is held by a running kvtierd: stop it first")
-    for p in (info.index_path, info.data_path):
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
 
 
 def _identity_mismatch(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:
@@ -252,7 +161,7 @@ class ArenaDirectory:
     def memory_bytes(self, pool_key: str | None = None) -> int:
         """Memory this instance's arena files hold (one pool's, or all): what reopening them reuses."""
         stems = [self.stem(pool_key)] if pool_key is not None else [i.stem for i in self.instance_arenas()]
-        return sum(_allocated_bytes(self.path / (s + suffix)) for s in stems for suffix in (INDEX_SUFFIX, DATA_SUFFIX))
+        return sum(allocated_bytes(self.path / (s + suffix)) for s in stems for suffix in (INDEX_SUFFIX, DATA_SUFFIX))
 
     def remove(self, pool_key: str) -> None:
         self.remove_stem(self.stem(pool_key))

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from kvtier.tiers.host_memory import HostMemoryError
 from kvtier.tiers.layout import BlockLayout
-from kvtier.tiers.persistent_arena import ArenaDirectory, list_arenas, remove_arena
+from kvtier.tiers.arena_files import list_arenas, remove_arena
+from kvtier.tiers.persistent_arena import ArenaDirectory
 from kvtier.tiers.pool import PoolSpec, Tier, TieredPool
 from kvtier.tiers.slot_index import (
     HEADER_BYTES,
@@ -31,7 +32,6 @@ from kvtier.tiers.slot_index import (
     SlotIndex,
     SlotIndexBusy,
     SlotIndexFormatError,
-    block_checksum,
     is_held,
 )
 from kvtier.tiers.transfer import ThreadTransferEngine
