@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -124,6 +126,11 @@ def test_sigterm_then_start_adopts_and_the_stop_first_demotes_what_only_the_gpu_
     assert "40 blocks only the GPU tier held demoted" in daemon.log()
     daemon.spawn()
     assert wait_verified(daemon)["cpu_adopted_blocks"] == 40
+    out = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "stats", "--socket", daemon.endpoint],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ADOPTED AT START"))
+    assert lines[start + 2].split() == ["p", "40", "0", "0"], out
     with Client(daemon.endpoint, "p", LAYOUT) as c:
         assert c.lookup(keys) == ["cpu"] * 40
         have, wrong = served(c, keys)

@@ -484,6 +484,7 @@ class TieredPool:
             cpu_adopted_blocks=self.cpu.adopted_blocks,
             cpu_adoption_dropped_blocks=self.cpu.adoption_dropped_blocks,
             cpu_adoption_pending_blocks=self.cpu.adoption_pending_blocks,
+            cpu_persistent=self.adoption is not None,
             pinned_blocks=self.num_pinned(),
             copies_in_flight=len(self._copies),
             block_bytes=self.spec.block_bytes,
