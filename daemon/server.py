@@ -42,6 +42,9 @@ Contract:
   reclaimed to make room, and idle ones closed after ``pool_idle_ttl_s``
   (``daemon.pool_admission``: NO_SPACE with the numbers when the host or the
   CPU budget cannot take its CPU tier, TOO_MANY_POOLS past ``max_pools``).
+  With persistent CPU tiers (``ServeOptions.arenas``), ``run()`` first
+  re-creates the pools the previous daemon left, adopting their blocks,
+  before the socket is bound (``daemon.pools``).
 - systemd: READY=1 once the socket is bound, WATCHDOG=1 from the loop at
   half of WatchdogSec (and between pinned chunks of a CPU tier being
   allocated), STATUS= lines (allocation progress; a summary at most once a

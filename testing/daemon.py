@@ -20,8 +20,9 @@ Contract
   ``--socket <endpoint>``; ``kvtierd_args`` holds both (``--socket`` first).
 - Persistent CPU tiers: unless ``flags`` name ``arena_dir`` or
   ``persist_cpu_tier`` (or the kept environment does), the daemon keeps
-  them in ``<workdir>/arenas`` (``arena_dir``), not in /dev/shm: they go
-  with the working folder, and a test never leaves memory behind. A
+  them in ``<workdir>/arenas`` (``arena_dir``, owned like ``workdir``), not
+  in /dev/shm: they go with the working folder, and a test never leaves
+  memory behind. A
   ``restart()`` adopts them, as a restarted kvtierd does.
 - ``command``: what starts kvtierd, ``kvtierd_args`` appended: by default
   ``python -m kvtier.daemon`` (this interpreter); another command must run
@@ -142,6 +143,9 @@ class KvtierDaemon:
                 "KVTIER_ARENA_DIR", "KVTIER_PERSIST_CPU_TIER"} & set(kept_env):
             self.arena_dir = workdir / "arenas"
             self.arena_dir.mkdir(mode=0o700, exist_ok=True)
+            owner = workdir.stat()
+            if (owner.st_uid, owner.st_gid) != (os.getuid(), os.getgid()):
+                os.chown(self.arena_dir, owner.st_uid, owner.st_gid)  # a daemon that runs as the folder's owner
             flags["arena_dir"] = self.arena_dir
         else:
             self.arena_dir = Path(str(flags.get("arena_dir", kept_env.get("KVTIER_ARENA_DIR", "/dev/shm"))))

@@ -11,6 +11,7 @@ back is checked byte for byte.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import struct
@@ -332,3 +333,58 @@ def test_a_kill_at_any_step_leaves_what_was_acknowledged_served_or_counted_dropp
     assert set(served) == set(held) - torn
     assert after.pool.cpu.adoption_dropped_blocks == len(torn) and after.pool.cpu.adoption_pending_blocks == 0
     after.close()
+
+
+class FakeRegistry:
+    """cudaHostRegister / Unregister stand-ins: what was page-locked, and what still is."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.live: dict[int, int] = {}
+
+    def register(self, ptr: int, nbytes: int, *_flags: object) -> None:
+        self.calls.append((ptr, nbytes))
+        self.live[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        del self.live[ptr]
+
+
+def test_an_adopted_tier_is_pinned_again_in_its_new_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page-locking belongs to a process: a CUDA daemon that adopts a tier registers it again, chunk by chunk."""
+    import gc
+    import mmap
+
+    from kvtier.tiers import cuda_copy
+    from kvtier.tiers.host_memory import map_shared_slab
+
+    reg = FakeRegistry()
+    monkeypatch.setattr(cuda_copy, "host_register", reg.register)
+    monkeypatch.setattr(cuda_copy, "host_unregister", reg.unregister)
+    first = ArenaDirectory(tmp_path, ENDPOINT).open("p", LAYOUT, 64, BB, pin=True)
+    assert first.layout.host_info["pinned"] == "chunked" and len(reg.live) == 1
+    first.index.close()  # killed
+    del first
+    gc.collect()
+    assert reg.live == {}
+    again = ArenaDirectory(tmp_path, ENDPOINT).open("p", LAYOUT, 64, BB, pin=True)
+    assert again.opened.state == "adopted" and again.layout.host_info["pinned"] == "chunked"
+    (ptr, nbytes), = reg.live.items()
+    assert ptr == again.layout.slab().data_ptr() and nbytes >= 64 * BB
+    again.close()
+    del again
+    gc.collect()
+    assert reg.live == {}
+    # In chunks that start on page and block boundaries, as the private tier's.
+    fd = os.open(tmp_path / "slab", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 37 * 3 * mmap.PAGESIZE)
+    reg.calls.clear()
+    layout = map_shared_slab(fd, 37, 3 * mmap.PAGESIZE, pin=True, chunk_bytes=1 << 16, register=reg.register,
+                             unregister=reg.unregister)
+    os.close(fd)
+    base = layout.slab().data_ptr()
+    assert [p - base for p, _ in reg.calls] == list(itertools.accumulate([0] + [n for _, n in reg.calls[:-1]]))
+    assert all(n % (3 * mmap.PAGESIZE) == 0 for _, n in reg.calls[:-1]) and sum(n for _, n in reg.calls) >= 37 * 3 * mmap.PAGESIZE
+    del layout
+    gc.collect()
+    assert reg.live == {}
