@@ -79,13 +79,15 @@ class PoolAdmission:
         pools = self._registry()
         sizing = self.configured_sizing(name, reusable_bytes)
         closed = 0
-        for idle in pools.idle():
+        # By name: a reference held here (a loop variable, the list) would keep a closed pool, and its
+        # tier memory, alive through the collection below.
+        for key, since_s, cpu_bytes in [(e.name, e.idle_since_s, e.cpu_bytes) for e in pools.idle()]:
             if not self._would_not_fit(sizing.cpu_bytes, reusable_bytes):
                 break
-            log.info("pool %r reclaimed for pool %r: idle %.0f s, %s of CPU tier freed", idle.name, name,
-                     time.monotonic() - (idle.idle_since_s or 0.0), gib(idle.cpu_bytes))
+            log.info("pool %r reclaimed for pool %r: idle %.0f s, %s of CPU tier freed", key, name,
+                     time.monotonic() - (since_s or 0.0), gib(cpu_bytes))
             self.metrics.inc("pools_reclaimed_total", reason="memory")
-            pools.close(idle.name, self.close_timeout_s)
+            pools.close(key, self.close_timeout_s)
             closed += 1
         if closed:
             free_closed_pools()
@@ -113,13 +115,15 @@ class PoolAdmission:
     def close_expired(self, now_s: float) -> None:
         """Pools idle for pool_idle_ttl_s go, with their blocks."""
         pools = self._registry()
-        for idle in pools.idle():
-            if idle.idle_since_s is None or now_s - idle.idle_since_s < self.pool_idle_ttl_s:
-                break  # longest idle first: the rest are younger
+        # By name, as in sizing_for: the collection must see no reference to a closed pool.
+        expired = [(e.name, now_s - e.idle_since_s, e.cpu_bytes) for e in pools.idle()
+                   if e.idle_since_s is not None and now_s - e.idle_since_s >= self.pool_idle_ttl_s]
+        for key, idle_s, cpu_bytes in expired:
             log.info("pool %r closed: no session for %.0f s (pool_idle_ttl_s), %s of CPU tier freed",
-                     idle.name, now_s - idle.idle_since_s, gib(idle.cpu_bytes))
+                     key, idle_s, gib(cpu_bytes))
             self.metrics.inc("pools_reclaimed_total", reason="idle")
-            pools.close(idle.name, self.close_timeout_s)
+            pools.close(key, self.close_timeout_s)
+        if expired:
             free_closed_pools()
 
     def allocation_progress(self, name: str, done_bytes: int, total_bytes: int) -> None:

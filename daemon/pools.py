@@ -47,7 +47,7 @@ Contract:
 - Persistence (``arenas``, a ``tiers.persistent_arena.ArenaDirectory``; None:
   CPU tiers in private memory, gone with the process): every CPU tier lives
   in arena files a later daemon on the same socket adopts. ``adopt_arenas``
-  (at start-up, before the socket is bound) re-creates each pool an arena of
+  (at start-up, before the first request is read) re-creates each pool an arena of
   this instance names, with the layout recorded there and today's sizing,
   and adopts its blocks (``TieredPool.attach_arena``); an arena that cannot
   be adopted (another format, a tenant or hash algorithm no longer
@@ -64,6 +64,7 @@ Contract:
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -213,7 +214,8 @@ class PoolRegistry:
                         ", ".join(f"{k}: {entry.layout.get(k)!r} -> {layout.get(k)!r}" for k in diffs),
                         len(entry.pool.cpu))
             self.close(key, self._close_timeout_s)
-            entry = None
+            entry = None  # no reference left: the collection frees its tier now
+            gc.collect()  # its tier's memory back before the new one is sized (see pool_admission.free_closed_pools)
         if entry is not None:
             entry.unclaimed = False
             if entry.layout != dict(layout):
@@ -459,10 +461,9 @@ class PoolRegistry:
                 except ProtocolError as exc:
                     why = exc.message
                 else:
-                    if entry.arena is not None and entry.arena.opened.state == "adopted":
-                        entry.unclaimed = True
-                        entry.idle_since_s = time.monotonic()  # idle until a hello joins it
-                        adopted += 1
+                    entry.unclaimed = True
+                    entry.idle_since_s = time.monotonic()  # idle until a hello joins it: TTL and reclaim apply
+                    adopted += entry.arena is not None and entry.arena.opened.state == "adopted"
                     continue
             log.warning("pool %r starts empty: its CPU tier from before the restart (%s) is not adopted because %s; "
                         "removed", key, info.stem, why)
