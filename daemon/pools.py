@@ -287,7 +287,7 @@ class PoolRegistry:
                                       tenant=tenant, name=name)
         except HostMemoryError as exc:
             raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: {exc}") from None
-        except SlotIndexBusy as exc:
+        except (SlotIndexBusy, OSError) as exc:  # held by another process, or arena_dir failing: still a cache
             log.warning("pool %r: its CPU tier stays private (not kept across restarts): %s", key, exc)
             return None
         (log.warning if arena.opened.state == "reset" else log.info)("pool %r: %s", key, arena.describe())

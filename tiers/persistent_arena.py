@@ -51,8 +51,10 @@ import errno
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,22 @@ log = logging.getLogger(__name__)
 
 # fallocate this much at a time, reporting progress between (a large tier takes seconds).
 ALLOCATE_CHUNK_BYTES = 256 * 1024**2
+# A copy's checksums are split over threads from this many bytes on (smaller: one thread is as fast).
+PARALLEL_CHECKSUM_BYTES = 2 * 1024**2
+_CHECKSUM_THREADS = max(1, min(4, os.cpu_count() or 1))
+_checksum_pool: ThreadPoolExecutor | None = None
+_checksum_pool_lock = threading.Lock()
+
+
+def _checksum_workers() -> ThreadPoolExecutor | None:
+    """The threads every arena's copies hash on (None on a one-core host)."""
+    global _checksum_pool
+    if _CHECKSUM_THREADS < 2:
+        return None
+    with _checksum_pool_lock:
+        if _checksum_pool is None:
+            _checksum_pool = ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="kvtier-checksum")
+        return _checksum_pool
 
 
 def _kvtier_version() -> str:
@@ -340,7 +358,18 @@ class PersistentArena:
 
     def checksums(self, slots: Sequence[int]) -> list[int]:
         rows = self._rows
-        return [block_checksum(rows[s]) for s in slots]
+        nbytes = len(slots) * self.block_bytes
+        workers = _checksum_workers()
+        if nbytes < PARALLEL_CHECKSUM_BYTES or workers is None:
+            return [block_checksum(rows[s]) for s in slots]
+        # A copy's worker waits for these before the blocks count as stored: hashed in parallel
+        # (xxhash lets go of the GIL), a batch costs about a memmove's time, not twice it.
+        n = len(slots)
+        parts = min(_CHECKSUM_THREADS, -(-nbytes // PARALLEL_CHECKSUM_BYTES))
+        bounds = [n * i // parts for i in range(parts + 1)]
+        chunks = workers.map(lambda ab: [block_checksum(rows[s]) for s in slots[ab[0]:ab[1]]],
+                             zip(bounds, bounds[1:]))
+        return [c for chunk in chunks for c in chunk]
 
     def record(self, slot: int, key: bytes, checksum: int | None) -> None:
         if len(key) > MAX_KEY_BYTES:

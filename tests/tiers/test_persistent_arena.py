@@ -388,3 +388,17 @@ def test_an_adopted_tier_is_pinned_again_in_its_new_process(tmp_path: Path, monk
     del layout
     gc.collect()
     assert reg.live == {}
+
+
+def test_a_large_copys_checksums_split_over_threads_equal_one_threads(tmp_path: Path) -> None:
+    from kvtier.tiers import persistent_arena
+    from kvtier.tiers.slot_index import block_checksum
+
+    bb = 1 << 20
+    arena = ArenaDirectory(tmp_path, ENDPOINT).open("p", {**LAYOUT, "block_bytes": bb}, 12, bb, pin=False)
+    arena.layout.slab().random_(0, 256)
+    slots = [11, 3, 0, 7, 5, 9, 1]  # 7 MiB: past PARALLEL_CHECKSUM_BYTES, in a copy's slot order
+    assert len(slots) * bb >= persistent_arena.PARALLEL_CHECKSUM_BYTES
+    want = [block_checksum(arena.layout.slab()[s].numpy()) for s in slots]
+    assert arena.checksums(slots) == want and arena.checksums(slots[:1]) == want[:1]
+    arena.close()
