@@ -268,7 +268,7 @@ class PoolRegistry:
         if self._progress is not None:
             report = self._progress
             on_chunk = lambda done, total: report(key, done, total)  # noqa: E731
-        arena = self._open_arena(tenant, name, layout, cpu_blocks, block_bytes, on_chunk) if cpu_blocks else None
+        arena = self._open_arena(tenant, name, layout, cpu_blocks, block_bytes, on_chunk)
         try:
             return self._build(tenant, name, layout, sizing, arena, on_chunk)
         except BaseException:
@@ -282,6 +282,12 @@ class PoolRegistry:
         if self._arenas is None:
             return None
         key = pool_key(tenant, name)
+        if not cpu_blocks:
+            if self._arenas.memory_bytes(key):
+                log.warning("pool %r has no CPU tier now (cpu_bytes 0): the blocks its CPU tier held before the "
+                            "restart are dropped", key)
+                self._arenas.remove(key)
+            return None
         try:
             arena = self._arenas.open(key, layout, cpu_blocks, block_bytes, progress=on_chunk,
                                       tenant=tenant, name=name)
@@ -447,6 +453,8 @@ class PoolRegistry:
             ident = info.identity or {}
             key = ident.get("pool", info.stem)
             why = info.problem
+            if why and ident.get("kvtier"):
+                why += f" (written by kvtier {ident['kvtier']})"
             if info.held:
                 log.warning("arena %s of pool %r is held by another live process; not adopted", info.stem, key)
                 continue
