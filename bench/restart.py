@@ -33,7 +33,9 @@ reported from the spawn (it includes the daemon's own start: importing
 torch takes most of it on a small VM) and from ``ready``; the baseline row
 is the start with nothing to adopt, in the same run.
 
-Results are printed as a table and written as JSON (``--out``/restart-cpu.json;
+Results are printed as a table and written as JSON (``--out``/restart-cpu.json, or
+restart-<GPU name>.json where CUDA is: the daemons then pin their CPU tiers, and
+the adopting one registers its tier again, which the adoption log line times;
 ``--quick`` writes only with ``--out`` given explicitly).
 """
 
@@ -179,7 +181,11 @@ def main() -> int:
     arenas = Path(tempfile.mkdtemp(prefix="kvtier-restart-bench-", dir=args.arena_dir))
     flags = {"gpu_bytes": 0, "cpu_bytes": cpu_bytes, "arena_dir": arenas, "log_level": "info",
              "max_message_bytes": max(256 << 20, 2 * BATCH * block_bytes)}
+    import torch
+
+    device = torch.cuda.get_device_name(0).replace(" ", "-") if torch.cuda.is_available() else "cpu"
     result: dict[str, Any] = {
+        "device": device,
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_1m": os.getloadavg()[0]},
         "cpu_tier_bytes": cpu_bytes, "block_bytes": block_bytes, "blocks": num_blocks,
@@ -284,7 +290,7 @@ def main() -> int:
     out_dir = args.out if args.out is not None else (None if args.quick else REPO / "bench" / "results")
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / "restart-cpu.json"
+        path = out_dir / f"restart-{result['device']}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")
     return 0
