@@ -8,8 +8,9 @@ What it does, in one run:
 
 1. ``fill``: a kvtierd (store mode, no GPU tier: every block lands in the CPU
    tier) with a ``--gib`` CPU tier, persistent in a private folder under
-   ``--arena-dir`` (default /dev/shm, what kvtierd uses). One client stores
-   blocks through its shared-memory arena until the tier is full; each
+   ``--arena-dir`` (default /dev/shm, what kvtierd uses). A client stores
+   blocks through its shared-memory arena until the tier is full (the
+   baseline daemon's, below, gets the same blocks in turn); each
    block's bytes are a random base page stamped with its key, so every byte
    served later is checked against its key.
 2. ``kill``: SIGKILL, the daemon idle with its tier full.
@@ -19,11 +20,12 @@ What it does, in one run:
    every stored block is restored (64 per call) and compared byte for byte:
    served, wrong, and not served; the pool's counters say what was dropped
    at adoption and when background verification finished.
-4. ``baseline``: the same daemon with ``--no-persist-cpu-tier``, filled the
-   same way (the store throughput of a private tier against a persistent
-   one, which checksums and records every block: their ratio), killed and
-   started the same way (its start alone, and the first request: a miss):
-   what a restart cost before, measured in the same run.
+4. ``baseline``: the same daemon with ``--no-persist-cpu-tier``, filled with
+   the same blocks at the same time as the persistent one, a batch to each
+   in turn (seconds in store calls: the store throughput of a persistent
+   tier, which checksums and records every block, over a private one), then
+   killed and started the same way (its start alone, and the first request:
+   a miss): what a restart cost before, measured in the same run.
 5. ``import floor``: seconds a fresh Python takes to import kvtierd's server
    (torch included), the part of any start no cache can shorten.
 
@@ -96,21 +98,31 @@ class Contents:
         return bool(np.array_equal(want, got))
 
 
-def fill(daemon: KvtierDaemon, contents: Contents, num_blocks: int, lay: PoolLayout) -> tuple[list[bytes], float]:
+def fill(daemons: list[KvtierDaemon], contents: Contents, num_blocks: int,
+         lay: PoolLayout) -> tuple[list[bytes], list[float]]:
+    """Store the same blocks into each daemon until its tier is full, a batch to each in turn (load drift on a
+    shared machine hits them alike); returns the keys and each daemon's seconds in its store calls."""
     keys = [key(i) for i in range(num_blocks)]
-    t0 = time.monotonic()
-    with Client(daemon.endpoint, POOL, lay, timeout_s=120.0) as c:
-        arena = c.open_arena(BATCH)
-        slots = arena.as_numpy().reshape(BATCH, contents.block_bytes)
+    clients = [Client(d.endpoint, POOL, lay, timeout_s=120.0) for d in daemons]
+    seconds = [0.0] * len(daemons)
+    try:
+        slots = [c.open_arena(BATCH).as_numpy().reshape(BATCH, contents.block_bytes) for c in clients]
         for i in range(0, num_blocks, BATCH):
             batch = keys[i:i + BATCH]
-            for j, k in enumerate(batch):
-                contents.write(k, slots[j])
-            stored, present = c.store(batch, slots=list(range(len(batch))))
-            assert stored + present == len(batch)
-        stats = c.stats()["pools"][POOL]
-    assert stats["cpu_used_blocks"] == num_blocks, stats
-    return keys, time.monotonic() - t0
+            for n, c in enumerate(clients):
+                for j, k in enumerate(batch):
+                    contents.write(k, slots[n][j])
+                t0 = time.monotonic()
+                stored, present = c.store(batch, slots=list(range(len(batch))))
+                seconds[n] += time.monotonic() - t0
+                assert stored + present == len(batch)
+        for c in clients:
+            stats = c.stats()["pools"][POOL]
+            assert stats["cpu_used_blocks"] == num_blocks, stats
+    finally:
+        for c in clients:
+            c.close()
+    return keys, seconds
 
 
 def check_all(c: Client, keys: list[bytes], contents: Contents) -> dict[str, int]:
@@ -197,9 +209,12 @@ def main() -> int:
         t0 = time.monotonic()
         daemon.spawn()
         result["first_start_s"] = time.monotonic() - t0
-        keys, fill_s = fill(daemon, contents, num_blocks, lay)
+        baseline.spawn()
+        keys, (fill_s, base_fill_s) = fill([daemon, baseline], contents, num_blocks, lay)
         result["fill_s"] = fill_s
         result["fill_gbps"] = cpu_bytes / fill_s / 1e9
+        result["baseline_fill_s"] = base_fill_s
+        result["baseline_fill_gbps"] = cpu_bytes / base_fill_s / 1e9
         probe = keys[rng.randrange(len(keys))]
         row = timed_restart(daemon, lay, probe, contents)
         c = row.pop("client")
@@ -231,10 +246,6 @@ def main() -> int:
         result["verify_all"] = {"ready_s": ready, "all_verified_s": time.monotonic() - t0,
                                 "after_ready_s": time.monotonic() - t0 - ready}
         daemon.stop()
-        baseline.spawn()
-        _keys, base_fill_s = fill(baseline, contents, num_blocks, lay)
-        result["baseline_fill_s"] = base_fill_s
-        result["baseline_fill_gbps"] = cpu_bytes / base_fill_s / 1e9
         base = timed_restart(baseline, lay, probe, None)
         base.pop("client").close()
         result["baseline_no_persistence"] = base

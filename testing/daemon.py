@@ -18,8 +18,8 @@ Contract
   or abstract ``ipc://@name`` endpoint).
 - ``flags``: ``{"gpu_bytes": 4096}`` becomes ``--gpu-bytes 4096``, after
   ``--socket <endpoint>``; ``kvtierd_args`` holds both (``--socket`` first).
-- Persistent CPU tiers: unless ``flags`` name ``arena_dir`` or
-  ``persist_cpu_tier`` (or the kept environment does), the daemon keeps
+- Persistent CPU tiers: unless ``flags`` name ``arena_dir`` (or the kept
+  environment does), the daemon keeps
   them in ``<workdir>/arenas`` (``arena_dir``, owned like ``workdir``), not
   in /dev/shm: they go with the working folder, and a test never leaves
   memory behind. A
@@ -139,8 +139,7 @@ class KvtierDaemon:
         kept_env = env or {}
         if keep_kvtier_env:
             kept_env = {**os.environ, **kept_env}
-        if not {"arena_dir", "persist_cpu_tier"} & set(flags) and not {
-                "KVTIER_ARENA_DIR", "KVTIER_PERSIST_CPU_TIER"} & set(kept_env):
+        if "arena_dir" not in flags and "KVTIER_ARENA_DIR" not in kept_env:
             self.arena_dir = workdir / "arenas"
             self.arena_dir.mkdir(mode=0o700, exist_ok=True)
             owner = workdir.stat()
