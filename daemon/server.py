@@ -42,9 +42,9 @@ Contract:
   reclaimed to make room, and idle ones closed after ``pool_idle_ttl_s``
   (``daemon.pool_admission``: NO_SPACE with the numbers when the host or the
   CPU budget cannot take its CPU tier, TOO_MANY_POOLS past ``max_pools``).
-  With persistent CPU tiers (``ServeOptions.arenas``), ``run()`` first
-  re-creates the pools the previous daemon left, adopting their blocks,
-  before the socket is bound (``daemon.pools``).
+  With persistent CPU tiers (``ServeOptions.arenas``), ``run()`` re-creates
+  the pools the previous daemon left, adopting their blocks, before it reads
+  the first request (``daemon.pools``).
 - systemd: READY=1 once the socket is bound, WATCHDOG=1 from the loop at
   half of WatchdogSec (and between pinned chunks of a CPU tier being
   allocated), STATUS= lines (allocation progress; a summary at most once a
@@ -318,9 +318,6 @@ class Server:
     # ---- the loop ------------------------------------------------------------
 
     def run(self) -> int:
-        # Before the socket: no hello may create a pool whose arena is still to be adopted.
-        tenants = self.options.tenants
-        self.pools.adopt_arenas(lambda t: t in set(tenants) if tenants.enabled else t == "")
         self.bind()
         # Everything built so far (torch and the other modules: ~170k objects)
         # lives as long as the process. Left to the cyclic GC, each full
@@ -328,6 +325,10 @@ class Server:
         # every client's requests. Frozen, full collections see only what the
         # loop made since.
         gc.freeze()
+        # After the freeze (a pool adopted here is collected, its memory unmapped, when it closes) and before
+        # the first request is read: no hello may create a pool whose arena is still to be adopted.
+        tenants = self.options.tenants
+        self.pools.adopt_arenas(lambda t: t in set(tenants) if tenants.enabled else t == "")
         log.info("kvtierd serving on %s (device %s, protocol v1)", self.options.endpoint, self.options.device)
         self.notifier.ready(f"serving on {self.options.endpoint}")
         while not self.stop.requested:
