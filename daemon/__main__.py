@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvtier.daemon.security import CurveOptions
     from kvtier.daemon.server import ServeOptions
     from kvtier.daemon.sessions import Closeable
+    from kvtier.tiers.persistent_arena import ArenaDirectory
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -97,7 +98,10 @@ def remote_secret_from_config(cfg: DaemonConfig) -> bytes | None:
 
 
 def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None,
-                        curve: CurveOptions | None = None, remote_secret: bytes | None = None) -> ServeOptions:
+                        curve: CurveOptions | None = None, remote_secret: bytes | None = None,
+                        arenas: ArenaDirectory | None = None) -> ServeOptions:
+    import psutil
+
     from kvtier.daemon.config import resolve_cpu_budget_bytes
     from kvtier.daemon.pools import PoolSizing
     from kvtier.daemon.server import ServeOptions
@@ -105,11 +109,14 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
 
     on_cuda = device.startswith("cuda")
 
-    def sizing_for(name: str) -> PoolSizing:
+    def sizing_for(name: str, reusable_bytes: int = 0) -> PoolSizing:
         settings = cfg.pool_settings(name)
+        # Memory the pool's persistent CPU tier already holds counts as available: an "auto" or N%
+        # cpu_bytes comes to what it came to before the restart, not less.
+        available = int(psutil.virtual_memory().available) + reusable_bytes
         return PoolSizing(
             gpu_bytes=settings.resolve_gpu_bytes(on_cuda=on_cuda),
-            cpu_bytes=settings.resolve_cpu_bytes(),
+            cpu_bytes=settings.resolve_cpu_bytes(available),
             policy=settings.policy,
             clean_ahead_blocks=settings.clean_ahead_blocks,
             remote_url=settings.remote_url,
@@ -129,7 +136,8 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         max_shm_files_per_session=cfg.max_shm_files_per_session,
         max_registrations_per_session=cfg.max_registrations_per_session,
         max_pinned_share=cfg.max_pinned_share,
-        cpu_budget_bytes=resolve_cpu_budget_bytes(cfg),
+        cpu_budget_bytes=resolve_cpu_budget_bytes(
+            cfg, int(psutil.virtual_memory().available) + (arenas.memory_bytes() if arenas is not None else 0)),
         pool_idle_ttl_s=cfg.pool_idle_ttl_s,
         max_unread_reply_bytes=cfg.max_unread_reply_bytes,
         max_unread_reply_bytes_total=cfg.max_unread_reply_bytes_total,
@@ -142,7 +150,33 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         socket_mode=cfg.socket_mode,
         curve=curve,
         tenants=TenantRegistry(cfg.tenants),
+        arenas=arenas,
     )
+
+
+def _arena_directory(cfg: DaemonConfig) -> ArenaDirectory | None:
+    """Where the persistent CPU tiers live (None: persistence off); a missing directory is a config error."""
+    if not cfg.persist_cpu_tier:
+        return None
+    from kvtier.tiers.arena_files import list_arenas
+    from kvtier.tiers.persistent_arena import ArenaDirectory
+    from kvtier.tiers.units import format_gib
+
+    if not cfg.arena_dir.is_dir() or not os.access(cfg.arena_dir, os.W_OK | os.X_OK):
+        exit_on_config_error(ConfigError("arena_dir", f"{cfg.arena_dir} is not a directory this user can write; "
+                                         "create it, choose another, or set persist_cpu_tier = false"))
+    arenas = ArenaDirectory(cfg.arena_dir, cfg.socket)
+    mine = arenas.instance_arenas()
+    if mine:
+        log.info("%d persistent CPU tiers from before this start (%s) in %s: adopting them", len(mine),
+                 format_gib(sum(a.memory_bytes for a in mine)), cfg.arena_dir)
+    stems = {a.stem for a in mine}
+    others = [a for a in list_arenas(cfg.arena_dir, uid=arenas.uid) if a.stem not in stems and not a.held]
+    if others:
+        log.warning("%s holds %d CPU tiers (%s) of other kvtierd instances that no running daemon holds; "
+                    "'kvtier arenas' lists them, 'kvtier arenas remove' frees them", cfg.arena_dir, len(others),
+                    format_gib(sum(a.memory_bytes for a in others)))
+    return arenas
 
 
 def _keep_large_buffers_mapped() -> None:
@@ -237,8 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvtier.daemon.memory import check_startup, gib, pins_cpu_tiers
         from kvtier.tiers.host_memory import HostMemoryError
 
+        arenas = _arena_directory(cfg)
         try:
-            plan = check_startup(cfg, pin=pins_cpu_tiers())
+            plan = check_startup(cfg, pin=pins_cpu_tiers(),
+                                 reusable_bytes=arenas.memory_bytes() if arenas is not None else 0)
         except HostMemoryError as exc:
             notifier.status(f"refused to start: {exc}")
             exit_on_config_error(ConfigError("cpu_bytes", str(exc)))
@@ -247,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _stopped_early(stop):
             return 0
         server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve,
-                                            remote_secret=remote_secret), stop,
+                                            remote_secret=remote_secret, arenas=arenas), stop,
                         kv_import=_import_kv_tensor, notifier=notifier)
         exporter = None
         if cfg.metrics_port is not None:

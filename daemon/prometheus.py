@@ -177,6 +177,14 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
                "Remote fetches that returned fewer blocks than the probe had promised."),
     PoolMetric("remote_write_backs", "remote_write_backs", "counter",
                "CPU-tier evictions queued for write-back to the remote tier."),
+    PoolMetric("cpu_adopted_blocks", "adopted_blocks", "counter",
+               "Blocks this daemon adopted from the persistent CPU tier its predecessor left (a restart, "
+               "crash or upgrade) and verified: served as if stored here."),
+    PoolMetric("cpu_adoption_dropped_blocks", "adoption_dropped_blocks", "counter",
+               "Blocks of that CPU tier dropped at adoption, never served: torn records, checksums that "
+               "failed, blocks a smaller tier had no room for, blocks evicted before they were verified."),
+    PoolMetric("cpu_adoption_pending_blocks", "adoption_pending_blocks", "gauge",
+               "Adopted blocks not verified yet (each is verified before it is served)."),
     *(PoolMetric(f"bytes_{d}", "copy_bytes", "counter", "Bytes copied, by direction: " +
                  "; ".join(f"{k} = {v}" for k, v in _DIRECTIONS.items()) + ".", (("direction", d),))
       for d in _DIRECTIONS),

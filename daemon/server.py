@@ -51,6 +51,9 @@ Contract:
   reclaimed to make room, and idle ones closed after ``pool_idle_ttl_s``
   (``daemon.pool_admission``: NO_SPACE with the numbers when the host or the
   CPU budget cannot take its CPU tier, TOO_MANY_POOLS past ``max_pools``).
+  With persistent CPU tiers (``ServeOptions.arenas``), ``run()`` re-creates
+  the pools the previous daemon left, adopting their blocks, before it reads
+  the first request (``daemon.pools``).
 - systemd: READY=1 once the socket is bound, WATCHDOG=1 from the loop at
   half of WatchdogSec (and between pinned chunks of a CPU tier being
   allocated), STATUS= lines (allocation progress; a summary at most once a
@@ -106,6 +109,7 @@ from kvtier.daemon.sd_notify import Notifier
 from kvtier.daemon.security import CurveGuard, CurveOptions, check_socket_dir, peer_uid, peer_user_id
 from kvtier.daemon.sessions import Session, SessionTable
 from kvtier.daemon.tenants import TenantRegistry
+from kvtier.tiers.persistent_arena import ArenaDirectory
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
 from kvtier.tiers.copy_types import DeadlinePassed
 from kvtier.tiers.transfer import TransferError
@@ -132,7 +136,8 @@ class ServeOptions:
 
     endpoint: str
     device: str = "cpu"
-    sizing_for: Callable[[str], PoolSizing] = field(default=lambda _name: PoolSizing(256 << 20, 1 << 30))
+    # (pool name, memory its persistent CPU tier's files already hold) -> its sizing (daemon.pool_admission)
+    sizing_for: Callable[[str, int], PoolSizing] = field(default=lambda _name, _reusable=0: PoolSizing(256 << 20, 1 << 30))
     lease_s: float = 10.0  # also the longest lease a client may ask for
     heartbeat_s: float | None = None  # recommended to clients; None: lease_s / 3
     poll_interval_s: float = 0.1  # loop wakes at least this often when idle
@@ -154,6 +159,7 @@ class ServeOptions:
     max_unread_reply_bytes_total: int = 1 << 30  # copied payload of all connections' unread and parked replies
     max_connections: int | None = None  # client connections at once; None: a quarter of the descriptors (FdBudget)
     max_connections_per_peer: int | None = None  # of one uid (ipc) or IP address (tcp); None: auto_per_peer
+    arenas: ArenaDirectory | None = None  # persistent CPU tiers (daemon.pools); None: private memory
 
 
 
@@ -220,6 +226,8 @@ class Server:
             wakeup=self._wakeup,
             progress=self.admission.allocation_progress,
             policy_wrapper=options.tenants.policy_wrapper,
+            arenas=options.arenas,
+            close_timeout_s=options.drain_timeout_s,
         )
         self.admission.attach(self.pools)
         self.sessions = SessionTable(lambda session, reason: release_session(self.ctx, self.replies, session, reason),
@@ -347,6 +355,10 @@ class Server:
         # every client's requests. Frozen, full collections see only what the
         # loop made since.
         gc.freeze()
+        # After the freeze (a pool adopted here is collected, its memory unmapped, when it closes) and before
+        # the first request is read: no hello may create a pool whose arena is still to be adopted.
+        tenants = self.options.tenants
+        self.pools.adopt_arenas(lambda t: t in set(tenants) if tenants.enabled else t == "")
         log.info("kvtierd serving on %s (device %s, protocol v1)", self.options.endpoint, self.options.device)
         self.notifier.ready(f"serving on {self.options.endpoint}")
         while not self.stop.requested:

@@ -18,6 +18,12 @@ Contract
   or abstract ``ipc://@name`` endpoint).
 - ``flags``: ``{"gpu_bytes": 4096}`` becomes ``--gpu-bytes 4096``, after
   ``--socket <endpoint>``; ``kvtierd_args`` holds both (``--socket`` first).
+- Persistent CPU tiers: unless ``flags`` name ``arena_dir`` (or the kept
+  environment does), the daemon keeps
+  them in ``<workdir>/arenas`` (``arena_dir``, owned like ``workdir``), not
+  in /dev/shm: they go with the working folder, and a test never leaves
+  memory behind. A
+  ``restart()`` adopts them, as a restarted kvtierd does.
 - ``command``: what starts kvtierd, ``kvtierd_args`` appended: by default
   ``python -m kvtier.daemon`` (this interpreter); another command must run
   kvtierd in the very process it starts (its pid is the one ``health``
@@ -85,10 +91,13 @@ DEFAULT_COMMAND = (sys.executable, "-m", "kvtier.daemon")  # this interpreter, s
 
 
 def flag_argv(flags: Mapping[str, object]) -> list[str]:
-    """``{"gpu_bytes": 4096}`` -> ``["--gpu-bytes", "4096"]``."""
+    """``{"gpu_bytes": 4096}`` -> ``["--gpu-bytes", "4096"]``; ``{"insecure_tcp": False}`` -> ``["--no-insecure-tcp"]``."""
     argv: list[str] = []
     for key, value in flags.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        if isinstance(value, bool):  # a switch: --name / --no-name
+            argv.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
+        else:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
 
 
@@ -133,7 +142,20 @@ class KvtierDaemon:
         self.workdir = workdir
         self.endpoint = endpoint or f"ipc://{workdir}/kvtierd.sock"
         self.log_path = workdir / "kvtierd.log"
-        self.kvtierd_args = ["--socket", self.endpoint, *flag_argv(flags or {})]
+        flags = dict(flags or {})
+        kept_env = env or {}
+        if keep_kvtier_env:
+            kept_env = {**os.environ, **kept_env}
+        if "arena_dir" not in flags and "KVTIER_ARENA_DIR" not in kept_env:
+            self.arena_dir = workdir / "arenas"
+            self.arena_dir.mkdir(mode=0o700, exist_ok=True)
+            owner = workdir.stat()
+            if (owner.st_uid, owner.st_gid) != (os.getuid(), os.getgid()):
+                os.chown(self.arena_dir, owner.st_uid, owner.st_gid)  # a daemon that runs as the folder's owner
+            flags["arena_dir"] = self.arena_dir
+        else:
+            self.arena_dir = Path(str(flags.get("arena_dir", kept_env.get("KVTIER_ARENA_DIR", "/dev/shm"))))
+        self.kvtierd_args = ["--socket", self.endpoint, *flag_argv(flags)]
         self.argv = [*command, *self.kvtierd_args]
         self.env = daemon_env(keep_kvtier_env=keep_kvtier_env, omp_threads=omp_threads, extra=env)
         self.cwd = cwd

@@ -11,7 +11,9 @@ Contract
   ``stats`` verb's fields unchanged (``pools``, ``daemon``, ``sessions``);
   every counter is defined in docs/metrics.md. Without it, aligned tables:
   hits by tier (each looked-up block is counted once: gpu, cpu, remote or
-  miss), occupancy, copies per direction, events, daemon counters.
+  miss), occupancy, copies per direction, events, the blocks a restarted
+  daemon adopted from its predecessor's CPU tier (and dropped), daemon
+  counters.
 - ``--pool NAME`` keeps one pool (an unknown name is an error naming the
   pools there are).
 - Exit status 0; 1 with ``kvtier stats: no kvtierd at URL ...`` when no
@@ -30,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 TIERS = ("gpu", "cpu", "remote")
+# A restarted daemon's adoption of its predecessor's CPU tier (docs/metrics.md 3.2a).
+ADOPTION_KEYS = ("cpu_adopted_blocks", "cpu_adoption_dropped_blocks", "cpu_adoption_pending_blocks")
 DIRECTIONS = ("demote", "restore", "store", "load")
 DEFAULT_TIMEOUT_S = 2.0
 
@@ -206,6 +210,11 @@ def format_stats(stats: Mapping[str, Any], endpoint: str) -> str:
                          fmt_int(_num(p, "copy_failures")), fmt_int(_num(p, "copies_in_flight"))])
         out += render_table(["pool", "mode", "sessions", "demoted", "demote skipped", "restored", "cpu evicted",
                              "stored", "store fails", "loaded", "copy fails", "in flight"], rows, indent=2)
+        adopted = [name for name in names if any(_num(pools[name], k) for k in ADOPTION_KEYS)]
+        if adopted:
+            out += ["", "ADOPTED AT START (blocks of the CPU tier the previous kvtierd left; verified before served)"]
+            rows = [[name, *(fmt_int(_num(pools[name], k)) for k in ADOPTION_KEYS)] for name in adopted]
+            out += render_table(["pool", "adopted", "dropped", "verifying"], rows, indent=2)
         for name in names:
             remote = pools[name].get("remote")
             if isinstance(remote, Mapping):

@@ -8,8 +8,10 @@ Contract
   shows, per pool: hit rate by tier (gpu, cpu, remote, miss) over the last
   interval and since the daemon started, bytes/s per copy direction over the
   last interval, occupancy of both tiers, pins, copies in flight, sessions,
-  and the interval's demotions, restores, CPU evictions and failures; and
-  for the daemon: sessions, lease expiries, requests/s, errors.
+  and the interval's demotions, restores, CPU evictions and failures; the
+  blocks a restarted daemon adopted from its predecessor's CPU tier, dropped
+  and still verifying (when any); and for the daemon: sessions, lease
+  expiries, requests/s, errors.
 - Rates come from counter deltas between two samples divided by the time
   between them. A counter that went down (the daemon restarted) or a pool
   that is new counts from zero.
@@ -34,6 +36,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from kvtier.tools.stats import (
+    ADOPTION_KEYS,
     DIRECTIONS,
     TIERS,
     add_socket_arguments,
@@ -163,6 +166,12 @@ def render_frame(prev: Mapping[str, Any] | None, cur: Mapping[str, Any], elapsed
                              for k, _ in _EVENT_KEYS)])
     lines += ["", f"EVENTS (total, +{win})"]
     lines += render_table(["pool", *(label for _, label in _EVENT_KEYS)], rows, indent=2)
+
+    adopted = [name for name in names if any(_num(pools[name], k) for k in ADOPTION_KEYS)]
+    if adopted:
+        rows = [[name, *(fmt_int(_num(pools[name], k)) for k in ADOPTION_KEYS)] for name in adopted]
+        lines += ["", "ADOPTED AT START (the previous kvtierd's CPU tier; verified before served)"]
+        lines += render_table(["pool", "adopted", "dropped", "verifying"], rows, indent=2)
     return "\n".join(lines) + "\n"
 
 

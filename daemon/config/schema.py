@@ -57,6 +57,7 @@ from kvtier.daemon.config.units import (
     _as_optional_cpu_size,
     _as_optional_float,
     _as_optional_path,
+    _as_path,
     _as_optional_int,
     _as_optional_size,
     _as_optional_url,
@@ -328,6 +329,12 @@ def _check_host(key: str, value: object) -> None:
 def _check_bool(key: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(key, f"must be true or false, got {value!r}")
+
+
+def _check_arena_dir(key: str, value: object) -> None:
+    # Existence is checked when the daemon starts (and only if persist_cpu_tier is on).
+    if not isinstance(value, Path) or not value.is_absolute():
+        raise ConfigError(key, f"must be an absolute directory path, got {str(value)!r}")
 
 
 def _check_device(key: str, value: object) -> None:
@@ -756,6 +763,13 @@ class DaemonConfig:
     socket_mode: int = field(default=0o600, metadata=key(
         _as_mode, "file mode of the ipc socket: 0600, or 0660 to let the socket's group connect", "MODE",
         group=SERVER, rank=2, check=_check_socket_mode))
+    persist_cpu_tier: bool = field(default=True, metadata=key(
+        _as_bool, "keep CPU tiers in files under arena_dir, so a restarted kvtierd (crash, stop, upgrade) adopts "
+        "their blocks; false: private memory, emptied by every restart", "BOOL",
+        group=RUNTIME, rank=6, check=_check_bool))
+    arena_dir: Path = field(default=Path("/dev/shm"), metadata=key(
+        _as_path, "directory (tmpfs) of the persistent CPU tiers' files; 'kvtier arenas' lists and removes them",
+        "DIR", group=RUNTIME, rank=7, check=_check_arena_dir))
     hash_algo: str = field(default="xxh3_128", metadata=key(
         _as_lower_str, "block hash algorithm pools must use: xxh3_128 or sha256 (default sha256 with 2+ tenants)",
         "ALGO", group=RUNTIME, rank=2, check=_check_hash_algo))

@@ -160,6 +160,10 @@ def _as_device(value: object, text: bool) -> str:
     return "cuda:0" if device == "cuda" else device
 
 
+def _as_path(value: object, text: bool) -> Path:
+    return Path(_as_str(value, text))
+
+
 def _as_optional_path(value: object, text: bool) -> Path | None:
     if text and isinstance(value, str) and value.strip().lower() in {"none", ""}:
         return None

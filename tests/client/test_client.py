@@ -123,7 +123,9 @@ def test_stalled_daemon_timeouts_then_recovery(daemon) -> None:  # type: ignore[
 
 
 def test_daemon_restart_new_session_and_lost_pins_reported(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
-    daemon = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES, lease_s=2.0)
+    # Private CPU tiers: a restart empties the cache (what a restart keeps is tests/daemon/test_restart.py).
+    daemon = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES, lease_s=2.0,
+                             persist_cpu_tier=False)
     hashes = [bytes([3, i]) * 8 for i in range(3)]
     data = random.Random(3).randbytes(3 * BLOCK_BYTES)
     with Client(daemon.endpoint, "restart", LAYOUT, timeout_s=10.0) as c:

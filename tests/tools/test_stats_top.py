@@ -260,3 +260,20 @@ def test_the_tools_import_no_torch_and_no_daemon() -> None:
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('kvtier.daemon')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_stats_and_top_show_what_a_restarted_daemon_adopted_and_dropped() -> None:
+    from kvtier.tools.stats import format_stats
+
+    adopted = _pool(cpu_adopted_blocks=1200, cpu_adoption_dropped_blocks=3, cpu_adoption_pending_blocks=40)
+    fresh = _pool(cpu_adopted_blocks=0, cpu_adoption_dropped_blocks=0, cpu_adoption_pending_blocks=0)
+    stats = {"pools": {"llama": adopted, "new": fresh}, "daemon": {}, "sessions": 0}
+    for text in (format_stats(stats, "ipc:///x"),
+                 render_frame(None, stats, 0.0, endpoint="ipc:///x", interval_s=1.0, clock="12:00:00")):
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("ADOPTED AT START"))
+        assert lines[start + 1].split() == ["pool", "adopted", "dropped", "verifying"]
+        assert lines[start + 2].split() == ["llama", "1,200", "3", "40"]
+        assert not any(line.split()[:1] == ["new"] for line in lines[start:])  # a pool that adopted nothing
+    quiet = {"pools": {"new": fresh}, "daemon": {}, "sessions": 0}
+    assert "ADOPTED" not in format_stats(quiet, "ipc:///x")

@@ -65,6 +65,13 @@ Contract:
 - Key journal (optional, ``journal_events=N``): ``journal`` records the keys
   the pool starts and stops holding, its last N events (``journal.py``), for
   the daemon's ``events`` verb.
+- Persistent CPU tier (optional): ``attach_arena(arena)``, right after
+  construction with ``cpu_storage=arena.layout``, makes the CPU tier
+  restart-safe and adopts the blocks a previous process left in the arena
+  (``adoption.py``: served only once their checksums verify; ``poll()``
+  applies the background verdicts). ``demote_cached(timeout_s)``, before a
+  clean stop, copies the GPU tier's cached blocks the CPU tier lacks into
+  it (as its policy admits them), so they outlive the process too.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ from kvtier.tiers.cpu_tier import CpuTier
 from kvtier.tiers.eviction import EvictionPolicy, make_policy
 from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.pool import engine, lending, store
+from kvtier.tiers.pool.adoption import Adoption
 from kvtier.tiers.pool.base import Borrowed, Held, PoolError, PoolSpec, Tier
 from kvtier.tiers.pool.copies import CopyScheduler, Op
 from kvtier.tiers.pool.counters import Counters
@@ -91,6 +99,7 @@ from kvtier.tiers.pool.resolve import Resolver
 
 if TYPE_CHECKING:
     from kvtier.tiers.layout import BlockLayout
+    from kvtier.tiers.persistent_arena import PersistentArena
     from kvtier.tiers.remote_store import RemoteStore
 
 # Blocks one idle-time clean-ahead call demotes at most (one batched copy: 256 MiB of 1 MiB blocks).
@@ -169,6 +178,32 @@ class TieredPool:
             # In bookkeeping mode (replay) the remote tier is a stand-in that
             # tracks keys only: fetch returns placeholders, write_back gets None.
             self.cpu.on_evict = self._resolve.write_back
+        self.adoption: Adoption | None = None
+
+    # ---- persistence (adoption.py) ---------------------------------------------
+
+    def attach_arena(self, arena: PersistentArena, wakeup: Callable[[], None] | None = None) -> None:
+        """Make the CPU tier restart-safe in ``arena`` and adopt what it holds (see the contract)."""
+        if self.adoption is not None:
+            raise PoolError(f"pool {self.spec.name!r} already has an arena")
+        self.adoption = Adoption(self, arena, wakeup)
+
+    def demote_cached(self, timeout_s: float) -> int:
+        """Before a clean stop: demote the GPU tier's cached blocks the CPU tier lacks; returns how many
+        demotions were submitted (the call waits for them up to ``timeout_s``)."""
+        if self.bm is None or not self.data or self.cpu.capacity_blocks == 0:
+            return 0
+        deadline_s = time.monotonic() + timeout_s
+        asked: set[tuple[int, bytes]] = set()  # each block asked once, demoted or refused
+        submitted = 0
+        while time.monotonic() < deadline_s:
+            found, n = self._demoter.clean_ahead(depth_blocks=self.bm.num_blocks,
+                                                 max_blocks=IDLE_CLEAN_BATCH_BLOCKS, asked=asked)
+            submitted += n
+            if not found:
+                break
+        self.wait_idle(max(0.0, deadline_s - time.monotonic()))
+        return submitted
 
     # ---- GPU tier attachment -------------------------------------------------
 
@@ -210,7 +245,8 @@ class TieredPool:
         return self.bm is not None and self.bm.get_cached(key) is not None
 
     def _cpu_has(self, key: bytes) -> bool:
-        return self.cpu.get(key) is not None
+        # The journal asks while a tier changes: an adopted block is not verified (or dropped) here.
+        return self.cpu.peek(key)
 
     # ---- capacity and contents (what the daemon reads) ------------------------------
 
@@ -378,6 +414,8 @@ class TieredPool:
         """Apply finished copies; returns the ops that completed."""
         copies = self._copies
         completed = copies.completed = []
+        if self.adoption is not None:
+            self.adoption.apply()
         try:
             copies.poll(wait_s)
             if completed:
@@ -444,6 +482,10 @@ class TieredPool:
             cpu_full_failures=self.cpu.full_failures,
             cpu_not_admitted=self.cpu.not_admitted,
             policy_keys=self.cpu.policy.remembered_keys(),
+            cpu_adopted_blocks=self.cpu.adopted_blocks,
+            cpu_adoption_dropped_blocks=self.cpu.adoption_dropped_blocks,
+            cpu_adoption_pending_blocks=self.cpu.adoption_pending_blocks,
+            cpu_persistent=self.adoption is not None,
             pinned_blocks=self.num_pinned(),
             copies_in_flight=len(self._copies),
             block_bytes=self.spec.block_bytes,
@@ -460,3 +502,5 @@ class TieredPool:
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.wait_idle(timeout_s)
+        if self.adoption is not None:
+            self.adoption.stop()
