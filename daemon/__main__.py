@@ -158,6 +158,7 @@ def _arena_directory(cfg: DaemonConfig) -> ArenaDirectory | None:
     """Where the persistent CPU tiers live (None: persistence off); a missing directory is a config error."""
     if not cfg.persist_cpu_tier:
         return None
+    from kvtier.daemon.config import ConfigError, exit_on_config_error
     from kvtier.tiers.arena_files import list_arenas
     from kvtier.tiers.persistent_arena import ArenaDirectory
     from kvtier.tiers.units import format_gib
