@@ -218,6 +218,7 @@ class DiskWriter:
             self._count(writes_dropped_unavailable=len(batch))
             return
         t0 = time.perf_counter()
+        self._retire_pending()  # slots retired while this batch was awaited are free first
         catalog, index = self._catalog, self._index
         planned: list[tuple[_Block, int]] = []
         dropped = 0
