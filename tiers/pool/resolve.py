@@ -88,11 +88,12 @@ class Resolver:
         return tiers
 
     def lower_tiers(self, hashes: Sequence[bytes], start: int) -> list[Tier]:
-        """The tiers of the run below the CPU tier from ``start`` on (a lookup's: nothing is fetched).
+        """The tiers of the prefix from ``start`` on, where the local tiers' run ended (a lookup's: nothing is fetched).
 
         Each lower tier in order (disk, then remote) is asked how far it
-        continues the prefix; a run ends where none of them does. The disk's
-        answer is in memory; the remote tier's costs a round trip.
+        continues the prefix; after its run the local tiers may continue it
+        again, then the lower tiers, until none does. The disk's answer is in
+        memory; the remote tier's costs a round trip.
         """
         tiers: list[Tier] = []
         pool = self.pool
@@ -108,6 +109,9 @@ class Resolver:
                     break
             else:
                 break
+            local = [t for t, _ in self.held_after(hashes, pos, True)] if pos < len(hashes) else []
+            tiers += local
+            pos += len(local)
         return tiers
 
     def pull(self, tier: Tier, hashes: Sequence[bytes], protected: frozenset[bytes] = frozenset()) -> list[CpuEntry]:
@@ -122,10 +126,10 @@ class Resolver:
         counters = pool.counters
         if tier is Tier.DISK:
             assert pool.disk is not None
-            try:
-                entries = cpu.reserve(list(hashes), protected)
-            except CpuTierFull:
+            entries = self._reserve_most(hashes, protected)
+            if not entries:
                 return []
+            hashes = hashes[: len(entries)]
             storage = cpu.storage
             if storage is None:
                 raise ValueError("a disk tier needs a pool that moves bytes")
@@ -145,11 +149,19 @@ class Resolver:
             counters.remote_fetch_short += 1
         if good == 0:
             return []
-        try:
-            entries = cpu.reserve(list(hashes[:good]), protected)
-        except CpuTierFull:
-            return []
-        return self._filled(entries, payloads)
+        return self._filled(self._reserve_most(hashes[:good], protected), payloads)
+
+    def _reserve_most(self, hashes: Sequence[bytes], protected: frozenset[bytes]) -> list[CpuEntry]:
+        """CPU entries for the longest prefix of ``hashes`` the CPU tier can make room for (halving on refusal):
+        a run longer than the room there is still gives the prefix that fits."""
+        cpu = self.pool.cpu
+        n = len(hashes)
+        while n:
+            try:
+                return cpu.reserve(list(hashes[:n]), protected)
+            except CpuTierFull:
+                n //= 2
+        return []
 
     def _filled(self, entries: list[CpuEntry], payloads: Sequence[object] | None) -> list[CpuEntry]:
         """Reserved entries whose bytes are in place (``payloads`` copied in first, if given): committed."""
