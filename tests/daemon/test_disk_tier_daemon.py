@@ -213,3 +213,39 @@ def test_a_hello_naming_features_the_daemon_does_not_know_is_served(
     monkeypatch.setattr(client_session, "CLIENT_FEATURES", ("a-feature-of-2030", FEATURE_DISK_TIER))
     with Client(daemon.endpoint, POOL, LAYOUT) as c:
         assert c.store([bytes([1]) * 16], [bytes(BLOCK_BYTES)]) == (1, 0)
+
+
+def test_operators_see_the_disk_tier_in_stats_top_and_prometheus(
+        kvtierd_factory: Callable[..., KvtierDaemon], tmp_path: Path) -> None:
+    import re
+    import sys
+
+    from tests.daemon.test_prometheus import DOCS, free_port, parse, scrape, value
+
+    port = free_port()
+    daemon = kvtierd_factory(**flags(tmp_path / "disk"), metrics_port=port)
+    data = [os.urandom(BLOCK_BYTES) for _ in range(16)]
+    hashes = [bytes([4, i]) * 8 for i in range(16)]
+    with Client(daemon.endpoint, POOL, LAYOUT) as c:
+        store_and_spill(c, hashes, data, 8)
+        assert c.restore(hashes[:4]).tiers == ["disk"] * 4
+        disk = c.stats()["pools"][POOL]["disk"]
+        samples, types = parse(scrape(port))
+    assert value(samples, "kvtier_disk_up", pool=POOL) == 1.0
+    assert value(samples, "kvtier_disk_read_blocks_total", pool=POOL) == disk["disk_hits"] >= 4
+    assert value(samples, "kvtier_disk_read_bytes_total", pool=POOL) == disk["bytes_read"]
+    assert value(samples, "kvtier_disk_written_bytes_total", pool=POOL) == disk["bytes_written"] > 0
+    assert value(samples, "kvtier_hit_blocks_total", pool=POOL, tier="disk") >= 4
+    assert value(samples, "kvtier_blocks", pool=POOL, tier="disk", state="used") == disk["used_blocks"]
+    docs = DOCS.read_text()
+    for name in [n for n in types if n.startswith("kvtier_disk")]:
+        full = name + ("_total" if types[name] == "counter" else "")
+        assert re.search(rf"`{full}[{{`]", docs), f"{full} is not in docs/metrics.md"
+    for sub in ("stats", "top"):
+        out = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", sub, "--socket", daemon.endpoint,
+                              "--timeout", "10", *(["--once", "--interval", "0.2"] if sub == "top" else [])],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "DISK TIER" in out.stdout and " disk " in out.stdout
+        (row,) = [line for line in out.stdout.splitlines() if line.split()[:2] == [POOL, "up"]]
+        assert f"{disk['used_blocks']}/{disk['capacity_blocks']}" in row
