@@ -187,3 +187,17 @@ def test_clear_drops_the_disk_tier_too(tmp_path: Path, src: BlockLayout) -> None
     again = make_pool(tmp_path)  # the records went too
     assert again.lookup(first, count=False) == []
     close(again)
+
+
+def test_an_allocation_restores_disk_hits_into_its_gpu_blocks(tmp_path: Path, src: BlockLayout) -> None:
+    pool = make_pool(tmp_path)
+    first = keys(4, 1)
+    spill(pool, src, first)
+    op = pool.allocate("r1", first, 4 * 16).wait(5)
+    assert op.error is None
+    assert op.result["tiers"] == ["disk"] * 4 and op.result["num_disk_hits"] == 4
+    assert pool.gpu is not None
+    for block_id, i in zip(op.result["block_ids"], range(4)):
+        assert torch.equal(pool.gpu.slab()[block_id], src.slab()[i])
+    pool.free("r1")
+    close(pool)
