@@ -66,8 +66,10 @@ Contract:
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -229,6 +231,7 @@ class DiskTier:
                 log.info("disk tier %s: capacity %d -> %d blocks (records of slots that still fit are kept)",
                          self.directory, index.slots, self.capacity_blocks)
                 index = index.resized(self.capacity_blocks)
+            _allocate_fully(index.path)
             file = BlockFile.open(data_path, slots=self.capacity_blocks, slot_bytes=self.slot_bytes,
                                   block_bytes=self.block_bytes, direct=self.settings.direct_io)
         except BaseException:
@@ -489,6 +492,20 @@ class DiskTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _allocate_fully(path: Path) -> None:
+    """Give the index file all its blocks now: it is written through a shared mapping, and a page of
+    it the filesystem cannot back when first written (a full disk) would kill the process (SIGBUS)
+    instead of failing a call. A full disk now refuses the tier (OSError: unavailable) instead."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem that cannot: nothing to reserve
+            raise
+    finally:
+        os.close(fd)
 
 
 def _normal(identity: Any) -> Any:

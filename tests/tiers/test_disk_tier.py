@@ -363,3 +363,14 @@ def test_errors_of_reads_rest_the_tier_then_it_recovers(tmp_path: Path) -> None:
     assert tier.flush(5.0)
     assert read(tier, keys) == keys
     tier.close(5.0)
+
+
+def test_a_disk_full_before_the_tier_opens_leaves_it_unavailable_not_dead(tiny_fs: Path) -> None:
+    # The index is written through a shared mapping: a page the filesystem cannot back would be a
+    # SIGBUS. Its blocks are allocated when the tier opens, so a full disk refuses the tier instead.
+    (tiny_fs / "filler").write_bytes(b"x" * (60 << 10))  # one page left: the index header fits, its records not
+    tier = DiskTier(tiny_fs, "pool", {}, block_bytes=BLOCK, capacity_blocks=1024, settings=FAST)
+    assert not tier.wait_ready(10.0)
+    assert "No space" in tier.last_error
+    assert not tier.write_back(key(1), block_of(key(1))) and tier.exists_prefix([key(1)]) == 0
+    tier.close(1.0)
