@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import os
 import random
 import re
 import shutil

@@ -180,7 +180,8 @@ class BlockFile:
             return
         bounce = self._bounce()
         _read_fully(self._fd, bounce, offset)
-        dest[:] = bounce[:n]
+        # ctypes calls release the GIL: the other readers' copies and syscalls go on meanwhile.
+        ctypes.memmove(address_of(dest), address_of(bounce), n)
 
     def write(self, slot: int, buf: memoryview) -> None:
         offset = self._offset(slot)
