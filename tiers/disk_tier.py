@@ -6,7 +6,8 @@ which blocks after its CPU-held prefix it holds, reads them into CPU-tier
 slots, and hands it the blocks the CPU tier evicts.
 
 Its parts: the data file and the directory's name
-(``kvtier.tiers.disk_files``), the records (``kvtier.tiers.slot_index``: one
+(``kvtier.tiers.disk_files``), opening and adopting a directory
+(``kvtier.tiers.disk_open``), the records (``kvtier.tiers.slot_index``: one
 64-byte record per slot, restart-safe), the in-memory catalog and LRU order
 (``kvtier.tiers.disk_catalog``), the write-back queue and its thread
 (``kvtier.tiers.disk_writer``, which also says the order that makes the
@@ -66,11 +67,8 @@ Contract:
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import json
 import logging
-import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -79,27 +77,17 @@ from typing import Any, Protocol
 
 from kvtier.tiers import disk_writer
 from kvtier.tiers.disk_catalog import DiskCatalog, DiskEntry
-from kvtier.tiers.disk_files import BlockFile, Faults, pool_dir_name, slot_bytes_for, stale_dirs
+from kvtier.tiers.disk_files import BlockFile, Faults, pool_dir_name, slot_bytes_for
+from kvtier.tiers.disk_open import DATA_NAME, DISK_FORMAT, INDEX_NAME, DirectoryBusy, open_directory
 from kvtier.tiers.disk_settings import DiskTierError, DiskTierSettings
 from kvtier.tiers.disk_writer import DiskWriter
 from kvtier.tiers.remote_values import byte_view
-from kvtier.tiers.slot_index import (
-    MAX_KEY_BYTES,
-    SlotIndex,
-    SlotIndexBusy,
-    SlotIndexFormatError,
-    block_checksum,
-    is_held,
-)
+from kvtier.tiers.slot_index import MAX_KEY_BYTES, SlotIndex, block_checksum
 
-__all__ = ["COUNTERS", "DISK_FORMAT", "Admission", "DiskTier", "DiskTierError", "DiskTierSettings"]
+__all__ = ["COUNTERS", "DATA_NAME", "DISK_FORMAT", "INDEX_NAME", "Admission", "DiskTier", "DiskTierError",
+           "DiskTierSettings"]
 
 log = logging.getLogger(__name__)
-
-# What the directory's files mean; another value in an index starts the tier empty.
-DISK_FORMAT = 1
-INDEX_NAME = "index"
-DATA_NAME = "blocks"
 
 COUNTERS = (
     "exists_calls",
@@ -219,79 +207,34 @@ class DiskTier:
                 self._file.close()
 
     def _open_files(self) -> DiskWriter | None:
-        self._remove_stale()
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        index_path = self.directory / INDEX_NAME
-        data_path = self.directory / DATA_NAME
-        index = self._open_index(index_path, data_path)
-        if index is None:
-            return None
         try:
-            if index.slots != self.capacity_blocks:
-                log.info("disk tier %s: capacity %d -> %d blocks (records of slots that still fit are kept)",
-                         self.directory, index.slots, self.capacity_blocks)
-                index = index.resized(self.capacity_blocks)
-            _allocate_fully(index.path)
-            file = BlockFile.open(data_path, slots=self.capacity_blocks, slot_bytes=self.slot_bytes,
-                                  block_bytes=self.block_bytes, direct=self.settings.direct_io)
-        except BaseException:
-            index.close()
-            raise
+            opened = open_directory(self.root, self.pool_name, self.directory, self.identity,
+                                    capacity_blocks=self.capacity_blocks, block_bytes=self.block_bytes,
+                                    direct=self.settings.direct_io)
+        except DirectoryBusy as exc:
+            self.last_error = str(exc)
+            log.error("disk tier %s is %s (another live kvtierd); this pool runs without a disk tier (give each "
+                      "daemon its own disk_dir)", self.directory, exc)
+            return None
+        index, file, records = opened.index, opened.file, opened.records
         file.faults = self._faults
-        records, torn = index.scan()
-        retired = self._catalog.load((r.key, r.slot, r.checksum) for r in records)
-        for slot in retired:
-            index.invalidate(slot)
+        for slot in self._catalog.load((r.key, r.slot, r.checksum) for r in records):
+            index.invalidate(slot)  # a key found twice keeps its newest slot
             self._catalog.release(slot)
         self._index, self._file = index, file
         with self._lock:
             self._counters["adopted_blocks"] = len(self._catalog)
-            self._counters["torn_records"] = torn
+            self._counters["torn_records"] = opened.torn
         writer = DiskWriter(file=file, index=index, catalog=self._catalog, settings=self.settings,
                             next_seq=max((r.seq for r in records), default=0) + 1,
                             on_error=lambda exc: self._rest("write", exc), resting=self._writes_resting,
                             name=str(self.directory))
         self._writer = writer
         log.info("disk tier %s: %d blocks adopted%s; %d slots of %d bytes, %s I/O%s", self.directory,
-                 len(self._catalog), f" ({torn} torn records dropped)" if torn else "", self.capacity_blocks,
-                 self.slot_bytes, "direct" if file.direct else "buffered",
+                 len(self._catalog), f" ({opened.torn} torn records dropped)" if opened.torn else "",
+                 self.capacity_blocks, self.slot_bytes, "direct" if file.direct else "buffered",
                  "" if file.preallocated else ", not preallocated (a full disk fails writes: counted)")
         return writer
-
-    def _open_index(self, index_path: Path, data_path: Path) -> SlotIndex | None:
-        try:
-            index = SlotIndex.open(index_path)
-        except FileNotFoundError:
-            index = None
-        except SlotIndexBusy:
-            self.last_error = "held by another live process"
-            log.error("disk tier %s is held by another live kvtierd; this pool runs without a disk tier "
-                      "(give each daemon its own disk_dir)", self.directory)
-            return None
-        except SlotIndexFormatError as exc:
-            log.warning("disk tier %s: %s; starting empty", self.directory, exc)
-            index = None
-        if index is not None:
-            why = ""
-            if _normal(index.identity) != _normal(self.identity):
-                why = f"it holds blocks of another format or layout ({index.identity.get('format')!r})"
-            elif index.block_bytes != self.block_bytes:
-                why = f"its blocks are {index.block_bytes} bytes"
-            elif not data_path.is_file():
-                why = "its data file is missing"
-            if not why:
-                return index
-            log.warning("disk tier %s: %s; starting empty", self.directory, why)
-            index.close()
-        return SlotIndex.create(index_path, slots=self.capacity_blocks, block_bytes=self.block_bytes,
-                                identity=self.identity)
-
-    def _remove_stale(self) -> None:
-        for old in stale_dirs(self.root, self.pool_name, self.directory.name):
-            if is_held(old / INDEX_NAME):
-                continue
-            shutil.rmtree(old, ignore_errors=True)
-            log.info("disk tier %s: removed %s, this pool's blocks under another layout", self.directory, old)
 
     # ---- counters -------------------------------------------------------------------------
 
@@ -492,23 +435,3 @@ class DiskTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _allocate_fully(path: Path) -> None:
-    """Give the index file all its blocks now: it is written through a shared mapping, and a page of
-    it the filesystem cannot back when first written (a full disk) would kill the process (SIGBUS)
-    instead of failing a call. A full disk now refuses the tier (OSError: unavailable) instead."""
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem that cannot: nothing to reserve
-            raise
-    finally:
-        os.close(fd)
-
-
-def _normal(identity: Any) -> Any:
-    """An identity as the index stores it (JSON: tuples read back as lists)."""
-    return json.loads(json.dumps(identity, sort_keys=True))
-
