@@ -229,14 +229,18 @@ def test_operators_see_the_disk_tier_in_stats_top_and_prometheus(
     with Client(daemon.endpoint, POOL, LAYOUT) as c:
         store_and_spill(c, hashes, data, 8)
         assert c.restore(hashes[:4]).tiers == ["disk"] * 4
-        disk = c.stats()["pools"][POOL]["disk"]
+        # The restore's room in the CPU tier evicted blocks: their write-backs may still be landing.
+        before = c.stats()["pools"][POOL]["disk"]
         samples, types = parse(scrape(port))
+        disk = c.stats()["pools"][POOL]["disk"]
     assert value(samples, "kvtier_disk_up", pool=POOL) == 1.0
     assert value(samples, "kvtier_disk_read_blocks_total", pool=POOL) == disk["disk_hits"] >= 4
     assert value(samples, "kvtier_disk_read_bytes_total", pool=POOL) == disk["bytes_read"]
-    assert value(samples, "kvtier_disk_written_bytes_total", pool=POOL) == disk["bytes_written"] > 0
+    assert 0 < before["bytes_written"] <= value(samples, "kvtier_disk_written_bytes_total", pool=POOL) \
+        <= disk["bytes_written"]
     assert value(samples, "kvtier_hit_blocks_total", pool=POOL, tier="disk") >= 4
-    assert value(samples, "kvtier_blocks", pool=POOL, tier="disk", state="used") == disk["used_blocks"]
+    assert before["used_blocks"] <= value(samples, "kvtier_blocks", pool=POOL, tier="disk", state="used") \
+        <= disk["used_blocks"]
     docs = DOCS.read_text()
     for name in [n for n in types if n.startswith("kvtier_disk")]:
         full = name + ("_total" if types[name] == "counter" else "")
@@ -248,4 +252,5 @@ def test_operators_see_the_disk_tier_in_stats_top_and_prometheus(
         assert out.returncode == 0, out.stderr
         assert "DISK TIER" in out.stdout and " disk " in out.stdout
         (row,) = [line for line in out.stdout.splitlines() if line.split()[:2] == [POOL, "up"]]
-        assert f"{disk['used_blocks']}/{disk['capacity_blocks']}" in row
+        used, capacity = row.split()[2].split("/")
+        assert int(used) >= disk["used_blocks"] and int(capacity) == disk["capacity_blocks"]
