@@ -201,3 +201,17 @@ def test_an_allocation_restores_disk_hits_into_its_gpu_blocks(tmp_path: Path, sr
         assert torch.equal(pool.gpu.slab()[block_id], src.slab()[i])
     pool.free("r1")
     close(pool)
+
+
+def test_clear_matching_drops_only_the_matching_disk_blocks(tmp_path: Path, src: BlockLayout) -> None:
+    # What a tenant's clear does: its keys (here: tag 1) go from every tier, the others stay.
+    pool = make_pool(tmp_path, disk_blocks=64)
+    first, second = keys(4, 1), keys(4, 2)
+    assert pool.store(second, src, range(4, 8)).wait(5).error is None
+    spill(pool, src, first)
+    assert pool.lookup(first, count=False) == [Tier.DISK] * 4
+    assert pool.lookup(second, count=False) == [Tier.DISK] * 4
+    pool.clear_matching(lambda key: key[0] == 1, [])
+    assert pool.lookup(first, count=False) == []
+    assert pool.lookup(second, count=False) == [Tier.DISK] * 4
+    close(pool)
