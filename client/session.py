@@ -9,7 +9,9 @@ the client: ``send`` is the client's late-bound ``_roundtrip`` (a test or a
 subclass may wrap it, and recovery's requests must go through that too).
 
 - ``hello(deadline_s)`` opens a session: sends ``hello`` (pool, layout,
-  client name, requested lease, tenant token), resent on a new socket after
+  client name, requested lease, tenant token, and the reply features this
+  client reads, ``CLIENT_FEATURES``: again without them, once and for good,
+  when a daemon from before them refuses the field), resent on a new socket after
   each timeout until ``deadline_s``, then records what the reply granted:
   ``sid``, ``lease_s``, ``heartbeat_s``, ``pool_info``, ``limits``,
   ``features`` and the ``packed_hashes`` / ``hints`` / ``pin_tags`` flags they imply, and
@@ -74,6 +76,7 @@ import zmq
 
 from kvtier.client.data_planes import arena_fields
 from kvtier.client.protocol import (
+    CLIENT_FEATURES,
     FEATURE_DEADLINES,
     FEATURE_HINT_OUTPUT_TOKENS,
     FEATURE_HINTS,
@@ -182,6 +185,8 @@ class Session:
         self.pin_tags = False  # ... and FEATURE_PIN_TAGS
         self.deadlines = False  # ... and FEATURE_DEADLINES, and reads our clock (shared_clock)
         self.gone = False  # the daemon answered UNKNOWN_SESSION
+        # Send hello's "features" (CLIENT_FEATURES) until a daemon refuses the field (one from before it).
+        self._send_features = True
         self.pending_loss: SessionLost | None = None  # found by the heartbeat thread, raised by the next call
         self.closed = False  # the client closed: nothing may open a session again
         # What the session holds.
@@ -196,16 +201,27 @@ class Session:
         window_ns = [0, 0]  # the last attempt's send and receive: the daemon's clock reading lies between
 
         def attempt(attempt_deadline_s: float) -> tuple[dict[str, Any], list[Any]]:
+            fields = self._hello_fields
+            if self._send_features:
+                fields = {**fields, "features": list(CLIENT_FEATURES)}
             window_ns[0] = time.monotonic_ns()
-            reply = self._send("hello", self._hello_fields, (), attempt_deadline_s, with_sid=False)
+            reply = self._send("hello", fields, (), attempt_deadline_s, with_sid=False)
             window_ns[1] = time.monotonic_ns()
             return reply
 
-        try:
-            # hello changes nothing the daemon holds for us: safe to resend.
-            rh, _ = self._transport.retry("hello", deadline_s, attempt, idempotent=True)
-        except KvtierTimeout:
-            raise KvtierTimeout(f"no kvtierd answering at {self._transport.endpoint}") from None
+        while True:
+            try:
+                # hello changes nothing the daemon holds for us: safe to resend.
+                rh, _ = self._transport.retry("hello", deadline_s, attempt, idempotent=True)
+                break
+            except KvtierTimeout:
+                raise KvtierTimeout(f"no kvtierd answering at {self._transport.endpoint}") from None
+            except DaemonError as exc:
+                # A daemon from before hello's "features" refuses the field: it has no disk tier to
+                # name either, so the same hello without it loses nothing.
+                if not (self._send_features and exc.code == ErrorCode.INVALID_FIELD and "'features'" in str(exc)):
+                    raise
+                self._send_features = False
         self.sid = str(rh["sid"])
         self.lease_s = float(rh["lease_s"])
         self.heartbeat_s = float(rh["heartbeat_s"])

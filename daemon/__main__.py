@@ -121,6 +121,8 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
             clean_ahead_blocks=settings.clean_ahead_blocks,
             remote_url=settings.remote_url,
             remote_secret=remote_secret if settings.remote_url else None,
+            disk_dir=settings.disk_dir,
+            disk_bytes=settings.disk_bytes,
             fault_hook=fault_plan,
         )
 

@@ -35,6 +35,10 @@ Contract:
   (``Request.packed``) gets its reply's ``tiers`` as packed codes
   (``protocol.pack_tiers``); lookup and pin pack the pool's tiers directly,
   allocate and restore through ``_packs_tiers``.
+- Tier names: a disk-tier block is ``"disk"`` only to a session whose hello
+  named feature ``"disk_tier"``; to others it is ``"remote"`` (a tier below
+  the CPU tier, as they know it), and allocate's ``num_disk_hits`` counts
+  in ``num_remote_hits`` (``_names_disk``).
 """
 
 from __future__ import annotations
@@ -51,10 +55,12 @@ from kvtier.client.protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     EVENT_REMOVED,
     EVENT_STORED,
+    FEATURE_DISK_TIER,
     FEATURES,
     MAX_HASHES,
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
+    TIER_CODES,
     ErrorCode,
     ProtocolError,
     Request,
@@ -207,6 +213,7 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
     # The session remembers the pool's key: every later verb reaches this very pool.
     new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer, uid=ctx.peer_uid)
+    new.reads_disk_tier = FEATURE_DISK_TIER in (f["features"] or ())
     entry.sessions.add(new.sid)
     entry.idle_since_s = None
     log.info("session %s opened on pool %r by %r (lease %.1fs%s)", new.sid[:8], entry.name, f["client"], lease_s,
@@ -870,6 +877,9 @@ def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result
             # The operator's view names pools by key; a tenant's, its own by their bare names.
             "remote": {(e.name if viewer is None else e.bare_name): bool(e.pool.remote.available) for e in ctx.pools
                        if e.pool.remote is not None and _sees(viewer, e.tenant)},
+            # Likewise per pool with a disk tier: open and not resting after an I/O error.
+            "disk": {(e.name if viewer is None else e.bare_name): bool(e.pool.disk.available) for e in ctx.pools
+                     if e.pool.disk is not None and _sees(viewer, e.tenant)},
         }
     )
 
@@ -929,6 +939,42 @@ def _pack_reply_tiers(reply: Reply) -> Reply:
     return reply
 
 
+def _names_disk(handler: Handler) -> Handler:
+    """A verb whose reply lists tiers, for sessions that did not name feature "disk_tier" in hello:
+    disk-tier blocks are "remote" to them (see the contract). Costs nothing in a pool without a disk tier."""
+
+    @functools.wraps(handler)
+    def naming(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+        result = handler(ctx, req, session)
+        if session is None or session.reads_disk_tier:
+            return result
+        entry = ctx.pools.find(session.pool_name)
+        if entry is None or entry.pool.disk is None:
+            return result
+        if isinstance(result, Reply):
+            return _disk_as_remote(result)
+        finish = result.finish
+        result.finish = lambda op: _disk_as_remote(finish(op))
+        return result
+
+    return naming
+
+
+def _disk_as_remote(reply: Reply) -> Reply:
+    fields = reply.fields
+    tiers = fields.get("tiers")
+    if isinstance(tiers, bytes):
+        fields["tiers"] = tiers.replace(_DISK_CODE, _REMOTE_CODE)
+    elif tiers:
+        fields["tiers"] = ["remote" if t == "disk" else t for t in tiers]
+    if "num_disk_hits" in fields:
+        fields["num_remote_hits"] = fields.get("num_remote_hits", 0) + fields.pop("num_disk_hits")
+    return reply
+
+
+_DISK_CODE, _REMOTE_CODE = TIER_CODES["disk"], TIER_CODES["remote"]
+
+
 HANDLERS: dict[str, Handler] = {
     "hello": hello,
     "heartbeat": heartbeat,
@@ -936,14 +982,14 @@ HANDLERS: dict[str, Handler] = {
     "attach_arena": attach_arena,
     "register_kv": register_kv,
     "unregister_kv": unregister_kv,
-    "lookup": lookup,
-    "pin": pin,
+    "lookup": _names_disk(lookup),
+    "pin": _names_disk(pin),
     "unpin": unpin,
-    "allocate": _packs_tiers(allocate),
+    "allocate": _names_disk(_packs_tiers(allocate)),
     "append": append,
     "free": free,
     "store": store,
-    "restore": _packs_tiers(restore),
+    "restore": _names_disk(_packs_tiers(restore)),
     "stats": stats,
     "health": health,
     "clear": clear,

@@ -41,6 +41,12 @@ Contract:
   ``idle()``, longest idle first) goes when a new pool needs its memory or
   its idle time passes ``pool_idle_ttl_s`` (the server decides, ``close``);
   all go at ``close_all``.
+- A pool configured with ``disk_dir`` gets a disk tier below its CPU tier
+  (``kvtier.tiers.disk_tier``): ``disk_bytes`` of slots in its own
+  directory, named after the pool's key and layout identity, adopted by the
+  next pool of that key and layout (another daemon start, or after an idle
+  pool was closed). It opens in the background; a directory it cannot use
+  leaves the pool without one (logged), never refuses the hello.
 - Every pool keeps a key journal of its last ``JOURNAL_EVENTS`` events (the
   keys it started and stopped holding: ``tiers.pool.journal``), which the
   ``events`` verb reads.
@@ -69,7 +75,8 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.tiers.host_memory import HostMemoryError, allocate_host_slab
@@ -78,6 +85,9 @@ from kvtier.tiers.persistent_arena import ArenaDirectory, PersistentArena
 from kvtier.tiers.slot_index import SlotIndexBusy
 from kvtier.tiers.pool import PolicyWrapper, PoolSpec, TieredPool
 from kvtier.tiers.transfer import ThreadTransferEngine, TransferEngine, make_transfer_engine
+
+if TYPE_CHECKING:
+    from kvtier.tiers.disk_tier import DiskTier
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +128,9 @@ class PoolSizing:
     remote_url: str | None = None  # Redis/Valkey tier below the CPU tier
     # The remote tier's secret (kvtier.tiers.remote_secret): required with remote_url; never printed.
     remote_secret: bytes | None = field(default=None, repr=False)
+    # The disk tier below the CPU tier: each pool keeps its blocks in a directory under disk_dir.
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
     # TEST-ONLY copy fault injection (kvtier.daemon.faults); None in production.
     fault_hook: Callable[[Any], None] | None = None
 
@@ -340,6 +353,7 @@ class PoolRegistry:
             block_bytes=block_bytes,
             extra=tuple(sorted((k, v) for k, v in layout.items() if k not in ("block_size", "block_bytes"))),
         )
+        disk = _disk_tier(sizing, key, spec)
         remote = None
         if sizing.remote_url:
             from kvtier.tiers.remote_tier import RemoteTier, make_pool_key
@@ -358,6 +372,7 @@ class PoolRegistry:
             cpu_storage=cpu_storage,
             clean_ahead_blocks=sizing.clean_ahead_blocks,
             remote=remote,
+            disk=disk,
             defer_learning=True,  # the loop calls learn() after sending its replies
             journal_events=JOURNAL_EVENTS,
             policy_wrapper=self._policy_wrapper(block_bytes) if self._policy_wrapper is not None else None,
@@ -367,8 +382,9 @@ class PoolRegistry:
         if gpu_layout is not None:
             pool.attach_gpu(gpu_layout)
         log.info(
-            "pool %r created: mode=%s block_bytes=%d gpu_blocks=%d cpu_blocks=%d device=%s%s",
-            key, layout["mode"], block_bytes, gpu_blocks if gpu_layout is not None else 0, cpu_blocks, self.device,
+            "pool %r created: mode=%s block_bytes=%d gpu_blocks=%d cpu_blocks=%d disk_blocks=%d device=%s%s",
+            key, layout["mode"], block_bytes, gpu_blocks if gpu_layout is not None else 0, cpu_blocks,
+            disk.capacity_blocks if disk is not None else 0, self.device,
             " (persistent CPU tier)" if arena is not None else "",
         )
         return PoolEntry(key, layout, pool, transfer, tenant=tenant, bare_name=name, arena=arena)
@@ -486,6 +502,32 @@ class PoolRegistry:
         return adopted
 
 
+def _disk_tier(sizing: PoolSizing, key: str, spec: PoolSpec) -> DiskTier | None:
+    """The pool's disk tier under ``disk_dir`` (None without one, or with room for no block).
+
+    Its directory is named after the pool's key (tenant and name: pools of two
+    tenants never share one) and its layout identity; blocks of another layout
+    are never read. It opens on its own thread: never an error for the hello.
+    """
+    if sizing.disk_dir is None or sizing.disk_bytes <= 0:
+        return None
+    from kvtier.tiers.disk_files import slot_bytes_for
+    from kvtier.tiers.disk_tier import DiskTier
+
+    slot_bytes = slot_bytes_for(spec.block_bytes)
+    blocks = sizing.disk_bytes // slot_bytes
+    if blocks == 0:
+        log.warning("pool %r: disk_bytes %d holds no block of %d bytes; no disk tier", key, sizing.disk_bytes,
+                    spec.block_bytes)
+        return None
+    if blocks > MAX_BLOCKS_PER_TIER:
+        log.warning("pool %r: disk_bytes %d cuts into %d blocks of %d bytes; the disk tier keeps %d (use larger "
+                    "blocks)", key, sizing.disk_bytes, blocks, slot_bytes, MAX_BLOCKS_PER_TIER)
+        blocks = MAX_BLOCKS_PER_TIER
+    identity = {"pool": key, "block_size": spec.block_size, "layout": [list(kv) for kv in spec.extra]}
+    return DiskTier(sizing.disk_dir, key, identity, block_bytes=spec.block_bytes, capacity_blocks=blocks)
+
+
 def _close_entry(entry: PoolEntry, timeout_s: float, *, keep_arena: bool = False) -> None:
     try:
         entry.pool.close(timeout_s)
@@ -495,3 +537,5 @@ def _close_entry(entry: PoolEntry, timeout_s: float, *, keep_arena: bool = False
         entry.transfer.close(timeout_s)
         if entry.pool.remote is not None:
             entry.pool.remote.close(timeout_s)
+        if entry.pool.disk is not None:
+            entry.pool.disk.close(timeout_s)  # what is queued is written; the directory stays for the next start

@@ -128,7 +128,7 @@ class PoolMetric:
     labels: tuple[tuple[str, str], ...] = ()
 
 
-_TIERS = ("gpu", "cpu", "remote")
+_TIERS = ("gpu", "cpu", "remote", "disk")
 # The remote tier's stats counters remote_<reason> (kvtier.tiers.remote_tier.COUNTERS).
 _REMOTE_REJECTIONS = ("unauthentic", "oversized", "corrupt")
 _DIRECTIONS = {
@@ -144,7 +144,7 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
     PoolMetric("looked_up_blocks", "looked_up_blocks", "counter",
                "Block hashes those lookups asked about (= hit blocks of all tiers + miss blocks)."),
     *(PoolMetric(f"hit_blocks_{t}", "hit_blocks", "counter",
-                 "Looked-up blocks found, attributed to the first tier holding them (gpu, cpu, remote).",
+                 "Looked-up blocks found, attributed to the first tier holding them (gpu, cpu, disk, remote).",
                  (("tier", t),)) for t in _TIERS),
     PoolMetric("miss_blocks", "miss_blocks", "counter",
                "Looked-up blocks past the longest held prefix (not found, or after the first gap)."),
@@ -185,6 +185,10 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
                "failed, blocks a smaller tier had no room for, blocks evicted before they were verified."),
     PoolMetric("cpu_adoption_pending_blocks", "adoption_pending_blocks", "gauge",
                "Adopted blocks not verified yet (each is verified before it is served)."),
+    PoolMetric("disk_fetch_short", "disk_fetch_short", "counter",
+               "Disk-tier reads that returned fewer blocks than asked (a block bad, unreadable, or no CPU room)."),
+    PoolMetric("disk_write_backs", "disk_write_backs", "counter",
+               "CPU-tier evictions the disk tier took (queued for writing, or already on disk)."),
     *(PoolMetric(f"bytes_{d}", "copy_bytes", "counter", "Bytes copied, by direction: " +
                  "; ".join(f"{k} = {v}" for k, v in _DIRECTIONS.items()) + ".", (("direction", d),))
       for d in _DIRECTIONS),
@@ -275,6 +279,50 @@ TENANT_METRICS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# The disk tier (a pool's stats["disk"], kvtier.tiers.disk_tier.COUNTERS): family -> (kind, help, labels);
+# each series is one stats key (_DISK_SERIES). Exported as kvtier_disk_<family>{pool, ...}.
+_DISK_FAMILIES: dict[str, tuple[str, str, tuple[tuple[str, str], ...]]] = {
+    "up": ("gauge", "1 when the pool's disk tier is open and no I/O error made it rest; 0 when not (absent: no "
+                    "disk tier).", ()),
+    "read_blocks": ("counter", "Blocks read from the disk tier and verified (checksum), into the CPU tier.", ()),
+    "read_bytes": ("counter", "Bytes of those blocks.", ()),
+    "written_blocks": ("counter", "Blocks written to the disk tier and made durable.", ()),
+    "written_bytes": ("counter", "Bytes of those blocks.", ()),
+    "dropped_write_backs": ("counter", "CPU-tier evictions the disk tier did not write: reason=full (its queue "
+                                       "was full), unavailable (not open, or resting after an error), not_admitted "
+                                       "(the policy's +admit2).", (("reason", ""),)),
+    "errors": ("counter", "Disk-tier blocks lost to an error, by kind: read (EIO...), write (EIO, ENOSPC...), "
+                          "checksum (read back wrong: never served).", (("kind", ""),)),
+    "evicted_blocks": ("counter", "Disk-tier blocks evicted (LRU) to make room for newer ones.", ()),
+    "adopted_blocks": ("gauge", "Blocks the disk tier found on disk, complete, when it opened (a restart or "
+                                "reboot).", ()),
+    "torn_records": ("gauge", "Records found torn when the disk tier opened (a kill while writing one): "
+                              "their blocks are dropped, never served.", ()),
+}
+# (family, stats key, label value or "")
+_DISK_SERIES: tuple[tuple[str, str, str], ...] = (
+    ("read_blocks", "disk_hits", ""), ("read_bytes", "bytes_read", ""),
+    ("written_blocks", "writes_done", ""), ("written_bytes", "bytes_written", ""),
+    ("dropped_write_backs", "writes_dropped_full", "full"),
+    ("dropped_write_backs", "writes_dropped_unavailable", "unavailable"),
+    ("dropped_write_backs", "writes_not_admitted", "not_admitted"),
+    ("errors", "read_errors", "read"), ("errors", "write_errors", "write"), ("errors", "disk_corrupt", "checksum"),
+    ("evicted_blocks", "evictions", ""), ("adopted_blocks", "adopted_blocks", ""),
+    ("torn_records", "torn_records", ""),
+)
+
+
+def _add_disk(families: Mapping[str, Any], blocks: Any, labels: list[str], disk: Mapping[str, Any]) -> None:
+    families["up"].add_metric(labels, 1.0 if disk.get("available") else 0.0)
+    for fam, key, label in _DISK_SERIES:
+        value = disk.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            families[fam].add_metric([*labels, label] if label else labels, value)
+    cap, used = int(disk.get("capacity_blocks", 0)), int(disk.get("used_blocks", 0))
+    blocks.add_metric([*labels, "disk", "used"], used)
+    blocks.add_metric([*labels, "disk", "free"], cap - used)
+
+
 def _parse_label_key(label_key: str) -> dict[str, str]:
     # Counters.snapshot() spells labels "k=v,k2=v2"; our label values (verbs,
     # error code names) never contain "," or "=".
@@ -357,6 +405,8 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
                       "tensors are registered).", pool_label_names)
     info = family("pool_info", "gauge", "Always 1; the labels say the pool's mode (store or engine).",
                   [*pool_label_names, "mode"])
+    disk_families = {name: family(f"disk_{name}", kind, help_text, [*pool_label_names, *(k for k, _ in labels)])
+                     for name, (kind, help_text, labels) in _DISK_FAMILIES.items()}
     for pool_name in sorted(pools):
         p = pools[pool_name]
         labels = pool_labels(pool_name)
@@ -368,6 +418,9 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
         blocks.add_metric([*labels, "cpu", "free"], cpu_blocks - cpu_used)
         attached.add_metric(labels, 1.0 if p.get("mode") == "store" or p.get("gpu_registered") else 0.0)
         info.add_metric([*labels, str(p.get("mode", ""))], 1.0)
+        disk = p.get("disk")
+        if isinstance(disk, Mapping):
+            _add_disk(disk_families, blocks, labels, disk)
         remote = p.get("remote")
         if isinstance(remote, Mapping):
             up.add_metric(labels, 1.0 if remote.get("available") else 0.0)

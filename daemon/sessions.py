@@ -86,6 +86,7 @@ class Session:
     uid: int | None = None  # ipc: the uid of the process that opened it; only that user may use the sid
     # the retain_s hints it holds (kvtier.daemon.hints)
     retained: Retention = field(default_factory=Retention)
+    reads_disk_tier: bool = False  # its hello named feature "disk_tier": replies may say tier "disk"
 
     def pool_request_id(self, req: str) -> str:
         # The sid prefix keeps two clients' request ids apart in one pool.

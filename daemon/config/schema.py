@@ -55,6 +55,7 @@ from kvtier.daemon.config.units import (
     _as_lower_str,
     _as_mode,
     _as_optional_cpu_size,
+    _as_optional_dir,
     _as_optional_float,
     _as_optional_path,
     _as_path,
@@ -101,6 +102,10 @@ MAX_POOLS = 1 << 21
 # A GPU tier has at most this many blocks (daemon.pools.MAX_BLOCKS_PER_TIER, which a test
 # compares): clean-ahead past it demotes nothing more.
 MAX_CLEAN_AHEAD_BLOCKS = 1 << 23
+# A disk tier holds at least one block of a few MiB, and its slot index records 2**23 blocks
+# at most (daemon.pools.MAX_BLOCKS_PER_TIER): 1 PiB is that many blocks of 128 MiB.
+MIN_DISK_BYTES = 1 * MiB
+MAX_DISK_BYTES = 1 << 50
 # The name a hello sends for a pool: a pool table no hello can name would never apply.
 HELLO_POOL_NAME = OPS["hello"].fields["pool"].type
 # sun_path is 108 bytes on Linux, one of them the terminating NUL.
@@ -342,6 +347,19 @@ def _check_device(key: str, value: object) -> None:
         raise ConfigError(key, f"must be 'auto', 'cpu' or 'cuda:N', got {value!r}")
 
 
+def _check_disk_dir(key: str, value: object) -> None:
+    # Whether kvtierd can make and write it is checked with disk_bytes (_check_disk_tiers).
+    if not isinstance(value, Path) or not value.is_absolute():
+        raise ConfigError(key, f"must be an absolute directory path, got {str(value)!r}")
+
+
+def _check_disk_bytes(key: str, value: object) -> None:
+    if not _is_int(value) or not MIN_DISK_BYTES <= value <= MAX_DISK_BYTES:  # type: ignore[operator]
+        shown = format_byte_size(value) if _is_int(value) else repr(value)  # type: ignore[arg-type]
+        raise ConfigError(key, f"must be a size in {format_byte_size(MIN_DISK_BYTES)}..{format_byte_size(MAX_DISK_BYTES)}, "
+                               f"got {shown}")
+
+
 def _check_remote_url(key: str, value: object) -> None:
     if value is None:
         return
@@ -477,6 +495,34 @@ def _check_cpu_budget(cfg: DaemonConfig) -> None:
                                                   f"({format_byte_size(cpu_bytes)}): that pool could never be created")
 
 
+def _check_disk_tiers(cfg: DaemonConfig) -> None:
+    # Like the remote secret's file: what can be known before start is checked here, so a
+    # disk tier that could never work stops kvtierd (exit 2) instead of logging misses forever.
+    d = cfg.default_pool
+    tables = [("default_pool.disk_dir", "default_pool.disk_bytes", d.disk_dir, d.disk_bytes)]
+    for name, o in cfg.pools.items():
+        s = cfg.pool_settings(name)
+        dir_key = f"{pool_key(name)}.disk_dir" if o.disk_dir is not None else "default_pool.disk_dir"
+        bytes_key = f"{pool_key(name)}.disk_bytes" if o.disk_bytes is not None else "default_pool.disk_bytes"
+        tables.append((dir_key, bytes_key, s.disk_dir, s.disk_bytes))
+    for dir_key, bytes_key, disk_dir, disk_bytes in tables:
+        if disk_dir is None:
+            continue
+        existing = disk_dir
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ConfigError(dir_key, f"{existing} is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(dir_key, f"kvtierd cannot {'write' if existing == disk_dir else 'create'} {disk_dir} "
+                                       f"({existing} is not writable by uid {os.geteuid()})")
+        fs = os.statvfs(existing)
+        total = fs.f_blocks * fs.f_frsize
+        if disk_bytes > total:
+            raise ConfigError(bytes_key, f"is {format_byte_size(disk_bytes)}, more than the whole filesystem of "
+                                         f"{disk_dir} ({format_gib(total, decimals=1)}): no pool could keep that much")
+
+
 def _check_remote_secret(cfg: DaemonConfig) -> None:
     # Presence here, like the CURVE keys; the daemon reads the file (and refuses
     # a bad one, exit 2) when it starts.
@@ -565,6 +611,13 @@ class PoolDefaults:
         _as_optional_url,
         "remote tier below the CPU tier: redis://HOST:PORT/DB or redis+cluster://HOST:PORT[,...] ('off' = none)", "URL",
         group=POOLS, check=_check_remote_url))
+    disk_dir: Path | None = field(default=None, metadata=key(
+        _as_optional_dir, "directory of the disk tier below the CPU tier (e.g. on local NVMe): each pool keeps "
+        "up to disk_bytes of blocks in a subdirectory, kept across restarts and reboots ('none' = no disk tier)",
+        "DIR", group=POOLS, check=_optional(_check_disk_dir)))
+    disk_bytes: int = field(default=64 * GiB, metadata=key(
+        _as_size, "disk-tier size of each pool with a disk_dir, preallocated when the pool is created "
+        "(e.g. 500GiB)", "SIZE", group=POOLS, check=_check_disk_bytes))
 
     def __post_init__(self) -> None:
         _check_keys(self, POOL_KEYS)
@@ -579,6 +632,8 @@ class PoolOverrides:
     policy: str | None = None
     clean_ahead_blocks: int | None = None
     remote_url: str | None = None
+    disk_dir: Path | None = None
+    disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_keys(self, POOL_KEYS, skip_none=True)
@@ -594,6 +649,8 @@ class PoolSettings:
     policy: str
     clean_ahead_blocks: int
     remote_url: str | None = None
+    disk_dir: Path | None = None
+    disk_bytes: int = 64 * GiB
 
     def resolve_cpu_bytes(self, available_bytes: int | None = None) -> int:
         """CPU-tier bytes for this pool; ``available_bytes`` defaults to psutil's available memory now."""
@@ -815,6 +872,7 @@ class DaemonConfig:
         object.__setattr__(self, "tenants", MappingProxyType(_check_tenants(self.tenants)))
         _check_remote_secret(self)
         _check_cpu_budget(self)
+        _check_disk_tiers(self)
 
     @property
     def remote_url_keys(self) -> list[str]:

@@ -198,13 +198,14 @@ def test_every_op_with_hashes_takes_them_packed() -> None:
 
 def test_tier_codes_table() -> None:
     # Other-language clients hard-code these: never change a code.
-    assert TIER_CODES == {"gpu": b"g", "cpu": b"c", "remote": b"r"}
-    assert TIERS == ("gpu", "cpu", "remote")
-    names = ["gpu", "cpu", "remote", "cpu", "gpu", "gpu", "remote"]
-    assert pack_tiers(names) == b"gcrcggr"
+    assert TIER_CODES == {"gpu": b"g", "cpu": b"c", "remote": b"r", "disk": b"d"}
+    assert TIERS == ("gpu", "cpu", "remote", "disk")
+    names = ["gpu", "cpu", "remote", "cpu", "gpu", "gpu", "remote", "disk", "disk", "remote"]
+    assert pack_tiers(names) == b"gcrcggrddr"
+    assert TierList(b"gcrcggrddr") == names
     assert pack_tiers([]) == b""
     with pytest.raises(ValueError):
-        pack_tiers(["gpu", "disk"])
+        pack_tiers(["gpu", "flash"])  # (a name whose letters give the shortcut away)
 
 
 def test_pack_tiers_takes_str_enum_members() -> None:
@@ -232,7 +233,8 @@ def test_tier_list_reads_like_a_list_of_names() -> None:
     with pytest.raises(IndexError):
         t[4]
     assert t.count("gpu") == 2 and t.count("remote") == 1 and t.count("disk") == 0 and t.count(3) == 0
-    assert "cpu" in t and "disk" not in t and 103 not in t
+    assert t.count("tape") == 0
+    assert "cpu" in t and "disk" not in t and "tape" not in t and 103 not in t
     assert t.index("cpu") == 2 and t.index("gpu", 1) == 1
     with pytest.raises(ValueError):
         t.index("disk")

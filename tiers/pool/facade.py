@@ -60,6 +60,19 @@ Contract:
   CPU tier evicts are written back asynchronously (dropped, never waited
   for, when the remote tier is slow or down). The fetch is one pipelined
   round trip on the caller's thread, bounded by the remote tier's timeout.
+- Disk tier (optional, ``disk=DiskTier``): below the CPU tier, above the
+  remote tier (``lower`` is the ordered list of the tiers below the CPU
+  tier). Lookups continue past the CPU tier through the disk tier's
+  in-memory index, then the remote tier; allocate/restore/pin read disk
+  runs straight into reserved CPU slots (in parallel, checksums verified; a
+  bad or unreadable block ends the prefix there) and go on as CPU hits,
+  attributed to ``disk``. Blocks the CPU tier evicts are handed to every
+  lower tier (the disk tier queues them for its writer thread, the remote
+  tier for its own). The disk tier admits what the CPU policy's
+  ``+admit2`` rule admits (a second sighting), everything without it. The
+  read is on the caller's thread. ``clear`` clears the disk tier too (it is
+  the pool's own; the remote tier is shared and left alone). Needs
+  ``data=True``.
 - Bookkeeping mode (``data=False``): no bytes and no transfer engine; every
   copy is complete at once. Trace replay uses it to drive the same code.
 - Key journal (optional, ``journal_events=N``): ``journal`` records the keys
@@ -86,6 +99,7 @@ from kvtier.tiers.copy_types import CopyKind, TransferEngine
 from kvtier.tiers.cpu_tier import CpuTier
 from kvtier.tiers.eviction import EvictionPolicy, make_policy
 from kvtier.tiers.hints import RequestHints
+from kvtier.tiers.policies.admit2 import AdmissionWrapper, SecondSightingAdmission
 from kvtier.tiers.pool import engine, lending, store
 from kvtier.tiers.pool.adoption import Adoption
 from kvtier.tiers.pool.base import Borrowed, Held, PoolError, PoolSpec, Tier
@@ -98,6 +112,7 @@ from kvtier.tiers.pool.pins import Pins
 from kvtier.tiers.pool.resolve import Resolver
 
 if TYPE_CHECKING:
+    from kvtier.tiers.disk_tier import DiskTier
     from kvtier.tiers.layout import BlockLayout
     from kvtier.tiers.persistent_arena import PersistentArena
     from kvtier.tiers.remote_store import RemoteStore
@@ -133,6 +148,7 @@ class TieredPool:
         clean_ahead_blocks: int = 64,
         idle_clean_blocks: int | None = None,
         remote: RemoteStore | None = None,
+        disk: DiskTier | None = None,
         defer_learning: bool = False,
         policy_wrapper: PolicyWrapper | None = None,
         journal_events: int = 0,
@@ -162,6 +178,14 @@ class TieredPool:
         if policy_wrapper is not None:
             self.cpu.policy = policy_wrapper(self.cpu.policy, self.cpu)
         self.remote = remote  # kvtier.tiers.remote_store.RemoteStore (RemoteTier, replay's stand-in) or None
+        if disk is not None and not data:
+            raise ValueError("a disk tier needs a pool that moves bytes (data=True)")
+        self.disk = disk
+        # The tiers below the CPU tier, in the order lookups and fetches try them.
+        self.lower: tuple[tuple[Tier, Any], ...] = tuple(
+            (tier, store) for tier, store in ((Tier.DISK, disk), (Tier.REMOTE, remote)) if store is not None)
+        if disk is not None and disk.admission is None:
+            disk.admission = second_sighting(self.cpu.policy)
         self.bm: BlockManager | None = None
         self.gpu: BlockLayout | None = None
         self.counters = Counters()
@@ -174,7 +198,7 @@ class TieredPool:
         self.journal = KeyJournal(journal_events) if journal_events > 0 else None
         if self.journal is not None:
             self.cpu.key_observer = self.journal.observer(self._gpu_has)
-        if remote is not None:
+        if self.lower:
             # In bookkeeping mode (replay) the remote tier is a stand-in that
             # tracks keys only: fetch returns placeholders, write_back gets None.
             self.cpu.on_evict = self._resolve.write_back
@@ -278,7 +302,7 @@ class TieredPool:
     def lookup(self, hashes: Sequence[bytes], *, count: bool = True, hints: RequestHints | None = None) -> list[Tier]:
         resolve = self._resolve
         tiers = resolve.held_tiers(hashes)
-        tiers += [Tier.REMOTE] * resolve.remote_run(hashes, len(tiers))
+        tiers += resolve.lower_tiers(hashes, len(tiers))
         if count:
             self._count(hashes, tiers, is_lookup=True, hints=hints)
         return tiers
@@ -288,10 +312,10 @@ class TieredPool:
         return self._resolve.held_prefix(hashes)
 
     def pin(self, owner: str, hashes: Sequence[bytes]) -> list[Tier]:
-        # With a remote tier its runs are fetched into the CPU tier and pinned
+        # With lower tiers their runs are fetched into the CPU tier and pinned
         # there: a pin the remote tier cannot honour (its server evicts at will)
         # would be no pin, and a lookup that pins would lose every remote hit.
-        held = self._resolve.held_with_remote(hashes)
+        held = self._resolve.held_with_lower(hashes)
         self._pins.pin(owner, hashes, held)
         return [tier for tier, _ in held]
 
@@ -317,6 +341,7 @@ class TieredPool:
         c.hit_blocks_gpu += tiers.count(Tier.GPU)
         c.hit_blocks_cpu += tiers.count(Tier.CPU)
         c.hit_blocks_remote += tiers.count(Tier.REMOTE)
+        c.hit_blocks_disk += tiers.count(Tier.DISK)
         c.miss_blocks += len(hashes) - len(tiers)
         self._learning.note(hashes, is_lookup=is_lookup, hints=hints)
 
@@ -389,6 +414,8 @@ class TieredPool:
             self._demoter.dropped([ev.block_hash for ev in gone])
             dropped += len(gone)
         dropped += self.cpu.clear()
+        if self.disk is not None:
+            dropped += self.disk.clear()
         return dropped
 
     def clear_matching(self, match: Callable[[bytes], bool], cpu_keys: Iterable[bytes]) -> int:
@@ -408,6 +435,8 @@ class TieredPool:
             dropped += len(gone)
         # Writes in flight are not in cpu_keys (the policy learns a key when its write lands).
         writing = [key for key in self.cpu.writing() if match(key)]
+        if self.disk is not None:
+            dropped += self.disk.clear(match)
         return dropped + self.cpu.discard(itertools.chain(cpu_keys, writing))
 
     def poll(self, wait_s: float = 0.0) -> list[Op]:
@@ -494,6 +523,8 @@ class TieredPool:
             s["held_blocks"] = self.journal.held
         if self.remote is not None:
             s["remote"] = self.remote.stats()
+        if self.disk is not None:
+            s["disk"] = self.disk.stats()
         if self.transfer is not None:
             for kind in CopyKind:
                 s[f"bytes_{kind.value}"] = self.transfer.bytes_by_kind[kind]
@@ -504,3 +535,11 @@ class TieredPool:
         self.wait_idle(timeout_s)
         if self.adoption is not None:
             self.adoption.stop()
+
+
+def second_sighting(policy: EvictionPolicy) -> SecondSightingAdmission | None:
+    """The ``+admit2`` rule of ``policy`` (wrapped anywhere inside it), for a lower tier's admission; None without it."""
+    found: Any = policy
+    while found is not None and not isinstance(found, AdmissionWrapper):
+        found = getattr(found, "inner", None)
+    return SecondSightingAdmission(found) if found is not None else None
