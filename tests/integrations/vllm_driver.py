@@ -1,9 +1,9 @@
 """A vLLM engine in its own process, driven by the vLLM tests over stdin/stdout.
 
-``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N] [--tp N] [--kv-events ENDPOINT]``
-starts ``vllm.LLM`` on the random-weight model in DIR (with KvtierConnector
-when ``--socket`` is given; weights from ``context_sensitive_weights``, seed 0),
-prints ``@@ready``, then serves one JSON command
+``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N] [--tp N] [--layers N] [--kv-events ENDPOINT]``
+writes the random-weight Llama (``kvtier.testing.vllm_weights``, seed 0) into
+DIR, starts ``vllm.LLM`` on it (with KvtierConnector when ``--socket`` is
+given), prints ``@@ready``, then serves one JSON command
 per stdin line and answers each with one ``@@{json}`` line on stdout (vLLM's
 own logs share stdout; the prefix tells them apart):
 
@@ -19,8 +19,9 @@ own logs share stdout; the prefix tells them apart):
   metrics" line carries the connector's counters) -> ``{"logged": true}``;
 - ``{"op": "metrics", "prefix": p}`` -> vLLM's metrics (``LLM.get_metrics``)
   whose name starts with ``p``: ``{"metrics": [[name, labels, value], ...]}``;
-- ``{"op": "perturb_weights", "seed": s}``: changes every weight in the
-  workers (seeded), as a weight update would ->
+- ``{"op": "perturb_weights", "seed": s}``: changes every weight (seeded
+  noise: ``write_update``) and loads the new weights into the workers in
+  place (vLLM's ``reload_weights``), as an RL weight update does ->
   ``{"perturbed": number of tensors}``;
 - ``{"op": "reset", "connector": bool}``: ``LLM.reset_prefix_cache`` (with
   ``reset_connector``) -> ``{"reset": what it returned}``;
@@ -38,19 +39,8 @@ import os
 import sys
 from typing import Any
 
-MODEL_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-}
 BLOCK_SIZE = 128
-
-
-def write_model(model_dir: str) -> None:
-    os.makedirs(model_dir, exist_ok=True)
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(MODEL_CONFIG, f)
+WEIGHT_SEED = 0
 
 
 def cpu_bind(tp: int) -> str:
@@ -80,6 +70,7 @@ def main() -> None:
                     help="vLLM's own KV cache, in blocks of 128 tokens (one is vLLM's null block)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (each rank's threads get their own cores)")
+    ap.add_argument("--layers", type=int, default=2, help="the model's layers (hidden 256, 4 heads, 2 KV heads)")
     ap.add_argument("--kv-events", metavar="ENDPOINT",
                     help="publish vLLM's KV cache events on this ZMQ endpoint (vLLM binds it)")
     args = ap.parse_args()
@@ -88,12 +79,13 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(args.tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
-    write_model(args.model_dir)
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtier.testing.vllm_weights import context_sensitive_weights, perturb_weights
+    from kvtier.testing.vllm_weights import llama_config, tensor_specs, write_model, write_update
+
+    write_model(args.model_dir, llama_config(num_hidden_layers=args.layers), WEIGHT_SEED)
 
     kw: dict[str, Any] = {}
     if args.socket:
@@ -106,11 +98,10 @@ def main() -> None:
         from vllm.config import KVEventsConfig
 
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events)
-    llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=(args.gpu_blocks - 1) * BLOCK_SIZE,
+    llm = LLM(model=args.model_dir, skip_tokenizer_init=True, max_model_len=(args.gpu_blocks - 1) * BLOCK_SIZE,
               block_size=BLOCK_SIZE, num_gpu_blocks_override=args.gpu_blocks, enforce_eager=True, seed=0,
               tensor_parallel_size=args.tp,
               disable_log_stats=False, **kw)
-    llm.collective_rpc(context_sensitive_weights, args=(0,))
     reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -129,7 +120,9 @@ def main() -> None:
                                if m.name.startswith(cmd["prefix"]) and hasattr(m, "value")]})
             continue
         if op == "perturb_weights":
-            reply({"perturbed": sum(llm.collective_rpc(perturb_weights, args=(int(cmd["seed"]),)))})
+            update = write_update(args.model_dir, int(cmd["seed"]), base_seed=WEIGHT_SEED)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(update)})
+            reply({"perturbed": len(tensor_specs(llama_config(num_hidden_layers=args.layers)))})
             continue
         if op == "reset":
             reply({"reset": llm.reset_prefix_cache(reset_connector=bool(cmd["connector"]))})
