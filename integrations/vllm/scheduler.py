@@ -7,6 +7,10 @@ Runs in vLLM's scheduler (engine-core) process, one instance per engine.
 Talks to kvtierd through ``DaemonLink`` on one background thread, so the
 scheduler never waits on a round trip:
 
+- What may be loaded or stored at all is ``prefix_support.py``'s call, made
+  once per engine (``support``, from the connector) and once per request: a
+  request that may not load is answered 0 without a lookup; one that may
+  not store stores nothing.
 - ``on_new_request`` queues the request's lookup at once (hash the prompt's
   full blocks, ``lookup(pin=True)``); the background thread sends every
   lookup queued since its last round trip in one pipelined batch
@@ -99,6 +103,7 @@ from kvtier.integrations.vllm.load_modes import make_load_mode
 from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.transfers import BlockTransfer
 from kvtier.integrations.vllm.pool import PoolChoice
+from kvtier.integrations.vllm.prefix_support import SUPPORTED, PrefixSupport, request_support
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -125,7 +130,8 @@ class _Tracked:
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
     tiers: Sequence[str] = ()  # the lookup's answer: the tier of each block held
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
-    stores: bool = True  # False once it ran across a reset_cache: its KV is from before it
+    stores: bool = True  # False once it ran across a reset_cache (its KV is from before it), or prefix_support says so
+    loads: bool = True  # False where prefix_support says it may not be handed a prefix
     # kvtierd may hold pins under its tag (a lookup found blocks, or its answer was lost): its end releases the tag
     may_hold_pins: bool = False
 
@@ -146,8 +152,13 @@ def _with_output(hints: Hints | None, output_tokens: int) -> Hints | None:
 
 
 class SchedulerSide:
-    def __init__(self, settings: ConnectorSettings, pool: PoolChoice, *, kv_events: bool = False) -> None:
+    def __init__(self, settings: ConnectorSettings, pool: PoolChoice, *, kv_events: bool = False,
+                 support: PrefixSupport = SUPPORTED) -> None:
         self._bs = pool.block_size
+        self._support = support
+        self._refusals_logged: set[str] = set()  # request_support's reasons, each logged once
+        if support != SUPPORTED:
+            log.warning("kvtier: this engine: %s, because %s", support.effect(), support.why)
         self._hasher = BlockHasher(pool.block_size, settings.hash_algo)
         self._link = DaemonLink(settings.socket, pool.name, pool.layout, retry_s=settings.retry_s,
                                 client_kwargs=settings.client_kwargs())
@@ -186,12 +197,18 @@ class SchedulerSide:
         if t is None:
             t = self._tracked[request.request_id] = _Tracked(RequestKeys(self._hasher, request, self._epoch),
                                                              request, hints_of(request))
+            support = request_support(request)
+            t.loads = self._support.loads and support.loads
+            t.stores = self._support.stores and support.stores
+            if support != SUPPORTED and support.why not in self._refusals_logged:
+                self._refusals_logged.add(support.why)
+                log.warning("kvtier: a request: %s, because %s (logged once per reason)", support.effect(), support.why)
         return t
 
     def _start_lookup(self, t: _Tracked) -> None:
         # Never the whole prompt: vLLM must compute at least its last token.
         max_blocks = (t.request.num_tokens - 1) // self._bs
-        if max_blocks <= 0 or not self._link.is_up():
+        if max_blocks <= 0 or not t.loads or not self._link.is_up():
             done: Future[int] = Future()
             done.set_result(0)
             t.lookup = done
