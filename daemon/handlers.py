@@ -660,7 +660,9 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
         if f["slots"] is not None or f["reg"] is not None:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'inline' takes no 'slots' or 'reg'")
         # Size the staging buffer to what will come back, so a long miss
-        # costs no memory. Nothing runs between this probe and the restore.
+        # costs no memory. Nothing runs on the loop between this probe and the
+        # restore, but a remote tier may hold more by then (a write-back
+        # landed): the restore stops at k blocks.
         k = len(pool.lookup(hashes, count=False))
         if k * entry.block_bytes > ctx.max_payload_bytes:
             raise ProtocolError(
@@ -680,7 +682,7 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
         staging = BlockLayout.contiguous(k, entry.block_bytes, "cpu")
         # Slots past the held prefix are never written; they only satisfy the
         # pool's "one slot per hash" check so its lookup counters see every hash.
-        op = pool.restore(hashes, staging, list(range(k)) + [0] * (n - k))
+        op = pool.restore(hashes, staging, list(range(k)) + [0] * (n - k), max_blocks=k)
 
         def finish(o: Op) -> Reply:
             got = len(o.result["tiers"])
