@@ -6,7 +6,8 @@
   lookup's path).
 - ``held_with_remote`` goes on past the local tiers through the remote
   tier, fetching its runs into the CPU tier (they come back as ``(Tier.REMOTE,
-  CpuEntry)``).
+  CpuEntry)``), at most the CPU tier's size of blocks per run: a fetch never
+  holds more than that in memory.
 - ``holds(key)``: whether the GPU tier has it cached or the CPU tier has an
   entry for it (ready or being written).
 
@@ -145,6 +146,9 @@ class Resolver:
                 pos = len(held)
                 run = self.remote_run(hashes, pos)
                 cut = next((i for i in range(run) if cpu.get(hashes[pos + i]) is not None), run)
+                # Fetched blocks land in the CPU tier: more than it holds could never be reserved, and
+                # would only cost memory (up to a request's 65,536 blocks) and time.
+                cut = min(cut, cpu.capacity_blocks)
                 entries = self.pull_remote(hashes[pos : pos + cut], protected) if cut else []
                 for e in entries:
                     cpu.begin_read(e)
