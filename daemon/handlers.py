@@ -31,6 +31,11 @@ Contract:
 - Deadlines (``daemon.deadlines``): a store or restore that names its
   client's deadline reads or writes that client's memory only before it;
   past it the reply is DEADLINE_EXCEEDED and nothing was stored or written.
+- Pin tags released (``daemon.pin_releases``): a pinning ``lookup`` or
+  ``pin`` under a tag, sent before the ``unpin`` that released the tag (a
+  lower request id) and read after it, pins nothing (``pinned`` 0, no
+  ``tiers`` for ``pin``): a connection the client gave up must not leave
+  pins it never heard of (``pins_after_release_total``).
 - Packed in, packed out: a request whose hashes came packed
   (``Request.packed``) gets its reply's ``tiers`` as packed codes
   (``protocol.pack_tiers``); lookup and pin pack the pool's tiers directly,
@@ -75,6 +80,7 @@ from kvtier.daemon.connections import Peer
 from kvtier.daemon.hints import request_hints
 from kvtier.daemon.kv_import import KvShareAccessError, KvShareSparseError
 from kvtier.daemon.metrics import Counters
+from kvtier.daemon.pin_releases import PinReleases
 from kvtier.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.daemon.sessions import Closeable, Registration, Session, SessionTable
 from kvtier.daemon.tenants import ANONYMOUS, TenantRegistry
@@ -145,6 +151,7 @@ class HandlerContext:
     max_registrations_per_session: int = 64
     max_pinned_share: float = 0.5  # of a pool's blocks: pins of one session, and of one tenant's sessions
     max_shm_files_total: int = 4096  # the server sets it below RLIMIT_NOFILE
+    pin_releases: PinReleases = field(default_factory=PinReleases)  # tags released, by which request
 
 
 def _entry(ctx: HandlerContext, session: Session) -> PoolEntry:
@@ -443,6 +450,8 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     hashes = _keys(ctx, session, req.fields["hashes"])
     tiers = pool.lookup(hashes, hints=request_hints(req.fields["hints"], session, entry, len(hashes), ctx.metrics))
     ctx.tenants.note_lookup(session.tenant, len(hashes), tiers)
+    if req.fields["pin"] and _released(ctx, req, session):
+        return Reply({"tiers": _reply_tiers(req, tiers), "pinned": 0})
     if req.fields["pin"] and tiers:
         _check_pins(ctx, session, entry, len(tiers))
         # Same thread, no copy in between: the pinned prefix is the one looked up.
@@ -454,9 +463,20 @@ def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
     entry = _entry(ctx, session)
     hashes = _keys(ctx, session, req.fields["hashes"])
+    if _released(ctx, req, session):
+        return Reply({"tiers": _reply_tiers(req, [])})
     _check_pins(ctx, session, entry, len(entry.pool.lookup(hashes, count=False)))
     tiers = _pin(session, entry, hashes, req.fields["pin_tag"])
     return Reply({"tiers": _reply_tiers(req, tiers)})
+
+
+def _released(ctx: HandlerContext, req: Request, session: Session) -> bool:
+    """Whether this pinning request was sent before its tag's release (see the module docstring)."""
+    tag = req.fields["pin_tag"]
+    if tag is None or not ctx.pin_releases.stale(session.sid, tag, req.id):
+        return False
+    ctx.metrics.inc("pins_after_release_total")
+    return True
 
 
 def _pin(session: Session, entry: PoolEntry, keys: Sequence[bytes], tag: str | None) -> list[Tier]:
@@ -498,6 +518,8 @@ def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     pool = _entry(ctx, session).pool
     owner = session.pin_owner(tag)
     n = pool.unpin_all(owner) if hashes is None else pool.unpin(owner, _keys(ctx, session, hashes))
+    if hashes is None:
+        ctx.pin_releases.release(session.sid, tag, req.id)
     session.num_pins -= n
     if tag is not None:
         left = session.pin_tags.get(tag, 0) - n
@@ -645,7 +667,9 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
         if f["slots"] is not None or f["reg"] is not None:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'inline' takes no 'slots' or 'reg'")
         # Size the staging buffer to what will come back, so a long miss
-        # costs no memory. Nothing runs between this probe and the restore.
+        # costs no memory. Nothing runs on the loop between this probe and the
+        # restore, but a remote tier may hold more by then (a write-back
+        # landed): the restore stops at k blocks.
         k = len(pool.lookup(hashes, count=False))
         if k * entry.block_bytes > ctx.max_payload_bytes:
             raise ProtocolError(
@@ -665,7 +689,7 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
         staging = BlockLayout.contiguous(k, entry.block_bytes, "cpu")
         # Slots past the held prefix are never written; they only satisfy the
         # pool's "one slot per hash" check so its lookup counters see every hash.
-        op = pool.restore(hashes, staging, list(range(k)) + [0] * (n - k))
+        op = pool.restore(hashes, staging, list(range(k)) + [0] * (n - k), max_blocks=k)
 
         def finish(o: Op) -> Reply:
             got = len(o.result["tiers"])

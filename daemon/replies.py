@@ -24,6 +24,18 @@ Contract (the event loop's thread only):
   parked replies' ``max_unread_reply_bytes_total``).
 - ``release_sent()``: runs ``on_sent`` of the replies libzmq is done with
   and updates the ``reply_bytes_unsent`` / ``reply_bytes_lent`` gauges.
+- ``settle(identity, timeout_s) -> float``: before the loop refuses a
+  request for unread replies: releases that connection's replies libzmq is
+  done with (since the turn began its client may have read some and asked
+  again; O(1) per reply), then, when the rest are at most
+  ``SETTLE_MAX_PENDING`` replies handed to libzmq within ``SETTLE_WINDOW_S``,
+  waits up to ``timeout_s`` (may be 0) for them to be reported sent;
+  returns the seconds it took (no wait for a connection with more, or older,
+  replies unsent: one that does not read). libzmq frees a sent reply on its
+  I/O thread, and pyzmq marks the reply's tracker done on a thread of its
+  own (its garbage collector), which must win the GIL from the busy loop
+  first: a reply the client has read can look unsent for milliseconds, and
+  a client that reads every reply would be refused as one that reads none.
 - ``session_ended(sid, reason, lease_s)``: when that session still has
   lent replies unsent, their connections are shut down
   (``daemon.connections.shut_down``: libzmq drops what it queued, the
@@ -40,7 +52,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import zmq
@@ -53,6 +66,15 @@ from kvtier.daemon.metrics import Counters
 log = logging.getLogger(__name__)
 
 
+# A reply unsent for longer than this is unread, whatever pyzmq's garbage-collector thread lags (it
+# reports within a millisecond mostly, 10 ms at the 99th percentile with the loop busy and a load
+# average of 10 on 2 cores): settle() waits only for connections whose unsent replies are all younger.
+SETTLE_WINDOW_S = 0.5
+# ...and that have at most this many: a client that reads has one request with payload in flight
+# (two, when the lag spans its next round trip); one with more pipelines requests it does not read.
+SETTLE_MAX_PENDING = 2
+
+
 class _Unsent(NamedTuple):
     """A reply handed to libzmq with payload it may not have sent yet."""
 
@@ -62,6 +84,7 @@ class _Unsent(NamedTuple):
     nbytes: int
     sid: str | None  # lent replies: the session whose request it answers
     conn: Connection | None  # lent replies: the connection that request came on
+    sent_s: float  # time.monotonic() when it was handed to libzmq
 
 
 class ReplyQueue:
@@ -71,7 +94,8 @@ class ReplyQueue:
         self.metrics = metrics
         self._error_log = error_log
         self._sock: zmq.Socket | None = None
-        self._sending: list[_Unsent] = []
+        # Per connection, in the order handed to libzmq (which sends them in that order).
+        self._sending: dict[bytes, deque[_Unsent]] = {}
         self._unsent_bytes: dict[bytes, int] = {}
         self.copied_bytes = 0
         # Ended sessions whose lent replies were still unsent: sid -> (when their
@@ -117,40 +141,72 @@ class ReplyQueue:
             return
         if track:
             sid, conn = lender if lender is not None else (None, None)
-            self._sending.append(_Unsent(tracker, on_sent, identity, nbytes, sid, conn))
+            self._sending.setdefault(identity, deque()).append(
+                _Unsent(tracker, on_sent, identity, nbytes, sid, conn, time.monotonic()))
             self._unsent_bytes[identity] = self._unsent_bytes.get(identity, 0) + nbytes
             if on_sent is None:
                 self.copied_bytes += nbytes
+
+    def _items(self) -> Iterator[_Unsent]:
+        for queue in self._sending.values():
+            yield from queue
+
+    def _release(self, item: _Unsent) -> None:
+        """Account for one reply libzmq is done with (its tier memory back, its bytes off the counts)."""
+        if item.on_sent is not None:
+            item.on_sent()
+        else:
+            self.copied_bytes -= item.nbytes
+        left = self._unsent_bytes.get(item.identity, 0) - item.nbytes
+        if left > 0:
+            self._unsent_bytes[item.identity] = left
+        else:
+            self._unsent_bytes.pop(item.identity, None)
 
     def release_sent(self) -> None:
         """See the module docstring."""
         if not self._sending:
             return
-        still = []
         lent_bytes = 0
-        for item in self._sending:
-            tracker, on_sent, identity, nbytes, _sid, _conn = item
-            if not tracker.done:
-                still.append(item)
-                if on_sent is not None:
-                    lent_bytes += nbytes
-                continue
-            if on_sent is not None:
-                on_sent()
+        for identity in list(self._sending):
+            still: deque[_Unsent] = deque()
+            for item in self._sending[identity]:
+                if not item.tracker.done:
+                    still.append(item)
+                    if item.on_sent is not None:
+                        lent_bytes += item.nbytes
+                else:
+                    self._release(item)
+            if still:
+                self._sending[identity] = still
             else:
-                self.copied_bytes -= nbytes
-            left = self._unsent_bytes.get(identity, 0) - nbytes
-            if left > 0:
-                self._unsent_bytes[identity] = left
-            else:
-                self._unsent_bytes.pop(identity, None)
-        self._sending = still
+                del self._sending[identity]
         self.metrics.set("reply_bytes_unsent", sum(self._unsent_bytes.values()))
         self.metrics.set("reply_bytes_lent", lent_bytes)
 
+    def settle(self, identity: bytes, timeout_s: float) -> float:
+        """See the module docstring."""
+        t0_s = time.monotonic()
+        queue = self._sending.get(identity)
+        while queue:
+            # The oldest first: sent in order, so a done reply's elders are done too (O(1) per reply).
+            if queue[0].tracker.done:
+                self._release(queue.popleft())
+                continue
+            left_s = t0_s + timeout_s - time.monotonic()
+            if left_s <= 0 or len(queue) > SETTLE_MAX_PENDING or queue[0].sent_s < t0_s - SETTLE_WINDOW_S:
+                break  # piled up, or unsent for longer than any lag: unread
+            try:
+                queue[0].tracker.wait(left_s)  # gives the GIL away: pyzmq's thread can report the send
+            except zmq.NotDone:
+                break
+        if queue is not None and not queue:
+            del self._sending[identity]
+        return time.monotonic() - t0_s
+
     def session_ended(self, sid: str, reason: str, lease_s: float) -> None:
         """See the module docstring."""
-        if any(u.sid == sid and u.on_sent is not None for u in self._sending):
+        if any(u.sid == sid and u.on_sent is not None for u in self._items()):
             # Its lent replies are still queued: their blocks come back when the
             # client reads them, or else when its connection is shut down.
             grace_s = 0.0 if reason == "expired" else lease_s
@@ -170,7 +226,7 @@ class ReplyQueue:
         due = [sid for sid, (deadline_s, _reason) in self._unread_after_end.items() if deadline_s <= now_s]
         for sid in due:
             _deadline_s, reason = self._unread_after_end.pop(sid)
-            unread = [u for u in self._sending if u.sid == sid and u.on_sent is not None and not u.tracker.done]
+            unread = [u for u in self._items() if u.sid == sid and u.on_sent is not None and not u.tracker.done]
             conns = {u.conn for u in unread if u.conn is not None}
             shut = sum(shut_down(conn) for conn in conns)
             if not shut:
@@ -182,8 +238,8 @@ class ReplyQueue:
 
     def abandon(self) -> None:
         """See the module docstring."""
-        for item in self._sending:
+        for item in self._items():
             if item.on_sent is not None:
                 item.on_sent()
-        self._sending = []
+        self._sending = {}
         self.copied_bytes = 0

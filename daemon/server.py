@@ -128,6 +128,10 @@ STATUS_EVERY_S = 1.0
 # is waiting; past this many keys behind it stops giving way, so a loop that
 # is never idle still learns (and the backlog's memory stays bounded).
 MAX_LEARN_BACKLOG_KEYS = 1 << 16
+# Before refusing a request for unread replies the loop waits for that connection's replies to be
+# reported sent (ReplyQueue.settle: a reply its client has read can look unsent for milliseconds), at
+# most this long per turn: clients that really do not read cost the loop no more than that.
+UNREAD_SETTLE_S_PER_TURN = 0.01
 
 
 @dataclass
@@ -269,6 +273,7 @@ class Server:
         self._next_status_s = 0.0
         self._sweep_every_s = min(0.1, options.lease_s / 10)
         self._next_sweep_s = 0.0
+        self._settle_left_s = UNREAD_SETTLE_S_PER_TURN
 
     # ---- setup and teardown --------------------------------------------------
 
@@ -374,6 +379,7 @@ class Server:
             timeout_ms = min(BUSY_POLL_MS, idle_ms) if busy else idle_ms
         events = dict(self._poller.poll(timeout_ms))
         self.replies.release_sent()  # before the requests: they may want those blocks
+        self._settle_left_s = UNREAD_SETTLE_S_PER_TURN
         handled = 0
         if self._wake_r.fileno() in events:
             try:
@@ -464,22 +470,10 @@ class Server:
             # Past a connection cap: this connection is closed in a moment; say why first.
             self._send_error(identity, req.id, ErrorCode.TOO_MANY_CONNECTIONS, refusal, op=req.op)
             return
-        unread = self.replies.unsent_bytes(identity) + self._parked.reply_bytes(identity)
-        if unread and req.op not in ("bye", "heartbeat", "health"):
-            # A client that does not read its replies would make the daemon hold their buffers without
-            # bound; the error reply is small, and the verbs that free things still go through.
-            held = self.replies.copied_bytes + self._parked.reply_bytes_total
-            if unread >= self.options.max_unread_reply_bytes:
-                self._send_error(identity, req.id, ErrorCode.UNREAD_REPLIES,
-                                 f"this connection's unread replies hold {unread} bytes (max_unread_reply_bytes "
-                                 f"{self.options.max_unread_reply_bytes}); read them, then ask again", op=req.op)
-                return
-            if held >= self.options.max_unread_reply_bytes_total:
-                self._send_error(identity, req.id, ErrorCode.UNREAD_REPLIES,
-                                 f"the daemon's unread replies hold {held} bytes of copies (max_unread_reply_bytes_"
-                                 f"total {self.options.max_unread_reply_bytes_total}), {unread} of them this "
-                                 "connection's; read them, then ask again", op=req.op)
-                return
+        unread_refusal = self._unread_refusal(identity, req.op)
+        if unread_refusal is not None:
+            self._send_error(identity, req.id, ErrorCode.UNREAD_REPLIES, unread_refusal, op=req.op)
+            return
         # Who is asking (CURVE User-Id); handlers read it for this request only.
         self.ctx.peer = peer_user_id(frames[1]) if self._curve_guard is not None else None
         # ...and, on ipc, as which user (only where a session is opened or named).
@@ -515,6 +509,33 @@ class Server:
             self._send_ok(identity, req, result, started_s, lender)
             return
         self._parked.park(Parked(identity, req, result, session, started_s))
+
+    def _unread_refusal(self, identity: bytes, op: str) -> str | None:
+        """Why a request of this connection is refused for replies it has not read; None: it is served.
+
+        A client that does not read its replies would make the daemon hold their buffers without
+        bound; the error reply is small, and the verbs that free things still go through.
+        """
+        unread = self.replies.unsent_bytes(identity) + self._parked.reply_bytes(identity)
+        if not unread or op in ("bye", "heartbeat", "health"):
+            return None
+        held = self.replies.copied_bytes + self._parked.reply_bytes_total
+        opts = self.options
+        if unread >= opts.max_unread_reply_bytes or held >= opts.max_unread_reply_bytes_total:
+            # Unless it read them, and they are not counted as sent yet (ReplyQueue.settle).
+            self._settle_left_s -= self.replies.settle(identity, max(0.0, self._settle_left_s))
+            unread = self.replies.unsent_bytes(identity) + self._parked.reply_bytes(identity)
+            held = self.replies.copied_bytes + self._parked.reply_bytes_total
+        if not unread:
+            return None
+        if unread >= opts.max_unread_reply_bytes:
+            return (f"this connection's unread replies hold {unread} bytes (max_unread_reply_bytes "
+                    f"{opts.max_unread_reply_bytes}); read them, then ask again")
+        if held >= opts.max_unread_reply_bytes_total:
+            return (f"the daemon's unread replies hold {held} bytes of copies (max_unread_reply_bytes_total "
+                    f"{opts.max_unread_reply_bytes_total}), {unread} of them this connection's; read them, then "
+                    "ask again")
+        return None
 
     def _session_for(self, req: Request) -> Session | None:
         spec = req.spec

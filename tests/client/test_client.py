@@ -294,6 +294,53 @@ def test_unpin_tag_releases_the_pins_of_a_batch_whose_replies_were_lost(tcp_daem
     assert daemon.stats()["pools"]["lost"]["pinned_blocks"] == 0
 
 
+def test_a_pinning_request_sent_before_its_tags_release_and_read_after_it_pins_nothing(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Found by the hostile stress scenario: a batch given up at its deadline went out on a socket the
+    client then closed; its ``unpin_tag`` went out on the new one, and the daemon read the old socket's
+    lookups after it. They pinned, under a tag already released: 48 pins the client never heard of, held
+    until its session ended. Request ids grow with every request a client sends (across its sockets), so
+    a pinning request under a released tag with an id below the release's was sent before it."""
+    import zmq
+
+    from kvtier.client.protocol import decode, encode
+
+    hashes = [bytes([8, i]) * 8 for i in range(3)]
+    with Client(daemon.endpoint, "late-pins", LAYOUT) as c:
+        c.store(hashes, random.Random(8).randbytes(3 * BLOCK_BYTES))
+        ctx = zmq.Context()
+        old, new = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        try:
+            for sock in (old, new):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(daemon.endpoint)
+
+            def ask(sock: zmq.Socket, rid: int, op: str, **fields: Any) -> dict[str, Any]:
+                sock.send(encode({"v": 1, "op": op, "id": rid, "sid": c.sid, **fields}))
+                assert sock.poll(10_000)
+                reply = decode(sock.recv())
+                assert reply["ok"] and reply["id"] == rid, reply
+                return dict(reply)
+
+            # The client's counter gave the lookup id 10 and the release id 11; the release came first.
+            assert ask(new, 11, "unpin", pin_tag="r")["unpinned"] == 0
+            late = ask(old, 10, "lookup", hashes=hashes, pin=True, pin_tag="r")
+            assert late["pinned"] == 0
+            assert ask(old, 9, "pin", hashes=hashes, pin_tag="r")["tiers"] == []
+            assert c.stats()["pools"]["late-pins"]["pinned_blocks"] == 0
+            # A request sent after the release may use the tag again (a preempted request looks up anew).
+            assert ask(old, 12, "lookup", hashes=hashes, pin=True, pin_tag="r")["pinned"] == 3
+            assert ask(new, 13, "unpin", pin_tag="r")["unpinned"] == 3
+            # Other tags, and pins without one, are not concerned.
+            assert ask(old, 5, "lookup", hashes=hashes[:1], pin=True, pin_tag="s")["pinned"] == 1
+            assert ask(old, 6, "lookup", hashes=hashes[:1], pin=True)["pinned"] == 1
+            assert c.stats()["pools"]["late-pins"]["pinned_blocks"] == 2
+            assert c.stats()["daemon"]["pins_after_release_total"] == 2
+        finally:
+            old.close(0)
+            new.close(0)
+            ctx.term()
+
+
 def test_a_pinned_lookup_is_not_resent_after_a_timeout(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
     """Resent, the daemon ran it twice and held two pins per block, one of which the client never knew of."""
     daemon = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES)

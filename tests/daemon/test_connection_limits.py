@@ -25,7 +25,7 @@ from kvtier.client.client import DaemonError
 from kvtier.client.protocol import ErrorCode
 from kvtier.daemon.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
 from kvtier.testing.daemon import KvtierDaemon
-from tests.daemon import hostile_clients
+from tests.stress import hostile_clients
 
 FLAGS = {"cpu_bytes": "1MiB", "gpu_bytes": "256KiB"}
 

@@ -20,16 +20,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.client.client import Client, PoolLayout, probe_health
-from kvtier.client.protocol import HASH_BYTES, MAX_HASHES, Hints
-from kvtier.tiers.policies.chain import HISTORY_KEYS_PER_BLOCK, MIN_HISTORY_KEYS
-from kvtier.tiers.policies.session import CHAIN_KEYS_PER_BLOCK, MIN_CHAIN_KEYS
+from kvtier.client.protocol import MAX_HASHES
+from tests.stress.hostile_clients import lookup_flood as flood
+from tests.stress.memory_bound import BYTES_PER_KEY, policy_key_bound
 
 BLOCK = 1024
 GPU_BLOCKS = 64
 CPU_BLOCKS = 256
-# What one remembered key may cost the daemon: its record, the key, dict and list entries (about
-# 300 bytes measured), with room for the allocator's rounding.
-BYTES_PER_KEY = 512
 # Room for what a flood leaves behind besides the policy: the allocator's fragmentation, buffers.
 SLACK_BYTES = 48 << 20
 WARM_LOOKUPS = 6  # the bound is full after one; a few more settle the allocator
@@ -40,14 +37,6 @@ PROBE_LIMIT_S = 3.0
 def layout(hash_algo: str = "xxh3_128") -> PoolLayout:
     return PoolLayout(model="m", block_size=4, block_bytes=BLOCK, dtype="bfloat16", num_layers=1, kv_heads=1,
                       head_dim=8, mode="store", hash_algo=hash_algo)
-
-
-def policy_key_bound(policy: str, cpu_blocks: int) -> int:
-    """The keys a pool's policy may hold, from the configuration (the resident blocks included)."""
-    bound = cpu_blocks + max(HISTORY_KEYS_PER_BLOCK * cpu_blocks, MIN_HISTORY_KEYS)
-    if policy.endswith("+session"):
-        bound += max(CHAIN_KEYS_PER_BLOCK * cpu_blocks, MIN_CHAIN_KEYS)
-    return bound
 
 
 class Prober:
@@ -75,15 +64,6 @@ class Prober:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(60)
-
-
-def flood(c: Client, tag: str, lookups: int, sessions: bool) -> None:
-    """Lookups of MAX_HASHES hashes nobody stored; with ``sessions``, each names a new session."""
-    for i in range(lookups):
-        data = os.urandom(HASH_BYTES * MAX_HASHES)
-        hashes = [data[j:j + HASH_BYTES] for j in range(0, len(data), HASH_BYTES)]
-        hints = Hints(session=f"{tag}-{i}") if sessions else None
-        assert list(c.lookup(hashes, hints=hints)) == []
 
 
 def drained(c: Client) -> dict:  # type: ignore[type-arg]

@@ -21,16 +21,24 @@ never a wrong block), and B counts them in its remote tier's counters.
 from __future__ import annotations
 
 import os
-import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import xxhash
 
 from kvtier.client.client import Client, PoolLayout
 from kvtier.testing import redis_servers as rs
+from tests.stress.redis_attacks import (
+    HEADER_BYTES,
+    copy_value,
+    forged_payload,
+    key_of,
+    old_format_value,
+    oversized,
+    sibling_key,
+    unkeyed_tag,
+)
 
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 
@@ -69,13 +77,6 @@ def stored_in_redis(client: Client, hashes: list[bytes], data: list[bytes], head
     wait_for(lambda: client.lookup(hashes[:head]) == ["remote"] * head, 10.0, "the evicted blocks to reach Redis")
 
 
-def key_of(redis_client, block_hash: bytes) -> bytes:  # type: ignore[no-untyped-def]
-    """The server key of a block, found as an attacker would: SCAN for the hash."""
-    found = [k for k in redis_client.scan_iter(match=b"kvtier:*", count=1000) if k.endswith(block_hash.hex().encode())]
-    assert len(found) == 1, found
-    return found[0]
-
-
 def remote_stats(client: Client) -> dict:  # type: ignore[type-arg]
     return client.stats()["pools"][POOL]["remote"]
 
@@ -101,7 +102,7 @@ def test_a_value_copied_to_another_key_is_not_served(daemons, redis_server: rs.R
     with ca, cb:
         r = redis_server.client()
         # Block 1's key now holds block 0's value, byte for byte (the header and checksum are block 0's).
-        r.set(key_of(r, hashes[1]), r.get(key_of(r, hashes[0])))
+        copy_value(r, key_of(r, hashes[0]), key_of(r, hashes[1]))
         assert_not_served(cb, hashes[1], data[0])
         # The untouched block is still served, byte-exact.
         got = cb.restore(hashes[:1])
@@ -116,18 +117,15 @@ def test_attacker_bytes_with_a_correct_checksum_are_not_served(daemons, redis_se
         r = redis_server.client()
         evil = os.urandom(BLOCK_BYTES)
         # The old value format: magic, version 1, length, xxh3-64 of the payload: all correct for ``evil``.
-        r.set(key_of(r, hashes[0]),
-              struct.pack("<4sBxxxQQ", b"KVT1", 1, BLOCK_BYTES, xxhash.xxh3_64_intdigest(evil)) + evil)
+        r.set(key_of(r, hashes[0]), old_format_value(evil))
         assert_not_served(cb, hashes[0], evil)
         # The current format, every field right but the tag, which only the secret can make:
         # here the tag of another block's value, and an unkeyed digest of the payload.
         legit = r.get(key_of(r, hashes[2]))
-        header_bytes = len(legit) - BLOCK_BYTES
-        r.set(key_of(r, hashes[1]), legit[:header_bytes] + evil)
+        assert len(legit) == HEADER_BYTES + BLOCK_BYTES
+        evil = forged_payload(r, key_of(r, hashes[1]), legit)[HEADER_BYTES:]
         assert_not_served(cb, hashes[1], evil)
-        tag_bytes = 16
-        unkeyed = xxhash.xxh3_128_digest(key_of(r, hashes[3]) + evil)
-        r.set(key_of(r, hashes[3]), legit[: header_bytes - tag_bytes] + unkeyed + evil)
+        evil = unkeyed_tag(r, key_of(r, hashes[3]), legit)[HEADER_BYTES:]
         assert_not_served(cb, hashes[3], evil)
         # The old-format value is not a value's size (lookups stop there); the other two fail their MAC.
         assert remote_stats(cb)["remote_unauthentic"] >= 2
@@ -139,8 +137,7 @@ def test_an_injected_key_for_a_hash_nobody_stored_is_not_served(daemons, redis_s
         r = redis_server.client()
         victim_key = key_of(r, hashes[0])
         nobody = bytes([23, 99]) * 8
-        injected = victim_key[: -len(hashes[0].hex())] + nobody.hex().encode()
-        r.set(injected, r.get(victim_key))
+        copy_value(r, victim_key, sibling_key(victim_key, nobody))
         assert_not_served(cb, nobody, data[0])
         assert remote_stats(cb)["remote_unauthentic"] >= 1
 
@@ -149,15 +146,13 @@ def test_an_oversized_value_is_a_miss_and_is_not_read(daemons, redis_server: rs.
     ca, cb, hashes, data = setup_blocks(daemons, 24)
     with ca, cb:
         r = redis_server.client()
-        big = os.urandom(64 << 20)
-        r.set(key_of(r, hashes[0]), big)
+        oversized(r, key_of(r, hashes[0]), 64 << 20)
         sent_before = r.info("stats")["total_net_output_bytes"]
         assert cb.lookup_many([hashes[:1]], pin=True) == [[]]  # a pinning lookup fetches: nothing to pin
         got = cb.restore(hashes[:1])
         assert got.tiers == [] and bytes(got.data) == b""
         # Neither B's lookup nor its fetch made the server send the 64 MiB value.
         assert r.info("stats")["total_net_output_bytes"] - sent_before < 1 << 20
-        del big
 
 
 def test_a_daemon_with_another_secret_serves_nothing_and_deletes_nothing(  # type: ignore[no-untyped-def]

@@ -470,7 +470,7 @@ def test_wrong_tenant_tokens_are_rate_limited_per_peer(tmp_path: Path) -> None:
     hellos with a token are refused untried (TOO_MANY_AUTH_FAILURES, naming the wait) until its bucket
     refills; hellos keep being answered at once, so the limit costs the daemon nothing."""
     from kvtier.client.admin import request
-    from tests.daemon import hostile_clients
+    from tests.stress import hostile_clients
 
     per_minute = 6  # a try every 10 s once the burst is spent
     layout = PoolLayout(model="m", block_size=4, block_bytes=BLOCK, dtype="bfloat16", num_layers=1, kv_heads=1,

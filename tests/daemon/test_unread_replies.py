@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import zmq
 
-from kvtier.client.client import Client, PoolLayout
-from kvtier.client.protocol import decode, encode
+from kvtier.client.client import Client, DaemonError, PoolLayout
+from kvtier.client.protocol import ErrorCode, decode, encode
 
 BLOCK_BYTES = 64 * 1024
 TIER_BLOCKS = 16  # each tier; the test's pool holds at most 2 * TIER_BLOCKS blocks
@@ -188,4 +188,63 @@ def test_non_reading_clients_hold_a_bounded_number_of_reply_bytes_daemon_wide_an
         wait_for(lambda: daemon_stats(owner)["heap_trims_total"] >= 1, 10.0, "the heap trimmed")
         assert d.rss_bytes() - rss_before_bytes < cap, (d.rss_bytes() - rss_before_bytes) >> 20
         assert bytes(owner.restore(hs).data) == bytes(8 * BLOCK_BYTES)
+    assert d.alive, d.log_tail()
+
+
+def test_a_client_that_reads_every_reply_is_served_while_non_readers_hold_the_daemon_wide_cap(
+        kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    """Found by the hostile stress scenario (tests/stress/test_hostile.py): while non-reading clients held
+    max_unread_reply_bytes_total, the well-behaved engine beside them got UNREAD_REPLIES for restores and
+    unpins, although it had read every reply. libzmq had sent its last reply, but pyzmq learns that on a
+    thread of its own (its garbage collector, which sets the reply's tracker) that must win the GIL from
+    the busy loop first: for a few milliseconds a reply the client has read still looks unsent.
+
+    A connection that read everything must be served (docs/operating.md, max_unread_reply_bytes_total):
+    here a reader does sequential restores while two non-readers hold the cap and a third client keeps
+    the loop busy; none of its requests may be refused."""
+    from tests.stress import hostile_clients
+
+    cap = 4 << 20
+    d = kvtierd_factory(gpu_bytes=TIER_BLOCKS * BLOCK_BYTES, cpu_bytes=TIER_BLOCKS * BLOCK_BYTES, device=DEVICE,
+                        max_unread_reply_bytes=cap, max_unread_reply_bytes_total=cap, max_message_bytes=8 << 20)
+    hs = [bytes([11, i]) * 8 for i in range(8)]
+    with Client(d.endpoint, "reads", layout(), timeout_s=30.0) as reader:
+        for i, h in enumerate(hs):  # between other blocks: each restore is a staging copy, not lent
+            reader.store([h, bytes([12, i]) * 8], bytes(2 * BLOCK_BYTES))
+        ctx = zmq.Context()
+        socks = []
+        busy = hostile_clients.spawn("busy", d.endpoint, 20)
+        try:
+            for _ in range(2):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.RCVHWM, 1)
+                sock.setsockopt(zmq.RCVBUF, 4096)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(d.endpoint)
+                sock.send(encode({"v": 1, "op": "hello", "id": 1, "pool": "reads", "layout": layout().to_wire()}))
+                assert sock.poll(10_000)
+                sid = decode(sock.recv())["sid"]
+                for i in range(40):  # 20 MiB of copies each, if nothing capped them
+                    sock.send(encode({"v": 1, "op": "restore", "id": 10 + i, "sid": sid, "hashes": hs}))
+                socks.append(sock)
+            wait_for(lambda: daemon_stats(reader).get("errors_total", {}).get("code=UNREAD_REPLIES", 0) > 0, 60.0,
+                     "the non-readers to reach the cap")
+            refused = 0
+            for _ in range(300):
+                try:
+                    got = reader.restore(hs)
+                except DaemonError as exc:
+                    assert exc.code == ErrorCode.UNREAD_REPLIES, exc
+                    refused += 1
+                    continue
+                assert bytes(got.data) == bytes(8 * BLOCK_BYTES)
+            held = daemon_stats(reader)
+            assert held["reply_bytes_unsent"] - held["reply_bytes_lent"] >= cap  # the cap still held throughout
+            assert refused == 0, f"{refused} of 300 restores of a client that read every reply were refused"
+        finally:
+            for sock in socks:
+                sock.close(0)
+            ctx.term()
+            busy.kill()
+            busy.wait(10)
     assert d.alive, d.log_tail()

@@ -152,3 +152,36 @@ def test_pinning_a_remote_run_fetches_it_into_the_cpu_tier_and_holds_it_there(se
     assert b.unpin("engine", first) == 4 and b.num_pinned() == 0
     for p in (a, b):
         p.remote.close(2.0)
+
+
+def test_a_remote_run_longer_than_the_cpu_tier_is_fetched_only_as_far_as_the_tier_can_take(server: object) -> None:
+    """Found while deriving the hostile stress scenario's memory bound: a restore (or a pinning lookup) of a
+    run the remote tier holds fetched the whole run into memory (up to a request's 65,536 blocks), then
+    could not reserve it in a CPU tier smaller than the run and pulled nothing. Now it fetches at most the
+    CPU tier's size: the daemon's memory for a fetch is bounded by its configuration, and the part that
+    fits comes back."""
+    server.client().flushall()
+    a, b = make_pool(server.url), make_pool(server.url)  # 4 GPU + 4 CPU blocks each
+    src = BlockLayout.contiguous(20, BLOCK)
+    src.slab().copy_(torch.randint(0, 256, (20, BLOCK), dtype=torch.uint8))
+    first = keys(12, 5)
+    store_in_chunks(a, first + keys(8, 6), src, range(20))
+    assert a.remote.flush(5.0)
+    assert b.lookup(first, count=False) == [Tier.REMOTE] * 12
+    fetched: list[int] = []
+    real_fetch = b.remote.fetch
+
+    def spy(hashes: list[bytes]) -> list[object]:
+        fetched.append(len(hashes))
+        return real_fetch(hashes)
+
+    b.remote.fetch = spy  # type: ignore[method-assign]
+    dst = BlockLayout.contiguous(12, BLOCK)
+    op = b.restore(first, dst, range(12)).wait(5)
+    assert op.error is None
+    assert max(fetched) <= 4, fetched  # never more than the CPU tier holds
+    got = len(op.result["tiers"])
+    assert got == 4 and op.result["tiers"] == ["remote"] * 4
+    assert torch.equal(dst.slab()[:got], src.slab()[:got])
+    for p in (a, b):
+        p.remote.close(2.0)

@@ -394,8 +394,9 @@ class TieredPool:
         return op
 
     def restore(self, hashes: Sequence[bytes], dst: BlockLayout | None, dst_slots: Sequence[int], *,
-                count: bool = True, start_by_ns: int | None = None) -> Op:
-        return store.restore(self, hashes, dst, dst_slots, count=count, start_by_ns=start_by_ns)
+                count: bool = True, start_by_ns: int | None = None, max_blocks: int | None = None) -> Op:
+        return store.restore(self, hashes, dst, dst_slots, count=count, start_by_ns=start_by_ns,
+                             max_blocks=max_blocks)
 
     def borrow(self, hashes: Sequence[bytes], *, max_views: int | None = None) -> Borrowed | None:
         """Views of the longest held prefix, for a sender that reads it in place (see the contract

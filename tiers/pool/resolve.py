@@ -7,7 +7,8 @@
   tiers below the CPU tier (``pool.lower``: disk, then remote).
 - ``held_with_lower`` goes on past the local tiers through the lower
   tiers, pulling their runs into the CPU tier (they come back as
-  ``(Tier.DISK or Tier.REMOTE, CpuEntry)``).
+  ``(Tier.DISK or Tier.REMOTE, CpuEntry)``), at most the CPU tier's size of
+  blocks per run: a fetch never holds more than that in memory.
 - ``holds(key)``: whether the GPU tier has it cached or the CPU tier has an
   entry for it (ready or being written).
 - ``write_back(entry)``: the CPU tier's eviction hook, handing the block to
@@ -204,6 +205,9 @@ class Resolver:
                     if not run:
                         continue
                     cut = next((i for i in range(run) if cpu.get(hashes[pos + i]) is not None), run)
+                    # Fetched blocks land in the CPU tier: more than it holds could never be reserved,
+                    # and would only cost memory (up to a request's 65,536 blocks) and time.
+                    cut = min(cut, cpu.capacity_blocks)
                     entries = self.pull(tier, hashes[pos : pos + cut], protected) if cut else []
                     for e in entries:
                         cpu.begin_read(e)

@@ -11,7 +11,9 @@
 - ``cpu_spill(hashes)`` says how many of a store's new blocks would go to
   the CPU tier, by the same split (the daemon's tenant quotas check it).
 - ``restore`` copies the longest held prefix (disk and remote runs fetched first)
-  into the caller's slots. Lending in place is ``lending.borrow``.
+  into the caller's slots, at most ``max_blocks`` of it (a caller that sized
+  its buffer by an earlier lookup: the remote tier may hold more by now).
+  Lending in place is ``lending.borrow``.
 - ``read_by_ns`` (store) and ``start_by_ns`` (restore) are the client's
   deadline where ``src`` / ``dst`` is the client's own memory (see
   ``copies``): past it a store stores nothing and a restore writes nothing.
@@ -166,12 +168,14 @@ def _store_cpu(pool: TieredPool, op: Op, new: list[tuple[bytes, int]], src: Bloc
 
 
 def restore(pool: TieredPool, hashes: Sequence[bytes], dst: BlockLayout | None, dst_slots: Sequence[int], *,
-            count: bool, start_by_ns: int | None = None) -> Op:
+            count: bool, start_by_ns: int | None = None, max_blocks: int | None = None) -> Op:
     if len(dst_slots) < len(hashes):
         raise PoolError(f"{len(hashes)} hashes but only {len(dst_slots)} destination slots")
     if pool.data and (dst is None or dst.block_bytes != pool.spec.block_bytes):
         raise PoolError(f"destination blocks must be {pool.spec.block_bytes} bytes")
     held = pool._resolve.held_with_lower(hashes)
+    if max_blocks is not None:
+        del held[max_blocks:]  # nothing is referenced yet: the rest stays where it is
     tiers = [tier for tier, _ in held]
     if count:
         pool._count(hashes, tiers)
