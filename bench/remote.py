@@ -16,18 +16,19 @@ Sections
    rotating which goes first, by
    - ``plain``:  one redis-py pipeline of ``GET`` for the same keys, on the
      same server, in the same process: the floor for any Redis client;
-   - ``kvtier``: ``RemoteTier.fetch`` (pipelined GETs in round trips of at
-     most 64 MiB, header + length + xxh3-64 check of every block, counters).
+   - ``kvtier``: ``RemoteTier.fetch`` (pipelined ``GETRANGE key 0
+     value_bytes`` in round trips of at most 64 MiB, header + length + MAC
+     (keyed BLAKE3) check of every block, counters).
    Both get every block back (asserted, and kvtier's bytes compared with
    plain's once). Reported: median seconds and GB/s of each, and kvtier's
    overhead = median over reps of kvtier/plain - 1 (each rep runs both back
    to back, so load drift on a shared box cancels; target <= 15%).
    ``chunked``: plain GETs in the same round trips as kvtier (64 MiB each),
    so ``vs chunked`` isolates the cost of kvtier's checks and bookkeeping;
-   ``verify`` times the checks alone on the fetched values.
+   ``verify`` times the checks alone on the fetched values (the MAC).
 2. Lookup latency of 256 hashes (``--lookups`` calls each, interleaved, p50/p99):
    - ``exists_prefix``: RemoteTier's one round trip (standalone: the Lua
-     prefix script), all present, and plain redis-py pipelined EXISTS of the
+     prefix script of STRLEN checks), all present, and plain redis-py pipelined EXISTS of the
      same keys;
    - remote off vs on: ``TieredPool.lookup`` (bookkeeping mode, 64 of the
      256 blocks in its CPU tier) alone, and followed by
@@ -56,7 +57,7 @@ import xxhash
 
 from kvtier.testing import redis_servers as rs
 from kvtier.tiers.remote_tier import RemoteTier, RemoteTierSettings
-from kvtier.tiers.remote_values import decode
+from kvtier.tiers.remote_values import OK, ValueMac, decode
 
 from report import git, utc_now, write_json
 
@@ -93,7 +94,8 @@ def _plain_get_chunked(client: redis.Redis, keys: Sequence[bytes], per_round_tri
 
 def bench_restore(url: str, num_blocks: int, size_bytes: int, reps: int) -> dict[str, Any]:
     tier = RemoteTier(url, b"bench-restore", size_bytes,
-                      RemoteTierSettings(timeout_s=30.0, write_queue_blocks=num_blocks))
+                      RemoteTierSettings(timeout_s=30.0, write_queue_blocks=num_blocks), secret=rs.SECRET)
+    mac = ValueMac(rs.SECRET)
     plain = _plain_client(url)
     try:
         hs = _hashes(num_blocks, f"restore-{size_bytes}")
@@ -105,7 +107,8 @@ def bench_restore(url: str, num_blocks: int, size_bytes: int, reps: int) -> dict
         # Warm-up, and the correctness check: both paths return the same blocks.
         values = _plain_get(plain, keys)
         got = tier.fetch(hs)
-        assert all(g is not None and bytes(g) == v[24:] == d for g, v, d in zip(got, values, data))
+        header_bytes = len(values[0]) - size_bytes
+        assert all(g is not None and bytes(g) == v[header_bytes:] == d for g, v, d in zip(got, values, data))
         del got
         plain_s: list[float] = []
         kvtier_s: list[float] = []
@@ -139,7 +142,7 @@ def bench_restore(url: str, num_blocks: int, size_bytes: int, reps: int) -> dict
         verify_s = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            assert all(decode(v, size_bytes) is not None for v in values)
+            assert all(decode(v, k, size_bytes, mac)[1] == OK for v, k in zip(values, keys))
             verify_s.append(time.perf_counter() - t0)
         total_bytes = num_blocks * size_bytes
         p, k = statistics.median(plain_s), statistics.median(kvtier_s)
@@ -192,9 +195,9 @@ def _latencies(fns: dict[str, Callable[[], object]], n: int) -> dict[str, dict[s
 
 
 def bench_lookup(url: str, num_hashes: int, calls: int) -> dict[str, Any]:
-    block_bytes = 4096  # the value size does not matter to EXISTS
+    block_bytes = 4096  # the value size does not matter to EXISTS or STRLEN
     tier = RemoteTier(url, b"bench-lookup", block_bytes,
-                      RemoteTierSettings(timeout_s=5.0, write_queue_blocks=num_hashes))
+                      RemoteTierSettings(timeout_s=5.0, write_queue_blocks=num_hashes), secret=rs.SECRET)
     plain = _plain_client(url)
     out: dict[str, Any] = {"hashes": num_hashes, "calls": calls}
     try:

@@ -99,7 +99,9 @@ FEATURE_HINTS = "hints"  # lookup / allocate / store take "hints" (HINT_FIELDS)
 FEATURE_HINT_OUTPUT_TOKENS = "hint_output_tokens"  # "hints" take "output_tokens" (added within v1)
 FEATURE_DEADLINES = "deadlines"  # store / restore take "deadline_ns"; hello's reply gives "clock" (added within v1)
 FEATURE_EVENTS = "events"  # the "events" verb: keys the pool started and stopped holding (added within v1)
-FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS, FEATURE_DEADLINES, FEATURE_EVENTS)
+FEATURE_PIN_TAGS = "pin_tags"  # lookup / pin / unpin take "pin_tag"; unpin of a tag alone drops all its pins (within v1)
+FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS, FEATURE_DEADLINES, FEATURE_EVENTS,
+            FEATURE_PIN_TAGS)
 
 # The "events" verb's event kinds, one byte each in its reply's "kinds".
 EVENT_STORED = b"s"  # the pool holds the key now (it did not before)
@@ -133,8 +135,10 @@ class ErrorCode(IntEnum):
     TOO_MANY_FILES = 302  # the session (or the daemon) maps as many shared-memory files as it may
     TOO_MANY_POOLS = 303  # the daemon holds max_pools pools; a hello may join one, not create another
     TOO_MANY_PINS = 304  # the session (or its tenant) holds max_pinned_share of the pool pinned
-    UNREAD_REPLIES = 305  # this connection's replies not yet read hold max_unread_reply_bytes
+    UNREAD_REPLIES = 305  # this connection's (or, with some, all connections') unread replies hold their cap
     TOO_MANY_CONNECTIONS = 306  # the daemon (or this peer) holds as many connections as it may; this one is closed
+    TOO_MANY_SESSIONS = 307  # the daemon holds max_sessions live sessions; hello again after some end
+    TOO_MANY_AUTH_FAILURES = 308  # this peer's wrong tenant tokens used up max_auth_failures_per_minute; wait
 
     TRANSFER_FAILED = 400  # a copy failed; nothing was committed
     SHUTTING_DOWN = 401  # the daemon is draining and takes no new work
@@ -541,6 +545,9 @@ KV_TENSOR = Map(
 )
 
 HASHES = Spec(Hashes(), doc="block hashes, bin16 each, prefix order")
+# Feature "pin_tags", added within v1: a daemon without it refuses the key.
+PIN_TAG = Spec(Str(1, MAX_STR_LEN), required=False,
+               doc="the pins' tag (the request they serve): unpin of the tag alone drops every pin taken under it")
 REQ = Spec(Str(1, MAX_STR_LEN), doc="engine request id (unique within the session)")
 PLANE_FIELDS: dict[str, Spec] = {
     "plane": Spec(Enum(PLANES), required=False, default="inline", doc="where the block bytes are"),
@@ -642,13 +649,18 @@ OPS: dict[str, OpSpec] = {
     ),
     "unregister_kv": OpSpec({"name": Spec(Str(1, 128))}, doc="drop a registration"),
     "lookup": OpSpec(
-        {"hashes": HASHES, "pin": Spec(Bool(), required=False, default=False), "hints": HINTS},
+        {"hashes": HASHES, "pin": Spec(Bool(), required=False, default=False), "hints": HINTS, "pin_tag": PIN_TAG},
         renews_lease=False,
+        # Without "pin": resent after a timeout. A pinned lookup resent pins twice: the Python client does not resend it.
         idempotent=True,
         doc="longest cached prefix and the tier of each block; optionally pin it atomically",
     ),
-    "pin": OpSpec({"hashes": HASHES}, doc="pin the longest available prefix (never evicted while pinned)"),
-    "unpin": OpSpec({"hashes": HASHES}, doc="drop this session's pins on these hashes"),
+    "pin": OpSpec({"hashes": HASHES, "pin_tag": PIN_TAG}, doc="pin the longest available prefix (never evicted while pinned)"),
+    "unpin": OpSpec(
+        {"hashes": Spec(Hashes(), required=False, doc="the hashes to drop a pin on; absent: every pin of 'pin_tag'"),
+         "pin_tag": PIN_TAG},
+        doc="drop this session's pins on these hashes (of the tag), or every pin of a tag",
+    ),
     "allocate": OpSpec(
         {"req": REQ, "hashes": HASHES, "num_tokens": Spec(UInt(0, 2**40)), "hints": HINTS},
         doc="engine mode: block table for a new request; CPU hits are restored into slots before the reply",

@@ -12,14 +12,15 @@ subclass may wrap it, and recovery's requests must go through that too).
   client name, requested lease, tenant token), resent on a new socket after
   each timeout until ``deadline_s``, then records what the reply granted:
   ``sid``, ``lease_s``, ``heartbeat_s``, ``pool_info``, ``limits``,
-  ``features`` and the ``packed_hashes`` / ``hints`` flags they imply, and
+  ``features`` and the ``packed_hashes`` / ``hints`` / ``pin_tags`` flags they imply, and
   ``deadlines``: the daemon takes deadlines and reads this process's clock
   (``shared_clock``; the hello's send and receive times bracket its reading).
   Raises ``KvtierTimeout("no kvtierd answering at ...")`` when none
   answered, ``DaemonError`` for a refusal (UNAUTHORIZED, a layout that does
   not match the pool, ...).
 - What the session holds, kept by the client's verbs: ``pins`` (a
-  ``Counter`` of hashes), ``requests`` (engine-mode request ids), ``tokens``
+  ``Counter`` of hashes, all of them), ``tag_pins`` (pin tag -> the
+  ``Counter`` of the pins taken under it), ``requests`` (engine-mode request ids), ``tokens``
   (their ``TokenChain``s), ``registrations`` (``register_kv`` wire form, with
   the tensors kept alive), ``arena``.
 - ``call(op, fields, frames, deadline_s) -> (reply header, frames)``: one
@@ -38,9 +39,12 @@ subclass may wrap it, and recovery's requests must go through that too).
   starts over with a new hello rather than use half a session. Otherwise
   raises what ``Transport`` raises.
 - ``call_many(op, fields_list, deadline_s) -> reply headers``: the same for
-  ``Client._call_many`` (pipelined, all or nothing): no resend after a
-  timeout (the socket is dropped and the timeout raised); a forgotten
-  session is reopened and the batch sent again once.
+  ``Client._call_many`` (pipelined): every request's reply header, error
+  replies included, in order (one refused request fails only itself). No
+  resend after a timeout (the socket is dropped and the timeout raised); a
+  reply of UNKNOWN_SESSION means the daemon forgot the session: it is
+  reopened and the batch sent again once (what ran in the old session went
+  with it).
 - ``recover_in_background(sid, timeout_s)``: the heartbeat thread's way to
   the same recovery, under the client's lock, so that an engine's
   registered KV tensors come back while it is idle; a ``SessionLost`` is
@@ -74,6 +78,7 @@ from kvtier.client.protocol import (
     FEATURE_HINT_OUTPUT_TOKENS,
     FEATURE_HINTS,
     FEATURE_PACKED_HASHES,
+    FEATURE_PIN_TAGS,
     OPS,
     ErrorCode,
     KvtierError,
@@ -84,7 +89,7 @@ from kvtier.client.protocol import (
 from kvtier.client.shared_clock import shares_clock
 from kvtier.client.shm_arena import ShmArena
 from kvtier.client.tokens import TokenChain
-from kvtier.client.transport import DaemonError, KvtierTimeout, Transport
+from kvtier.client.transport import DaemonError, KvtierTimeout, Transport, error_of
 
 __all__ = ["Heartbeat", "PoolLayout", "Registration", "Session", "SessionLost"]
 
@@ -138,6 +143,12 @@ class Registration:
     keep: list[Any]  # the exported tensors/handles, alive while registered
 
 
+def _error_code(rh: Mapping[str, Any]) -> int | None:
+    """The error code of reply header ``rh``; None for a success."""
+    err = rh.get("error") if rh.get("ok") is not True else None
+    return err.get("code") if isinstance(err, dict) else None
+
+
 class Send(Protocol):
     """The client's ``_roundtrip``: one request, its reply header and frames."""
 
@@ -168,12 +179,14 @@ class Session:
         self.packed_hashes = False  # the daemon listed FEATURE_PACKED_HASHES in its hello reply
         self.hints = False  # ... and FEATURE_HINTS
         self.hint_output_tokens = False  # ... and FEATURE_HINT_OUTPUT_TOKENS
+        self.pin_tags = False  # ... and FEATURE_PIN_TAGS
         self.deadlines = False  # ... and FEATURE_DEADLINES, and reads our clock (shared_clock)
         self.gone = False  # the daemon answered UNKNOWN_SESSION
         self.pending_loss: SessionLost | None = None  # found by the heartbeat thread, raised by the next call
         self.closed = False  # the client closed: nothing may open a session again
         # What the session holds.
         self.pins: Counter[bytes] = Counter()
+        self.tag_pins: dict[str, Counter[bytes]] = {}
         self.requests: set[str] = set()
         self.tokens: dict[str, TokenChain] = {}
         self.registrations: dict[str, Registration] = {}
@@ -203,15 +216,17 @@ class Session:
         self.packed_hashes = isinstance(features, list) and FEATURE_PACKED_HASHES in features
         self.hints = isinstance(features, list) and FEATURE_HINTS in features
         self.hint_output_tokens = self.hints and FEATURE_HINT_OUTPUT_TOKENS in features
+        self.pin_tags = isinstance(features, list) and FEATURE_PIN_TAGS in features
         self.deadlines = (isinstance(features, list) and FEATURE_DEADLINES in features
                           and shares_clock(rh.get("clock"), window_ns[0], window_ns[1]))
         self.gone = False
 
-    def call(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any],
-             deadline_s: float) -> tuple[dict[str, Any], list[Any]]:
-        """One request in a live session: reopened first if the daemon forgot ours, resent if it forgets it now."""
+    def call(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any], deadline_s: float, *,
+             idempotent: bool | None = None) -> tuple[dict[str, Any], list[Any]]:
+        """One request in a live session: reopened first if the daemon forgot ours, resent if it forgets it now.
+        ``idempotent`` overrides the verb's (a pinned lookup is not: resent, it would pin twice)."""
         self._raise_pending_loss()
-        idempotent = OPS[op].idempotent
+        idempotent = OPS[op].idempotent if idempotent is None else idempotent
         while True:
             self._ensure(deadline_s)
             try:
@@ -238,22 +253,24 @@ class Session:
         return {**fields, "deadline_ns": int(deadline_s * 1e9) - DEADLINE_ROUNDING_NS}
 
     def call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], deadline_s: float) -> list[dict[str, Any]]:
-        """Many requests of one idempotent verb, pipelined; all or nothing, no resend after a timeout."""
+        """Many requests of one verb, pipelined: every reply header, errors included; no resend after a timeout."""
         self._raise_pending_loss()
         for attempt in range(2):
             self._ensure(deadline_s)
             try:
-                return self._transport.roundtrip_many(op, fields_list, deadline_s, sid=self.sid,
-                                                      packed_hashes=self.packed_hashes)
+                replies = self._transport.roundtrip_many(op, fields_list, deadline_s, sid=self.sid,
+                                                         packed_hashes=self.packed_hashes)
             except KvtierTimeout:
                 self._transport.reset()
                 raise
-            except DaemonError as exc:
-                if exc.code != ErrorCode.UNKNOWN_SESSION or attempt:
-                    raise
-                # The daemon forgot the session: it ran none of them (every
-                # request carried that session). Open a new one, send again.
-                self.gone = True
+            lost = next((rh for rh in replies if _error_code(rh) == ErrorCode.UNKNOWN_SESSION), None)
+            if lost is None:
+                return replies
+            if attempt:
+                raise error_of(lost, op)
+            # The daemon forgot the session: what it ran before it did (pins)
+            # went with it, and it ran nothing after. Open a new one, send all again.
+            self.gone = True
         raise AssertionError("unreachable")
 
     def _raise_pending_loss(self) -> None:
@@ -276,6 +293,7 @@ class Session:
         lost_pins = sorted(self.pins.elements())
         lost_requests = sorted(self.requests)
         self.pins.clear()
+        self.tag_pins.clear()
         self.requests.clear()
         self.tokens.clear()
         old_sid = self.sid

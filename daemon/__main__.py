@@ -1,10 +1,14 @@
 """kvtierd: the daemon's entry point (``kvtierd`` / ``python -m kvtier.daemon``).
 
-Contract: ``main(argv) -> int``. Loads the configuration (defaults < TOML <
-``KVTIER_*`` < flags; a bad value prints the key and exits 2), sets up
-logging to stderr, installs the stop-signal flag, and runs the server in the
-foreground until SIGTERM/SIGINT; returns 0 after a clean drain, 1 when the
-daemon cannot start (socket taken, device missing).
+Contract: ``main(argv) -> int``. Installs the stop-signal flag first (before
+any import that takes time: this module imports only the standard library
+and ``lifecycle`` at its top, so that a SIGTERM or SIGINT at any point of
+the start-up is a clean stop, exit 0, not death by the default disposition),
+loads the configuration (defaults < TOML < ``KVTIER_*`` < flags; a bad value
+prints the key and exits 2), sets up logging to stderr, and runs the server
+in the foreground until SIGTERM/SIGINT; returns 0 after a clean drain, or
+when stopped before it served (the start-up checks the flag between its
+slow steps), 1 when the daemon cannot start (socket taken, device missing).
 
 This is the composition root: the only place that turns configuration into
 the objects the server uses.
@@ -12,7 +16,6 @@ the objects the server uses.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import sys
@@ -20,15 +23,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import zmq
+from kvtier.daemon.lifecycle import StopFlag
 
-from kvtier.daemon.config import (ConfigError, DaemonConfig, exit_on_config_error, load_config_or_exit,
-                                  resolve_cpu_budget_bytes)
-from kvtier.daemon.faults import FAULTS_ENV, FaultPlan, parse_faults
-from kvtier.daemon.lifecycle import StopFlag, refuse_if_served
-from kvtier.daemon.sd_notify import Notifier
-
+# Everything else is imported inside main(), after the stop flag is installed.
 if TYPE_CHECKING:
+    from kvtier.daemon.config import DaemonConfig
+    from kvtier.daemon.faults import FaultPlan
     from kvtier.daemon.security import CurveOptions
     from kvtier.daemon.server import ServeOptions
     from kvtier.daemon.sessions import Closeable
@@ -60,6 +60,7 @@ def _import_kv_tensor(desc: dict[str, Any]) -> tuple[Any, Closeable]:
 
 def curve_from_config(cfg: DaemonConfig) -> CurveOptions | None:
     """The CURVE server settings, or None; a bad key file is a config error (exit 2)."""
+    from kvtier.daemon.config import ConfigError, exit_on_config_error
     from kvtier.daemon.security import ClientKeys, CurveOptions, load_server_key
 
     if cfg.curve_secret_key_file is None or not cfg.is_tcp:
@@ -74,8 +75,30 @@ def curve_from_config(cfg: DaemonConfig) -> CurveOptions | None:
     return CurveOptions(public, secret, ClientKeys(cfg.curve_public_keys_dir, tenant_by_key))
 
 
+def remote_secret_from_config(cfg: DaemonConfig) -> bytes | None:
+    """The remote tier's secret, or None without a remote tier; a bad file or missing library exits 2."""
+    from kvtier.daemon.config import ConfigError, exit_on_config_error
+
+    if not cfg.remote_url_keys:
+        return None
+    try:
+        import blake3  # noqa: F401 - the values' MAC
+        import redis  # noqa: F401
+    except ImportError as exc:
+        exit_on_config_error(ConfigError(cfg.remote_url_keys[0], f"the remote tier needs {exc.name}: "
+                                         "pip install 'kvtier[remote]'"))
+    from kvtier.tiers.remote_secret import load_secret
+
+    assert cfg.remote_secret_key_file is not None  # the configuration requires it with a remote tier
+    try:
+        return load_secret(cfg.remote_secret_key_file)
+    except (OSError, ValueError) as exc:
+        exit_on_config_error(ConfigError("remote_secret_key_file", str(exc)))
+
+
 def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None,
-                        curve: CurveOptions | None = None) -> ServeOptions:
+                        curve: CurveOptions | None = None, remote_secret: bytes | None = None) -> ServeOptions:
+    from kvtier.daemon.config import resolve_cpu_budget_bytes
     from kvtier.daemon.pools import PoolSizing
     from kvtier.daemon.server import ServeOptions
     from kvtier.daemon.tenants import TenantRegistry
@@ -90,6 +113,7 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
             policy=settings.policy,
             clean_ahead_blocks=settings.clean_ahead_blocks,
             remote_url=settings.remote_url,
+            remote_secret=remote_secret if settings.remote_url else None,
             fault_hook=fault_plan,
         )
 
@@ -108,7 +132,10 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         cpu_budget_bytes=resolve_cpu_budget_bytes(cfg),
         pool_idle_ttl_s=cfg.pool_idle_ttl_s,
         max_unread_reply_bytes=cfg.max_unread_reply_bytes,
+        max_unread_reply_bytes_total=cfg.max_unread_reply_bytes_total,
         max_pools=cfg.max_pools,
+        max_sessions=cfg.max_sessions,
+        max_auth_failures_per_minute=cfg.max_auth_failures_per_minute,
         max_connections=cfg.max_connections,
         max_connections_per_peer=cfg.max_connections_per_peer,
         hash_algo=cfg.hash_algo,
@@ -126,6 +153,8 @@ def _keep_large_buffers_mapped() -> None:
     MiB took 14 ms of a 34 ms round trip in bench/protocol.py. Raising the
     threshold keeps freed buffers in the heap for the next request.
     """
+    import ctypes
+
     try:
         libc = ctypes.CDLL(None)
         m_trim_threshold, m_mmap_threshold = -1, -3
@@ -136,6 +165,17 @@ def _keep_large_buffers_mapped() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First: the imports below take seconds on a loaded host, and a SIGTERM
+    # meanwhile must be a clean stop (exit 0), not the default disposition's 143.
+    stop = StopFlag()
+    stop.install()
+    import zmq
+
+    from kvtier.daemon.config import ConfigError, exit_on_config_error, load_config_or_exit
+    from kvtier.daemon.faults import FAULTS_ENV, parse_faults
+    from kvtier.daemon.lifecycle import refuse_if_served
+    from kvtier.daemon.sd_notify import Notifier
+
     # KVTIER_TEST_FAULTS is test-only fault injection (kvtier.daemon.faults),
     # not configuration: the config loader would reject it as unknown.
     environ = dict(os.environ)
@@ -146,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         exit_on_config_error(ConfigError(FAULTS_ENV, str(exc)))
     curve = curve_from_config(cfg)
+    remote_secret = remote_secret_from_config(cfg)
     _setup_logging(cfg.log_level)
     if cfg.curve_secret_key_file is not None and curve is None:
         log.warning("curve_secret_key_file is set but %s is not tcp://: CURVE is not used (the socket file's mode "
@@ -166,18 +207,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fault_plan is not None:
         log.warning("TEST-ONLY fault injection is active (%s=%s): copies will fail or stall on purpose",
                     FAULTS_ENV, fault_plan.describe())
-    # Installed before the (possibly slow) start-up so an early SIGTERM is a clean stop.
-    stop = StopFlag()
-    stop.install()
     try:
+        if _stopped_early(stop):
+            return 0
         refuse_if_served(cfg.socket)
         # torch (through the tiers) takes seconds to import: config errors,
         # --help and a taken socket must not wait for it.
+        from kvtier.daemon.config.host import check_gpu_bytes
         from kvtier.daemon.server import Server
+
+        if _stopped_early(stop):
+            return 0
 
         notifier = Notifier.from_environ()
         notifier.status("starting: checking devices and host memory")
         device = _resolve_device(cfg.device)
+        try:
+            check_gpu_bytes(cfg, device)  # needs the resolved device: "auto" is torch's to answer
+        except ConfigError as exc:
+            notifier.status(f"refused to start: {exc}")
+            exit_on_config_error(exc)
         if device.startswith("cuda"):
             from kvtier.tiers.transfer import warm_up
 
@@ -195,7 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             exit_on_config_error(ConfigError("cpu_bytes", str(exc)))
         log.info("CPU tiers planned: %s (allocated when the first hello names each pool)",
                  ", ".join(f"{key} = {gib(n)}" for key, n in plan))
-        server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve), stop,
+        if _stopped_early(stop):
+            return 0
+        server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve,
+                                            remote_secret=remote_secret), stop,
                         kv_import=_import_kv_tensor, notifier=notifier)
         exporter = None
         if cfg.metrics_port is not None:
@@ -210,6 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, OSError, zmq.ZMQError) as exc:
         log.error("cannot serve: %s", exc)
         return 1
+
+
+def _stopped_early(stop: StopFlag) -> bool:
+    """True (logged) when SIGTERM/SIGINT came during the start-up: nothing is served yet, nothing to drain."""
+    if stop.requested:
+        log.info("%s during start-up: stopping before serving", stop.signal_name)
+    return stop.requested
 
 
 if __name__ == "__main__":

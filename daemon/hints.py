@@ -3,8 +3,14 @@
 The protocol module validated the fields; this module decides what the pool
 hears:
 
-- ``session`` is scoped to the tenant (``b"<tenant>\\0<session>"``): two
-  tenants naming the same session key never share its statistics.
+- ``session`` is scoped to the tenant and keyed by a digest: the pool sees
+  ``session_key(tenant, key)``, 16 bytes of BLAKE2b over the tenant's name
+  and the key. Two tenants naming the same session key never share its
+  statistics, and every key the protocol takes (1..256 characters, up to
+  1 KiB of UTF-8) fits the tiers' bound (``MAX_SESSION_KEY_BYTES``) with
+  room to spare: a tenant prefix on the raw key once made a 256-character
+  key 257 bytes and the request an INTERNAL error. Per-session state in the
+  policies costs 16 bytes of key, whatever the client sent.
 - ``retain_s`` is cut to ``MAX_RETAIN_S`` (an hour: the longest prompt-cache
   TTL an API offers today), and a session may hold retention on at most its
   share of the pool: half the pool's blocks (GPU + CPU tier) divided by the
@@ -20,6 +26,7 @@ request carried no hints, so the pool sees exactly a hint-less request.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -32,6 +39,17 @@ from kvtier.tiers.hints import RequestHints
 
 MAX_RETAIN_S = 3600.0
 RETAIN_SHARE_OF_POOL = 0.5
+SESSION_KEY_BYTES = 16  # 128 bits: two live sessions' keys never meet by chance
+_SESSION_PERSON = b"kvtier-session"
+
+
+def session_key(tenant: str, key: str) -> bytes:
+    """The pool's key of session ``key`` of ``tenant``: fixed length, whatever the length of ``key``."""
+    h = hashlib.blake2b(digest_size=SESSION_KEY_BYTES, person=_SESSION_PERSON)
+    name = tenant.encode()
+    # The tenant's length first: ("ab", "c") and ("a", "bc") stay apart.
+    h.update(len(name).to_bytes(4, "little") + name + key.encode())
+    return h.digest()
 
 
 def retain_share_blocks(entry: PoolEntry) -> int:
@@ -45,7 +63,7 @@ def request_hints(wire: Mapping[str, Any] | None, session: Session, entry: PoolE
         return None
     now_s = time.monotonic() if now_s is None else now_s
     key = wire.get("session")
-    scoped = f"{session.tenant}\0{key}".encode() if key is not None else None
+    scoped = session_key(session.tenant, key) if key is not None else None
     retain_s = min(float(wire.get("retain_s") or 0.0), MAX_RETAIN_S)
     if retain_s > 0.0 and not _reserve_retention(session.retained, now_s, retain_s, num_blocks,
                                                  retain_share_blocks(entry)):

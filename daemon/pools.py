@@ -97,8 +97,14 @@ class PoolSizing:
     policy: str = "lru"
     clean_ahead_blocks: int = 64
     remote_url: str | None = None  # Redis/Valkey tier below the CPU tier
+    # The remote tier's secret (kvtier.tiers.remote_secret): required with remote_url; never printed.
+    remote_secret: bytes | None = field(default=None, repr=False)
     # TEST-ONLY copy fault injection (kvtier.daemon.faults); None in production.
     fault_hook: Callable[[Any], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.remote_url and self.remote_secret is None:
+            raise ValueError("a pool with a remote tier needs its secret (remote_secret_key_file)")
 
 
 @dataclass(eq=False)
@@ -263,7 +269,8 @@ class PoolRegistry:
             # blocks, other pools (and, through the hashes, tenants) never do.
             # Never raises for an unreachable server: it starts unavailable.
             remote = RemoteTier(sizing.remote_url, make_pool_key(spec.name, spec.block_size, spec.block_bytes,
-                                                                 [list(kv) for kv in spec.extra]), block_bytes)
+                                                                 [list(kv) for kv in spec.extra]), block_bytes,
+                                secret=sizing.remote_secret)
         pool = TieredPool(
             spec,
             cpu_blocks=cpu_blocks,

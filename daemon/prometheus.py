@@ -129,6 +129,8 @@ class PoolMetric:
 
 
 _TIERS = ("gpu", "cpu", "remote")
+# The remote tier's stats counters remote_<reason> (kvtier.tiers.remote_tier.COUNTERS).
+_REMOTE_REJECTIONS = ("unauthentic", "oversized", "corrupt")
 _DIRECTIONS = {
     "demote": "GPU tier to CPU tier (demotions, including clean-ahead)",
     "restore": "CPU tier to GPU tier (engine-mode allocations that hit the CPU tier)",
@@ -210,7 +212,8 @@ DAEMON_DEFAULTS: dict[str, Any] = {
     "protocol_errors_total": {},
     "request_seconds_total": {},
     "lease_expiries_total": 0,
-    "replies_dropped_total": 0,
+    "replies_dropped_total": {},
+    "heap_trims_total": 0,
     "pools_reclaimed_total": {},
     "reply_bytes_unsent": 0,
     "reply_bytes_lent": 0,
@@ -220,6 +223,8 @@ DAEMON_DEFAULTS: dict[str, Any] = {
     "connections_busiest_peer": 0,
     "connections_refused_total": {},
     "sessions": 0,
+    "auth_failures_total": 0,
+    "auth_refused_total": 0,
     "requests_in_flight": 0,
     "learn_backlog_keys": 0,
 }
@@ -229,8 +234,9 @@ DAEMON_HELP: dict[str, str] = {
     "protocol_errors_total": "Requests refused before any handler ran (malformed, bad field, ...), by error code name.",
     "request_seconds_total": "Seconds from receiving to answering successful requests, by verb.",
     "lease_expiries_total": "Sessions ended because their lease ran out (a crashed or stalled client).",
-    "replies_dropped_total": "Replies that could not be sent (the client's socket was gone or full).",
-    "reply_bytes_unsent": "Payload bytes of replies handed to the socket and not yet sent (per connection at most max_unread_reply_bytes).",
+    "replies_dropped_total": "Replies that could not be sent: reason=full (the connection's queue held SNDHWM replies it had not read) or gone (the connection was gone).",
+    "heap_trims_total": "Times the daemon gave freed heap back to the kernel after a backlog of copied replies drained.",
+    "reply_bytes_unsent": "Payload bytes of replies handed to the socket and not yet sent (per connection at most max_unread_reply_bytes; copies, all connections together, max_unread_reply_bytes_total).",
     "reply_bytes_lent": "Bytes of tier memory lent to unsent zero-copy replies (those blocks can be neither evicted nor reused).",
     "unread_connections_shut_total": "Client connections shut down because a session ended with lent replies still unread on them.",
     "pools_reclaimed_total": "Pools without sessions closed with their blocks: reason=memory (a new pool needed the room) or idle (pool_idle_ttl_s).",
@@ -238,7 +244,9 @@ DAEMON_HELP: dict[str, str] = {
     "connections": "Client connections admitted now (at most max_connections).",
     "connections_busiest_peer": "Connections of the peer (uid on ipc, IP address on tcp) that holds the most (at most max_connections_per_peer).",
     "connections_refused_total": "Connections closed as they were accepted: reason=total (max_connections) or peer (max_connections_per_peer).",
-    "sessions": "Live sessions, all pools.",
+    "sessions": "Live sessions, all pools (at most max_sessions).",
+    "auth_failures_total": "hellos whose tenant token was wrong.",
+    "auth_refused_total": "hellos with a token refused untried: their peer used up max_auth_failures_per_minute.",
     "requests_in_flight": "Requests waiting for their copies to finish.",
     "learn_backlog_keys": "Block keys counted but not yet fed to the CPU-tier policy (its bookkeeping waits for idle moments).",
 }
@@ -328,6 +336,11 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
     blocks = family("blocks", "gauge", BLOCKS_HELP, [*pool_label_names, "tier", "state"])
     up = family("remote_up", "gauge",
                 "1 when the pool's remote tier is reachable, 0 when not (absent: no remote tier).", pool_label_names)
+    rejected = family("remote_rejected_blocks", "counter",
+                      "Values the remote tier fetched and refused to serve (misses), by reason: unauthentic (a "
+                      "wrong MAC: copied from another key, forged, or another secret's), oversized (longer than a "
+                      "block: never read past one byte), corrupt (too short or malformed).",
+                      [*pool_label_names, "reason"])
     attached = family("gpu_attached", "gauge",
                       "1 when the pool has a GPU tier (store mode: always; engine mode: while the engine's KV "
                       "tensors are registered).", pool_label_names)
@@ -347,6 +360,10 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
         remote = p.get("remote")
         if isinstance(remote, Mapping):
             up.add_metric(labels, 1.0 if remote.get("available") else 0.0)
+            for reason in _REMOTE_REJECTIONS:
+                count = remote.get(f"remote_{reason}")
+                if isinstance(count, int) and not isinstance(count, bool):
+                    rejected.add_metric([*labels, reason], count)
 
     tenants: Mapping[str, Mapping[str, Any]] = stats.get("tenants") or {}
     if tenants:

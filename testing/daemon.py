@@ -46,6 +46,12 @@ Contract
   created it. As a context manager: spawned on entry (unless running),
   cleaned up on exit.
 
+``loopback_tcp_daemon(workdir, flags)``: a started kvtierd on a free
+127.0.0.1 port with ``insecure_tcp`` (no CURVE). Where a test needs a
+request to run after its client gave up and closed its socket (on ipc://
+the daemon asks that closed connection for its peer's uid, and refuses):
+what a daemon too slow for a client's deadline does.
+
 Only the process this object started is ever signalled, through its own
 ``Popen`` (its pid), never by name.
 """
@@ -55,6 +61,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -240,3 +247,14 @@ class KvtierDaemon:
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
 
+
+
+def loopback_tcp_daemon(workdir: Path, flags: Mapping[str, object] | None = None, **kwargs: Any) -> KvtierDaemon:
+    """kvtierd on a free 127.0.0.1 port, without CURVE (see the module docstring)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "kvtierd-tcp.toml"
+    config.write_text(f'socket = "{endpoint}"\ninsecure_tcp = true\n')
+    return KvtierDaemon.start(workdir, endpoint=endpoint, flags={"config": config, **(flags or {})}, **kwargs)

@@ -5,6 +5,10 @@ benchmarks (bench/remote.py, bench/protocol*), so it imports no pytest.
 Needs the ``remote`` extra (redis-py) and Debian's ``redis-server`` and
 ``redis-cli`` on PATH: ``apt-get install -y redis-server redis-tools``.
 
+``secret_file(path)`` writes a fresh remote tier secret for kvtierd's
+``remote_secret_key_file`` (daemons that share a server share one);
+``SECRET`` is a fixed one for ``RemoteTier(..., secret=SECRET)`` in-process.
+
 Every server binds 127.0.0.1 only, keeps nothing on disk (``--save ''
 --appendonly no``) and dies with its owner: ``stop()`` kills the process by
 its own pid.
@@ -22,11 +26,22 @@ from pathlib import Path
 
 import redis
 
+from kvtier.tiers.remote_secret import write_secret
+
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 MISSING_REASON = (
     "redis-server / redis-cli not installed (Debian: apt-get install -y redis-server redis-tools)"
 )
+
+
+SECRET = bytes(range(32))  # tests and benchmarks only: a deployment makes its own (kvtier keygen --remote-secret)
+
+
+def secret_file(path: Path) -> Path:
+    """A new remote tier secret in a new file ``path`` (mode 0600), for kvtierd's ``remote_secret_key_file``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_secret(path)
 
 
 def have_redis() -> bool:

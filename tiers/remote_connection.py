@@ -6,12 +6,9 @@ keys, values or counters of blocks.
 
 Contract:
 
-- ``parse_url(url) -> Endpoint``: ``redis://host:port/db`` (also
-  ``rediss://``, ``unix://``, ``valkey://``, ``valkeys://``) is one server;
-  ``redis+cluster://[user:pass@]host:port[,host:port...]`` (also
-  ``rediss+cluster://``, ``valkey+cluster://``) a Redis Cluster, the nodes
-  being startup nodes. ``Endpoint.display`` is the URL without
-  credentials (logs, stats). A bad URL raises ``RemoteTierError``.
+- ``parse_url(url) -> Endpoint``: ``kvtier.tiers.remote_url``'s (re-exported
+  here): the mode (one server or a Cluster), nodes and credentials; a URL
+  no client could use raises ``RemoteTierError``.
 - ``RemoteConnection(endpoint, settings)`` makes one synchronous connect
   attempt (a healthy server is usable on return; a dead one costs at most
   ``settings.connect_timeout_s``) and never raises for an unreachable
@@ -51,11 +48,10 @@ import logging
 import random
 import threading
 import time
-import urllib.parse
-from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings
+from kvtier.tiers.remote_url import Endpoint, parse_url
 
 try:
     import redis
@@ -74,50 +70,6 @@ COUNTERS = (
     "unavailable_events",  # transitions available -> unavailable
     "reconnects",  # transitions unavailable -> available after a loss
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    cluster: bool
-    url: str  # standalone: a URL redis-py understands; cluster: unused
-    nodes: tuple[tuple[str, int], ...]  # cluster startup nodes
-    options: tuple[tuple[str, Any], ...]  # username, password, ssl (cluster)
-    display: str  # the URL without credentials, for logs and stats
-
-
-def parse_url(url: str) -> Endpoint:
-    """The mode, nodes and credentials of a remote tier URL (see the module docstring)."""
-    parsed = urllib.parse.urlsplit(url)
-    scheme = parsed.scheme.lower()
-    base, _, variant = scheme.partition("+")
-    aliases = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss", "unix": "unix"}
-    if base not in aliases or variant not in ("", "cluster") or (variant and base == "unix"):
-        raise RemoteTierError(
-            f"remote tier URL {url!r}: scheme must be redis://, rediss://, unix://, valkey:// "
-            "or redis+cluster:// / rediss+cluster:// / valkey+cluster://"
-        )
-    hostpart = parsed.netloc.rpartition("@")[2]
-    display = urllib.parse.urlunsplit((scheme, hostpart, parsed.path, parsed.query, ""))
-    if not variant:
-        rest = url[len(parsed.scheme):]
-        return Endpoint(False, aliases[base] + rest, (), (), display)
-    nodes = []
-    for item in hostpart.split(","):
-        host, _, port = item.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise RemoteTierError(f"remote tier URL {url!r}: cluster nodes must be host:port[,host:port...]")
-        nodes.append((host.strip("[]"), int(port)))
-    options: list[tuple[str, Any]] = []
-    userinfo = parsed.netloc.rpartition("@")[0]
-    if userinfo:
-        user, sep, password = userinfo.partition(":")
-        if sep:
-            options += [("username", urllib.parse.unquote(user) or None), ("password", urllib.parse.unquote(password))]
-        else:
-            options.append(("password", urllib.parse.unquote(user)))
-    if aliases[base] == "rediss":
-        options.append(("ssl", True))
-    return Endpoint(True, "", tuple(nodes), tuple(options), display)
 
 
 def is_connection_failure(exc: BaseException) -> bool:

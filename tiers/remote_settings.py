@@ -43,7 +43,7 @@ _POSITIVE_SECONDS = ("timeout_s", "connect_timeout_s", "retry_initial_s", "retry
 class RemoteTierSettings:
     """The settings of one ``RemoteTier`` (see the module docstring and docs/remote-tier.md)."""
 
-    # Write-back. Memory: up to write_queue_blocks values of block_bytes + 24 bytes are held.
+    # Write-back. Memory: up to write_queue_blocks values of block_bytes + 32 bytes are held.
     write_queue_blocks: int = 1024  # a full queue drops the block (counted), never blocks the caller
     writer_threads: int = 2
     write_batch_blocks: int = 32  # SETs per pipelined round trip

@@ -16,39 +16,50 @@ may be tried at all (URL, reconnect backoff, health pings) is
 Contract:
 
 - ``RemoteTier(url, pool_key, block_bytes, settings=RemoteTierSettings(),
-  *, admission=None)``: the tier's identity, then how it runs (one frozen
-  value, ``kvtier.tiers.remote_settings``: queue, threads, timeouts,
+  *, secret, admission=None)``: the tier's identity, then how it runs (one
+  frozen value, ``kvtier.tiers.remote_settings``: queue, threads, timeouts,
   backoff; validated when built; re-exported here with
-  ``RemoteTierError``). ``url`` (``remote_connection.parse_url``) chooses
-  the mode:
+  ``RemoteTierError``), then the deployment's secret (32 bytes,
+  ``kvtier.tiers.remote_secret``: every daemon sharing the server must hold
+  the same one). ``url`` (``remote_url.parse_url``) chooses the mode:
   ``redis://host:port/db`` (also ``rediss://``, ``unix://``, ``valkey://``,
   ``valkeys://``) is one server; ``redis+cluster://host:port[,host:port...]``
   (also ``rediss+cluster://``, ``valkey+cluster://``) is a Redis Cluster, the
   listed nodes being startup nodes. Construction never raises for an
   unreachable server: the tier starts unavailable and connects on its own.
-- Keys: ``b"kvtier:v1:" + pool_key + b":" + block_hash.hex()``. ``pool_key``
+- Keys: ``b"kvtier:v2:" + pool_key + b":" + block_hash.hex()``. ``pool_key``
   identifies pool (layout) *and* tenant, so neither ever sees another's
   blocks; it is restricted to ``[A-Za-z0-9._-]`` (no glob or hash-tag
-  characters, so ``SCAN MATCH kvtier:v1:<pool_key>:*`` is exact and Cluster
+  characters, so ``SCAN MATCH kvtier:v2:<pool_key>:*`` is exact and Cluster
   spreads a pool's keys over all slots). ``make_pool_key(...)`` derives one.
-- Values: a 24-byte header ``struct "<4sBxxxQQ"`` = magic ``b"KVT1"``, format
-  version (1), payload length, xxh3-64 of the payload; then the payload
-  (exactly ``block_bytes`` bytes). ``remote_values`` builds and checks them.
+- Values: a 32-byte header ``struct "<4sBxxxQ16s"`` = magic ``b"KVT1"``,
+  format version (2), payload length, a 16-byte MAC (keyed BLAKE3 over the
+  version, length, server key and payload); then the payload (exactly
+  ``block_bytes`` bytes). ``remote_values`` builds and checks them.
 - ``exists_prefix(hashes) -> int``: one round trip (standalone: a cached Lua
-  script that stops at the first absent key, falling back to pipelined
-  ``EXISTS`` where scripting is refused; Cluster: pipelined ``EXISTS``, split
-  per node); the number of leading hashes present. Never raises: when the tier is
-  unavailable or the round trip fails it returns 0 (counted). A block it
-  reports may still be gone (evicted) or bad by the time it is fetched.
-- ``fetch(hashes) -> list[memoryview | None]``: pipelined ``GET`` (split per
-  node by redis-py in Cluster mode; in round trips of at most
-  ``settings.fetch_round_trip_bytes``), each value checked (magic,
-  version, length, xxh3-64). A missing value is ``None``
-  (``remote_misses``), a bad one is ``None`` (``remote_corrupt``, and the
-  key is queued for deletion), a failed round trip gives ``None`` for its
-  blocks (``remote_errors``). Never a wrong block, never raises. A payload is a read-only memoryview of exactly
-  ``block_bytes`` bytes (no copy). ``fetch_async`` runs it on a reader
-  thread and returns a ``concurrent.futures.Future``.
+  script that stops at the first key whose value is not exactly a block's
+  size, falling back to pipelined ``STRLEN`` where scripting is refused;
+  Cluster: pipelined ``STRLEN``, split per node); the number of leading
+  hashes present with a value of the right size. Never raises: when the
+  tier is unavailable or the round trip fails it returns 0 (counted). A
+  block it reports may still be gone (evicted) or bad by the time it is
+  fetched.
+- ``fetch(hashes) -> list[memoryview | None]``: pipelined ``GETRANGE key 0
+  value_bytes`` (split per node by redis-py in Cluster mode; in round trips
+  of at most ``settings.fetch_round_trip_bytes``): the server never sends
+  more than one byte past a block's value, however large the value under
+  the key, so a foreign value costs no memory or time. Each value is
+  checked (``remote_values.decode``). A missing value is ``None``
+  (``remote_misses``); a longer one ``None`` (``remote_oversized``), a
+  shorter or malformed one ``None`` (``remote_corrupt``), both queued for
+  deletion; a well-formed one whose MAC is wrong (copied from another key,
+  forged, written with another secret) ``None`` (``remote_unauthentic``,
+  left alone: a daemon with a wrong secret must not delete the fleet's
+  blocks); a failed round trip gives ``None`` for its blocks
+  (``remote_errors``). Never a wrong block, never raises. A payload is a
+  read-only memoryview of exactly ``block_bytes`` bytes (no copy).
+  ``fetch_async`` runs it on a reader thread and returns a
+  ``concurrent.futures.Future``.
 - ``write_back(key, data, copy=True) -> bool``: write-back of one block,
   never blocking on the server (``remote_writer.RemoteWriter.write_back``).
   Admission (if given) is asked first; the block is copied (unless
@@ -92,7 +103,8 @@ from typing import Any
 from kvtier.tiers import remote_connection, remote_writer
 from kvtier.tiers.remote_connection import RemoteConnection, is_connection_failure, parse_url
 from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings
-from kvtier.tiers.remote_values import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, decode, encode_header
+from kvtier.tiers import remote_values
+from kvtier.tiers.remote_values import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, ValueMac, decode, encode_header
 from kvtier.tiers.remote_writer import Admission, RemoteWriter
 
 try:
@@ -108,17 +120,22 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = b"kvtier:v1:"
+# v2: values carry a MAC (format 2). Daemons of format 1 use other keys, so a
+# fleet being upgraded never reads, or deletes, the other format's values.
+KEY_PREFIX = b"kvtier:v2:"
 
 _POOL_KEY_RE = re.compile(rb"[A-Za-z0-9._-]{1,128}")
 
-# Standalone lookups run this instead of a pipeline of EXISTS: one command in,
-# one integer out, stopping at the first absent key. redis-py spends ~4 us of
-# Python per pipelined command, so for 256 hashes this is ~5x faster
+# Standalone lookups run this instead of a pipeline of STRLEN: one command in,
+# one integer out, stopping at the first key without a value of a block's size
+# (ARGV[1]): absent, or not a value this pool could use. redis-py spends ~4 us
+# of Python per pipelined command, so for 256 hashes this is ~5x faster
 # (bench/remote.py). Cluster cannot run it: a script's keys must share a slot.
+# pcall: a key of another type (WRONGTYPE) ends the prefix, not the script.
 _PREFIX_SCRIPT = """
+local want = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 0 then return i - 1 end
+  if redis.pcall('STRLEN', KEYS[i]) ~= want then return i - 1 end
 end
 return #KEYS
 """
@@ -129,7 +146,9 @@ COUNTERS = (
     "exists_hit_blocks",  # hashes reported present (the returned prefixes)
     "remote_hits",  # blocks fetch returned, verified
     "remote_misses",  # blocks fetch found absent
-    "remote_corrupt",  # blocks fetch found present but bad (header, length, checksum)
+    "remote_corrupt",  # blocks fetch found present but malformed (too short, magic, version, length field)
+    "remote_oversized",  # blocks fetch found longer than a block's value (read no further than one byte past it)
+    "remote_unauthentic",  # blocks fetch found well-formed but with a wrong MAC (another key's, forged, other secret)
     "remote_errors",  # blocks not read because a round trip failed
     "skipped_unavailable",  # exists/fetch calls answered "miss" because the tier was unavailable
     "bytes_fetched",  # payload bytes of remote_hits
@@ -155,7 +174,8 @@ class RemoteTier:
     """Blocks of one pool in Redis/Valkey. See the module docstring."""
 
     def __init__(self, url: str, pool_key: bytes, block_bytes: int,
-                 settings: RemoteTierSettings = DEFAULT_SETTINGS, *, admission: Admission | None = None) -> None:
+                 settings: RemoteTierSettings = DEFAULT_SETTINGS, *, secret: bytes,
+                 admission: Admission | None = None) -> None:
         if redis is None:
             raise RemoteTierError("the remote tier needs redis-py: pip install 'redis>=5'")
         if not isinstance(pool_key, bytes) or not _POOL_KEY_RE.fullmatch(pool_key):
@@ -166,6 +186,7 @@ class RemoteTier:
             raise RemoteTierError(f"block_bytes must be >= 1, got {block_bytes}")
         if not isinstance(settings, RemoteTierSettings):
             raise RemoteTierError(f"settings must be a RemoteTierSettings, got {type(settings).__name__}")
+        mac = ValueMac(secret)  # refuses a missing blake3 or a secret of the wrong size
         endpoint = parse_url(url)
         self.url = endpoint.display
         self.cluster = endpoint.cluster
@@ -173,7 +194,9 @@ class RemoteTier:
         self.block_bytes = block_bytes
         self.value_bytes = HEADER_BYTES + block_bytes
         self.settings = settings
-        self._fetch_chunk_blocks = max(1, settings.fetch_round_trip_bytes // self.value_bytes)
+        self._mac = mac
+        # A reply of GETRANGE is at most one byte longer than a value.
+        self._fetch_chunk_blocks = max(1, settings.fetch_round_trip_bytes // (self.value_bytes + 1))
         self._prefix = KEY_PREFIX + pool_key + b":"
         self._use_script = not self.cluster  # cleared for good if the server refuses scripts
 
@@ -192,7 +215,7 @@ class RemoteTier:
         self._conn = RemoteConnection(endpoint, settings)
         self._readers = concurrent.futures.ThreadPoolExecutor(settings.reader_threads,
                                                               thread_name_prefix="kvtier-remote-read")
-        self._writer = RemoteWriter(self._conn, settings, self.key, block_bytes, self.url, admission)
+        self._writer = RemoteWriter(self._conn, settings, self.key, block_bytes, self.url, mac, admission)
 
     # ---- keys and values --------------------------------------------------------------
 
@@ -200,10 +223,9 @@ class RemoteTier:
         """The server key of a block of this pool."""
         return self._prefix + block_hash.hex().encode()
 
-    @staticmethod
-    def encode_header(payload: bytes | bytearray | memoryview) -> bytes:
-        """The 24-byte header of a value (exposed for tests and tools)."""
-        return encode_header(payload)
+    def encode_header(self, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+        """The 32-byte header of this pool's value of a block (exposed for tests and tools)."""
+        return encode_header(self.key(block_hash), payload, self._mac)
 
     @property
     def admission(self) -> Admission | None:
@@ -285,7 +307,7 @@ class RemoteTier:
         other script error (BUSY, ...) only for this call.
         """
         try:
-            n = int(self._lookup_script(client, gen)(keys=keys, client=client))
+            n = int(self._lookup_script(client, gen)(keys=keys, args=[self.value_bytes], client=client))
         except redis.exceptions.ResponseError as exc:
             if is_connection_failure(exc):
                 self._conn.failed(exc, gen, f"EXISTS script over {len(keys)} blocks")
@@ -305,17 +327,17 @@ class RemoteTier:
         try:
             pipe = self._conn.pipeline(client)
             for k in keys:
-                pipe.exists(k)
+                pipe.strlen(k)
             replies = pipe.execute(raise_on_error=False)
         except Exception as exc:  # noqa: BLE001 - never raise to the caller
-            self._conn.failed(exc, gen, f"EXISTS of {len(keys)} blocks")
+            self._conn.failed(exc, gen, f"STRLEN of {len(keys)} blocks")
             return 0
         n = 0
         for reply in replies:
             if isinstance(reply, Exception):
-                self._conn.failed(reply, gen, "EXISTS")
+                self._conn.failed(reply, gen, "STRLEN")
                 return n
-            if not reply:
+            if reply != self.value_bytes:
                 break
             n += 1
         self._conn.succeeded()
@@ -331,54 +353,63 @@ class RemoteTier:
             return out
         client, gen = current
         t0 = time.perf_counter()
-        hits = misses = corrupt = errors = 0
+        hits = misses = errors = 0
+        rejected = dict.fromkeys((remote_values.CORRUPT, remote_values.OVERSIZED, remote_values.UNAUTHENTIC), 0)
         bad_keys: list[bytes] = []
+        last = self.value_bytes  # GETRANGE's end is inclusive: one byte past a value tells "longer"
         # Even round trips (256 blocks at 255 per trip go as 128 + 128, not 255 + 1).
         trips = -(-len(hashes) // self._fetch_chunk_blocks)
         step = -(-len(hashes) // trips)
         for start in range(0, len(hashes), step):
-            chunk = hashes[start : start + step]
+            keys = [self.key(h) for h in hashes[start : start + step]]
             try:
                 pipe = self._conn.pipeline(client)
-                for h in chunk:
-                    pipe.get(self.key(h))
+                for k in keys:
+                    pipe.getrange(k, 0, last)
                 replies = pipe.execute(raise_on_error=False)
             except Exception as exc:  # noqa: BLE001 - a failed round trip is a miss, never an error
-                self._conn.failed(exc, gen, f"GET of {len(chunk)} blocks")
+                self._conn.failed(exc, gen, f"GETRANGE of {len(keys)} blocks")
                 errors += len(hashes) - start
                 break
             first_error: Exception | None = None
             for i, value in enumerate(replies, start):
-                if value is None:
+                if not value:  # GETRANGE of an absent key is "" (None from a proxy that says nil)
                     misses += 1
                 elif isinstance(value, Exception):
                     errors += 1
                     first_error = first_error or value
                 else:
-                    payload = decode(value, self.block_bytes)
-                    if payload is None:
-                        corrupt += 1
-                        bad_keys.append(hashes[i])
-                    else:
+                    payload, verdict = decode(value, keys[i - start], self.block_bytes, self._mac)
+                    if payload is not None:
                         out[i] = payload
                         hits += 1
+                        continue
+                    rejected[verdict] += 1
+                    if verdict != remote_values.UNAUTHENTIC:
+                        bad_keys.append(hashes[i])
             if first_error is not None:  # one report per round trip, not per block
-                self._conn.failed(first_error, gen, f"GET ({errors} blocks)")
+                self._conn.failed(first_error, gen, f"GETRANGE ({errors} blocks)")
         if not errors:
             self._conn.succeeded()
         with self._lock:
             c = self._counters
             c["remote_hits"] += hits
             c["remote_misses"] += misses
-            c["remote_corrupt"] += corrupt
+            c["remote_corrupt"] += rejected[remote_values.CORRUPT]
+            c["remote_oversized"] += rejected[remote_values.OVERSIZED]
+            c["remote_unauthentic"] += rejected[remote_values.UNAUTHENTIC]
             c["remote_errors"] += errors
             c["bytes_fetched"] += hits * self.block_bytes
             self._seconds["fetch"] += time.perf_counter() - t0
         if bad_keys:
-            log.warning("remote tier %s: %d corrupt blocks in a fetch of %d (queued for deletion)",
+            log.warning("remote tier %s: %d malformed values in a fetch of %d blocks (queued for deletion)",
                         self.url, len(bad_keys), len(hashes))
             for h in bad_keys:
                 self._writer.delete(h)
+        if rejected[remote_values.UNAUTHENTIC]:
+            log.warning("remote tier %s: %d values in a fetch of %d blocks failed authentication (misses): written "
+                        "by a daemon with another remote secret, or by someone else", self.url,
+                        rejected[remote_values.UNAUTHENTIC], len(hashes))
         return out
 
     def fetch_async(

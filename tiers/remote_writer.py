@@ -2,19 +2,21 @@
 
 ``RemoteTier`` owns one; the pool never sees it. Contract:
 
-- ``RemoteWriter(conn, settings, key_of, block_bytes, url, admission=None)``
+- ``RemoteWriter(conn, settings, key_of, block_bytes, url, mac, admission=None)``
   starts ``settings.writer_threads`` threads that send queued items as
   pipelined ``SET``s (``EX settings.ttl_s`` when given) and ``DEL``s, at
   most ``settings.write_batch_blocks`` per round trip, over ``conn``'s
-  current client. ``key_of(block_hash)`` names a block's key.
+  current client. ``key_of(block_hash)`` names a block's key; ``mac``
+  (``remote_values.ValueMac``) tags each value for that key, on the writer
+  thread.
 - ``write_back(key, data, copy=True) -> bool``: never blocks on the server.
   Admission (if given) is asked first; the block is copied straight into
   its value's layout (unless ``copy=False``: the caller hands over a buffer
   it will never change) and queued. Full queue, unavailable connection or
   closed writer: dropped and counted, returns False. The caller's thread
   (one thread: the admission object need not be thread-safe).
-- ``delete(block_hash)``: queue a key's deletion (a corrupt block the reader
-  found). A full queue drops it; the next fetch finds it again.
+- ``delete(block_hash)``: queue a key's deletion (a malformed value the
+  reader found). A full queue drops it; the next fetch finds it again.
 - A batch whose round trip fails counts its blocks ``writes_failed`` and
   reports the failure to ``conn`` (which marks the tier unavailable); a
   writer thread never dies.
@@ -36,7 +38,7 @@ from typing import Any, Protocol
 
 from kvtier.tiers.remote_connection import RemoteConnection
 from kvtier.tiers.remote_settings import RemoteTierSettings
-from kvtier.tiers.remote_values import HEADER_BYTES, byte_view, encode_header, seal
+from kvtier.tiers.remote_values import HEADER_BYTES, ValueMac, byte_view, encode_header, seal
 
 __all__ = ["COUNTERS", "Admission", "RemoteWriter"]
 
@@ -50,7 +52,7 @@ COUNTERS = (
     "writes_dropped_unavailable",
     "writes_not_admitted",
     "bytes_written",
-    "deletes_queued",  # corrupt keys queued for deletion
+    "deletes_queued",  # malformed values' keys queued for deletion
 )
 
 # (block_hash, value or payload, needs_header); a value of None deletes the key.
@@ -65,12 +67,13 @@ class Admission(Protocol):
 
 class RemoteWriter:
     def __init__(self, conn: RemoteConnection, settings: RemoteTierSettings, key_of: Callable[[bytes], bytes],
-                 block_bytes: int, url: str, admission: Admission | None = None) -> None:
+                 block_bytes: int, url: str, mac: ValueMac, admission: Admission | None = None) -> None:
         self._conn = conn
         self._settings = settings
         self._key_of = key_of
         self._block_bytes = block_bytes
         self._url = url
+        self._mac = mac
         self.admission = admission
         self._lock = threading.Lock()  # guards the counters
         self._counters = dict.fromkeys(COUNTERS, 0)
@@ -139,15 +142,15 @@ class RemoteWriter:
 
     # ---- the writer threads --------------------------------------------------------------
 
-    def _value(self, item: _Item) -> bytes | memoryview | None:
+    def _value(self, server_key: bytes, item: _Item) -> bytes | memoryview | None:
         _, data, in_place = item
         if data is None:
             return None
         if in_place:
             assert isinstance(data, bytearray)
-            seal(data, self._block_bytes)
+            seal(data, server_key, self._mac)
             return memoryview(data)  # redis-py before 8 encodes memoryview but not bytearray
-        return encode_header(data) + data  # copy=False: the writer pays the concatenation
+        return encode_header(server_key, data, self._mac) + data  # copy=False: the writer pays the concatenation
 
     def _take_batch(self) -> list[_Item] | None:
         """Up to write_batch_blocks queued items; None when closing and nothing is left."""
@@ -188,11 +191,12 @@ class RemoteWriter:
         try:
             pipe = self._conn.pipeline(client)
             for item in batch:
-                value = self._value(item)
+                server_key = self._key_of(item[0])
+                value = self._value(server_key, item)
                 if value is None:
-                    pipe.delete(self._key_of(item[0]))
+                    pipe.delete(server_key)
                 else:
-                    pipe.set(self._key_of(item[0]), value, ex=self._settings.ttl_s)
+                    pipe.set(server_key, value, ex=self._settings.ttl_s)
             replies = pipe.execute(raise_on_error=False)
         except Exception as exc:  # noqa: BLE001 - a writer must never die
             self._conn.failed(exc, gen, f"SET of {sets} blocks")

@@ -222,7 +222,7 @@ def format_stats(stats: Mapping[str, Any], endpoint: str) -> str:
         ["requests", _labelled(daemon, "requests_total")],
         ["errors", _labelled(daemon, "errors_total")],
         ["protocol errors", _labelled(daemon, "protocol_errors_total")],
-        ["replies dropped", fmt_int(_num(daemon, "replies_dropped_total"))],
+        ["replies dropped", _labelled(daemon, "replies_dropped_total")],
     ]
     out += ["  " + line for line in _two_columns(rows)]
     return "\n".join(out) + "\n"

@@ -56,9 +56,11 @@ Modules: ``units`` (value grammar: byte sizes, shares, seconds; the ``_as_*``
 readers), ``schema`` (the dataclasses, their checks, the key declarations),
 ``sources`` (file, environment and flags layered into a ``DaemonConfig``),
 ``cli`` (flags, ``load_config``, the exit policy), ``render``
-(``--print-config``), ``errors`` (``ConfigError``). Import from this package.
-Inside it dependencies point one way: ``errors`` <- ``units`` <- ``schema``
-<- ``sources``, ``render`` <- ``cli``.
+(``--print-config``), ``host`` (the device and GPU-tier sizes against this
+host), ``cautions`` (allowed values that get a warning line), ``errors``
+(``ConfigError``). Import from this package. Inside it dependencies point
+one way: ``errors`` <- ``units`` <- ``schema`` <- ``sources``, ``render``,
+``host``, ``cautions`` <- ``cli``.
 
 Default socket (``ipc://`` only; ``tcp://`` is used only when configured), the
 first that applies:
@@ -83,15 +85,28 @@ it (tenants who do not trust each other must not share a non-cryptographic
 hash); ``kvtier.daemon.tenants`` says what the daemon does with them.
 
 Validation (all raise ``ConfigError`` naming the dotted key, e.g. ``lease_s``,
-``default_pool.cpu_bytes``, ``pools."llama-8b/tp0".policy``): unknown keys
-(with a did-you-mean), wrong types, negative sizes, non-positive durations,
-sockets other than ``ipc://<absolute path or @abstract>`` and
-``tcp://<host>:<port>``, ``tcp://`` without ``insecure_tcp = true`` and
-without both CURVE key settings, CURVE key files that do not exist, unknown
-eviction policies (asked of ``kvtier.tiers.eviction.make_policy``), unknown
-hash algorithms, log levels and devices, socket modes with bits for others,
-tenants without an identity, with malformed keys or short tokens, and keys,
-tokens or namespace tags shared by two tenants.
+``default_pool.cpu_bytes``, ``pools."llama-8b/tp0".policy``): every key is
+checked at load time against the range the code can use (each key's check
+in ``schema`` says it; docs/operating.md lists the ranges): unknown keys
+(with a did-you-mean), wrong types, negative sizes, durations outside their
+range (``lease_s`` 0.1..3600, ``poll_interval_s`` 0.001..1,
+``drain_timeout_s`` 0..3600, ``heartbeat_s`` >= 0.01 and below the lease),
+byte limits larger than the host's memory, counts past what a process can
+hold, ``clean_ahead_blocks`` past a GPU tier's most blocks, sockets other
+than ``ipc://<absolute path or @abstract>`` and ``tcp://<host>:<port>``,
+``tcp://`` without ``insecure_tcp = true`` and without both CURVE key
+settings, CURVE key files that do not exist, remote URLs the remote tier
+could not use (``kvtier.tiers.remote_url``: scheme, IPv6 brackets, port
+1..65535, database number) and a remote tier without
+``remote_secret_key_file``, eviction policies the registry does not build
+(``kvtier.tiers.policies.check_policy_name``: unknown names, a wrapper
+named twice), unknown hash algorithms, log levels and devices, socket
+modes with bits for others, pool names no ``hello`` can send,
+``max_connections_per_peer`` above ``max_connections``, a
+``cpu_budget_bytes`` below a pool's ``cpu_bytes`` (when both are bytes),
+``metrics_port`` equal to a ``tcp://`` socket's port, TOML nested too deeply
+to parse, tenants without an identity, with malformed keys or short
+tokens, and keys, tokens or namespace tags shared by two tenants.
 
 For ``main()``: ``load_config_or_exit(argv)`` does the CLI policy: on a
 ``ConfigError`` it prints ``kvtierd: config error: <key>: <message>`` to

@@ -9,7 +9,9 @@ Contract
 - ``load_config(argv, environ)``: defaults < file < environment < flags, a
   validated ``DaemonConfig`` or ``ConfigError``.
 - ``load_config_or_exit(argv)``: ``main()``'s policy: a ``ConfigError`` is
-  printed (``exit_on_config_error``) and exits 2; ``--print-config`` prints
+  printed (``exit_on_config_error``) and exits 2, and so is a ``device``
+  this host does not have (``host.check_device``); each caution
+  (``cautions``) is printed as a warning line; ``--print-config`` prints
   the configuration and exits 0.
 """
 
@@ -23,7 +25,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+from kvtier.daemon.config.cautions import cautions
 from kvtier.daemon.config.errors import ConfigError
+from kvtier.daemon.config.host import check_device
 from kvtier.daemon.config.render import format_config
 from kvtier.daemon.config.schema import (
     CPU_AUTO_CAP_BYTES,
@@ -175,9 +179,16 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     return _load(argv, environ)[0]
 
 
+MAX_MESSAGE_CHARS = 2000  # a message quotes the bad value: a huge one is cut, the line stays readable
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else f"{text[:MAX_MESSAGE_CHARS]}... ({len(text)} characters)"
+
+
 def exit_on_config_error(err: ConfigError, stderr: TextIO | None = None) -> NoReturn:
     """Print ``kvtierd: config error: <key>: <message>`` and exit with status 2."""
-    print(f"kvtierd: config error: {err.key}: {err.message}", file=stderr or sys.stderr, flush=True)
+    print(f"kvtierd: config error: {_cut(err.key)}: {_cut(err.message)}", file=stderr or sys.stderr, flush=True)
     raise SystemExit(CONFIG_EXIT_CODE)
 
 
@@ -191,8 +202,11 @@ def load_config_or_exit(
     """``main()``'s entry: load, or exit 2 on a config error, or print and exit 0 for --print-config."""
     try:
         cfg, ns = _load(argv, environ)
+        check_device(cfg.device)
     except ConfigError as err:
         exit_on_config_error(err, stderr)
+    for key, message in cautions(cfg):
+        print(f"kvtierd: config warning: {key}: {_cut(message)}", file=stderr or sys.stderr, flush=True)
     if getattr(ns, "print_config", False):
         print(format_config(cfg), end="", file=stdout or sys.stdout, flush=True)
         raise SystemExit(0)

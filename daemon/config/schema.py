@@ -25,11 +25,11 @@ Contract
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import math
 import os
 import re
-import resource
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -40,8 +40,9 @@ from typing import Any
 import psutil
 
 from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
+from kvtier.client.protocol import OPS, ProtocolError  # what a hello may send: pool names, leases
 from kvtier.daemon.config.errors import ConfigError
-from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer
+from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer, descriptor_limit
 from kvtier.daemon.config.units import (
     Coerce,
     CpuBytes,
@@ -78,6 +79,29 @@ GPU_AUTO_BYTES_HOST = 256 * MiB
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MIN_MESSAGE_BYTES = 4 * KiB
+
+# The ranges the code can use (issue 32: values that passed validation and then failed).
+# A lease is a client's to hold: no longer than a hello may ask for (the protocol's
+# bound), and long enough for a round trip and a heartbeat or two.
+MIN_LEASE_S = 0.1
+MAX_LEASE_S = OPS["hello"].fields["lease_s"].type.hi_s  # 3600
+MIN_HEARTBEAT_S = 0.01
+# The loop polls in whole milliseconds (below 1 ms: a busy loop), sweeps expired leases
+# and feeds systemd's watchdog when it wakes: at least once a second.
+MIN_POLL_INTERVAL_S = 0.001
+MAX_POLL_INTERVAL_S = 1.0
+# Past threading.TIMEOUT_MAX a join raises; systemd kills a stop far sooner anyway.
+MAX_DRAIN_TIMEOUT_S = 3600.0
+# A process holds at most fs.nr_open descriptors (2**20 by default): no session maps more
+# files, or holds more registrations (each one maps its tensors: a file or a CUDA IPC handle).
+MAX_PER_SESSION = 1 << 20
+# Each pool runs 2 threads; Linux runs at most pid_max (<= 2**22) of them.
+MAX_POOLS = 1 << 21
+# A GPU tier has at most this many blocks (daemon.pools.MAX_BLOCKS_PER_TIER, which a test
+# compares): clean-ahead past it demotes nothing more.
+MAX_CLEAN_AHEAD_BLOCKS = 1 << 23
+# The name a hello sends for a pool: a pool table no hello can name would never apply.
+HELLO_POOL_NAME = OPS["hello"].fields["pool"].type
 # sun_path is 108 bytes on Linux, one of them the terminating NUL.
 MAX_IPC_PATH_BYTES = 107
 ENV_PREFIX = "KVTIER_"
@@ -95,6 +119,7 @@ AutoNote = Callable[["DaemonConfig", int], str]
 SERVER = "server"
 RUNTIME = "runtime"
 TCP_SECURITY = "tcp security"
+REMOTE_TIER = "remote tier"
 POOLS = "pools"
 
 _SIZE_READERS: frozenset[Coerce] = frozenset({_as_size, _as_optional_size, _as_optional_cpu_size})
@@ -202,11 +227,27 @@ def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = N
         raise ConfigError(key, f"must be {bound}, got {value}")
 
 
-def _check_duration(key: str, value: object, *, allow_zero: bool = False) -> None:
+def _check_duration(key: str, value: object, *, allow_zero: bool = False, minimum: float | None = None,
+                    maximum: float | None = None, why: str = "") -> None:
+    """A finite number of seconds, > 0 (>= 0 with ``allow_zero``), and within [minimum, maximum] when given."""
     if not (isinstance(value, (int, float)) and not isinstance(value, bool)) or not math.isfinite(value):
         raise ConfigError(key, f"must be a finite number of seconds, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = f"{minimum:g}" if minimum is not None else "0"
+        hi = f"{maximum:g}" if maximum is not None else "inf"
+        raise ConfigError(key, f"must be in {lo}..{hi} seconds, got {value!r}" + (f" ({why})" if why else ""))
+
+
+def _check_bytes_of_memory(key: str, value: object, *, minimum: int, what: str) -> None:
+    """A byte count >= ``minimum`` that this host's memory could hold at all."""
+    _check_int(key, value, minimum=minimum)
+    assert isinstance(value, int)
+    total = int(psutil.virtual_memory().total)
+    if value > total:
+        raise ConfigError(key, f"is {format_byte_size(value)} ({value} bytes), more than this host's memory "
+                               f"({format_gib(total, decimals=1)}): {what}")
 
 
 def _check_gpu_bytes(key: str, value: object) -> None:
@@ -231,13 +272,13 @@ def _check_policy(key: str, value: object) -> None:
     if not isinstance(value, str) or not value:
         raise ConfigError(key, f"must be a policy name such as 'lru', got {value!r}")
     try:
-        from kvtier.tiers.eviction import make_policy
+        from kvtier.tiers.policies import check_policy_name
     except ImportError:
         # Without the tiers package nothing can build a pool anyway; the pool
         # constructor would report the name then.
         return
     try:
-        make_policy(value, 1)
+        check_policy_name(value)  # the registry's rules, without building a policy
     except ValueError as exc:
         raise ConfigError(key, str(exc)) from None
 
@@ -269,9 +310,19 @@ def _check_log_level(key: str, value: object) -> None:
         raise ConfigError(key, f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
 
 
+# RFC 1123 labels, with "_" too (found in /etc/hosts names); no spaces, ports or schemes.
+_HOST_NAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*")
+
+
 def _check_host(key: str, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(key, f"must be a host name or address, got {value!r}")
+    if isinstance(value, str):
+        try:
+            ipaddress.ip_address(value)
+            return
+        except ValueError:
+            if _HOST_NAME_RE.fullmatch(value):
+                return
+    raise ConfigError(key, f"must be an IP address (127.0.0.1, ::1, 0.0.0.0) or a host name, got {value!r}")
 
 
 def _check_bool(key: str, value: object) -> None:
@@ -284,15 +335,18 @@ def _check_device(key: str, value: object) -> None:
         raise ConfigError(key, f"must be 'auto', 'cpu' or 'cuda:N', got {value!r}")
 
 
-REMOTE_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys", "redis+cluster", "rediss+cluster",
-                  "valkey+cluster", "valkeys+cluster")
-
-
 def _check_remote_url(key: str, value: object) -> None:
     if value is None:
         return
-    if not isinstance(value, str) or value.split("://", 1)[0].lower() not in REMOTE_SCHEMES or "://" not in value:
-        raise ConfigError(key, f"must be a URL with one of the schemes {', '.join(REMOTE_SCHEMES)}, got {value!r}")
+    # The remote tier's own parser (stdlib only), the one it connects with: a URL it
+    # refuses would otherwise be retried forever in the background.
+    from kvtier.tiers.remote_settings import RemoteTierError
+    from kvtier.tiers.remote_url import parse_url
+
+    try:
+        parse_url(value)  # type: ignore[arg-type]
+    except RemoteTierError as exc:
+        raise ConfigError(key, str(exc)) from None
 
 
 TENANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -381,6 +435,60 @@ def _check_curve(cfg: DaemonConfig) -> None:
         raise ConfigError("curve_public_keys_dir", f"{public_dir} does not exist or is not a directory")
 
 
+def _check_metrics_port(cfg: DaemonConfig) -> None:
+    match = re.fullmatch(r"tcp://.*:([0-9]+)", cfg.socket)
+    if cfg.metrics_port is not None and match and int(match.group(1)) == cfg.metrics_port:
+        raise ConfigError("metrics_port", f"{cfg.metrics_port} is the socket's port too ({cfg.socket}); "
+                                          "the second bind would fail: choose another")
+
+
+def _check_per_peer(cfg: DaemonConfig) -> None:
+    per_peer = cfg.max_connections_per_peer
+    if per_peer is None:
+        return  # auto: a quarter of max_connections
+    total = cfg.max_connections if cfg.max_connections is not None else FdBudget.of(descriptor_limit()).connections
+    if per_peer > total:
+        source = "" if cfg.max_connections is not None else " ('auto' here: a quarter of the file descriptors)"
+        raise ConfigError("max_connections_per_peer", f"is {per_peer}, more than max_connections ({total}{source}): "
+                                                      "one peer can never hold more than all of them")
+
+
+def _check_cpu_budget(cfg: DaemonConfig) -> None:
+    # Only what is spelled in bytes on both sides can be compared before start; the
+    # daemon checks shares of memory against the host when it starts (daemon.memory).
+    budget = cfg.cpu_budget_bytes
+    if not isinstance(budget, int):
+        return
+    if budget == 0:
+        raise ConfigError("cpu_budget_bytes", "is 0: no pool's CPU tier would fit, so every hello would get "
+                                              "NO_SPACE; give bytes, N%, or 'auto'")
+    tables = [("default_pool.cpu_bytes", cfg.default_pool.cpu_bytes)]
+    tables += [(f"{pool_key(n)}.cpu_bytes", o.cpu_bytes) for n, o in cfg.pools.items()]
+    for dotted, cpu_bytes in tables:
+        if isinstance(cpu_bytes, int) and cpu_bytes > budget:
+            raise ConfigError("cpu_budget_bytes", f"is {format_byte_size(budget)}, less than {dotted} "
+                                                  f"({format_byte_size(cpu_bytes)}): that pool could never be created")
+
+
+def _check_remote_secret(cfg: DaemonConfig) -> None:
+    # Presence here, like the CURVE keys; the daemon reads the file (and refuses
+    # a bad one, exit 2) when it starts.
+    remote = cfg.remote_url_keys
+    secret = cfg.remote_secret_key_file
+    if not remote:
+        return
+    if secret is None:
+        raise ConfigError(
+            "remote_secret_key_file",
+            f"is required with a remote tier ({remote[0]} is set): every value in the server is authenticated "
+            "with this secret, so nobody else who can write there can make this daemon serve a block. Create "
+            "one with `kvtier keygen /etc/kvtier --remote-secret` and give every daemon that shares the "
+            "server the same file",
+        )
+    if not Path(secret).is_file():
+        raise ConfigError("remote_secret_key_file", f"{secret} does not exist or is not a file")
+
+
 # --------------------------------------------------------------------------------------------
 # What "auto" comes to (--print-config's comments)
 
@@ -395,12 +503,22 @@ def _cpu_budget_note(cfg: DaemonConfig, available_bytes: int) -> str:
 
 
 def _max_connections_note(cfg: DaemonConfig, available_bytes: int) -> str:
-    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    budget = FdBudget.of(descriptor_limit())
     return f"a quarter of the file descriptors (now {budget.connections} of {budget.limit_fds})"
 
 
+def _check_max_connections(key: str, value: object) -> None:
+    _check_int(key, value, minimum=1)
+    assert isinstance(value, int)
+    try:
+        # What the daemon's descriptor limit allows: libzmq aborts the daemon when an accept finds none.
+        FdBudget.of(descriptor_limit(), value)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
+
+
 def _per_peer_note(cfg: DaemonConfig, available_bytes: int) -> str:
-    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    budget = FdBudget.of(descriptor_limit())
     total = cfg.max_connections if cfg.max_connections is not None else budget.connections
     return f"a quarter of max_connections, at most {MAX_AUTO_CONNECTIONS_PER_PEER} (now {auto_per_peer(total)})"
 
@@ -435,7 +553,7 @@ class PoolDefaults:
         _as_lower_str, "CPU-tier eviction policy (e.g. lru)", "NAME", group=POOLS, check=_check_policy))
     clean_ahead_blocks: int = field(default=64, metadata=key(
         _as_int, "free GPU blocks kept already demoted ahead of allocation", "N",
-        group=POOLS, check=partial(_check_int, minimum=0)))
+        group=POOLS, check=partial(_check_int, minimum=0, maximum=MAX_CLEAN_AHEAD_BLOCKS)))
     remote_url: str | None = field(default=None, metadata=key(
         _as_optional_url,
         "remote tier below the CPU tier: redis://HOST:PORT/DB or redis+cluster://HOST:PORT[,...] ('off' = none)", "URL",
@@ -529,33 +647,52 @@ class DaemonConfig:
         _as_str, "ZMQ endpoint to bind: ipc:///path or ipc://@abstract; tcp://HOST:PORT only with CURVE keys or --insecure-tcp",
         "URL", group=SERVER, rank=1, shown_default="see below"))  # checked with the CURVE keys in _check_socket
     lease_s: float = field(default=10.0, metadata=key(
-        _as_float, "seconds a session's pins and registrations survive without a heartbeat", "SECONDS",
-        group=SERVER, rank=3, check=_check_duration))
+        _as_float, f"seconds a session's pins and registrations survive without a heartbeat "
+        f"({MIN_LEASE_S:g}..{MAX_LEASE_S:g})", "SECONDS",
+        group=SERVER, rank=3, check=partial(_check_duration, minimum=MIN_LEASE_S, maximum=MAX_LEASE_S,
+                                            why="a lease a client can hold: time for a round trip, at most what a "
+                                                "hello may ask for")))
     heartbeat_s: float | None = field(default=None, metadata=key(
         _as_optional_float, "heartbeat interval recommended to clients in hello ('auto' = lease_s / 3)", "SECONDS",
-        group=SERVER, rank=4, check=_optional(_check_duration), unset="auto", auto_note=_heartbeat_note))
+        group=SERVER, rank=4, check=_optional(partial(_check_duration, minimum=MIN_HEARTBEAT_S,
+                                                      why="every client sends one heartbeat per interval")),
+        unset="auto", auto_note=_heartbeat_note))
     poll_interval_s: float = field(default=0.05, metadata=key(
-        _as_float, "longest the event loop sleeps before polling copies in flight", "SECONDS",
-        group=SERVER, rank=5, check=_check_duration))
+        _as_float, f"longest the event loop sleeps before polling copies in flight "
+        f"({MIN_POLL_INTERVAL_S:g}..{MAX_POLL_INTERVAL_S:g})", "SECONDS",
+        group=SERVER, rank=5, check=partial(_check_duration, minimum=MIN_POLL_INTERVAL_S, maximum=MAX_POLL_INTERVAL_S,
+                                            why="the loop polls in whole milliseconds, and must wake at least once "
+                                                "a second to expire leases and feed the watchdog")))
     drain_timeout_s: float = field(default=10.0, metadata=key(
-        _as_float, "on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting", "SECONDS",
-        group=SERVER, rank=6, check=partial(_check_duration, allow_zero=True)))
+        _as_float, f"on SIGTERM/SIGINT, how long to finish copies and pending replies before exiting "
+        f"(0..{MAX_DRAIN_TIMEOUT_S:g})", "SECONDS",
+        group=SERVER, rank=6, check=partial(_check_duration, allow_zero=True, maximum=MAX_DRAIN_TIMEOUT_S,
+                                            why="an hour; systemd's stop timeout is far shorter")))
     max_message_bytes: int = field(default=256 * MiB, metadata=key(
         _as_size,
         "largest payload (block bytes: a request's frames, an inline restore's reply) accepted; "
         "the header has its own 4 MiB limit (e.g. 256MiB)", "SIZE",
-        group=SERVER, rank=7, check=partial(_check_int, minimum=MIN_MESSAGE_BYTES)))
+        group=SERVER, rank=7, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
+                                            what="a message is staged in memory whole")))
     # The daemon-wide total of mapped files is capped below RLIMIT_NOFILE as well (daemon.handlers).
     max_shm_files_per_session: int = field(default=1024, metadata=key(
         _as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N",
-        group=SERVER, rank=8, check=partial(_check_int, minimum=1)))
+        group=SERVER, rank=8, check=partial(_check_int, minimum=1, maximum=MAX_PER_SESSION)))
     max_registrations_per_session: int = field(default=64, metadata=key(
         _as_int, "KV registrations (register_kv) one session may hold", "N",
-        group=SERVER, rank=9, check=partial(_check_int, minimum=1)))
+        group=SERVER, rank=9, check=partial(_check_int, minimum=1, maximum=MAX_PER_SESSION)))
     # Each pool holds a CPU tier, a GPU tier in store mode, and 2 threads.
     max_pools: int = field(default=128, metadata=key(
         _as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N",
-        group=SERVER, rank=10, check=partial(_check_int, minimum=1)))
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=MAX_POOLS)))
+    max_auth_failures_per_minute: int = field(default=10, metadata=key(
+        _as_int, "wrong tenant tokens one peer (a uid on ipc://, an IP address on tcp://) may send in hello per "
+        "minute; past it its hellos with a token get TOO_MANY_AUTH_FAILURES, the token unchecked", "N",
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=100_000)))
+    # Each live session costs ~3.7 KB and a place in every lease sweep.
+    max_sessions: int = field(default=4096, metadata=key(
+        _as_int, "live sessions the daemon holds at once; a hello past it gets TOO_MANY_SESSIONS", "N",
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=1 << 20)))
     max_pinned_share: float = field(default=0.5, metadata=key(
         _as_share,
         "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks",
@@ -564,12 +701,19 @@ class DaemonConfig:
         _as_size,
         "bytes of block payload in replies one connection has not read yet; past it its requests get "
         "UNREAD_REPLIES (e.g. 512MiB)", "SIZE",
-        group=SERVER, rank=14, check=partial(_check_int, minimum=MIN_MESSAGE_BYTES)))
+        group=SERVER, rank=14, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
+                                             what="unread replies are held in memory")))
+    max_unread_reply_bytes_total: int = field(default=1 * GiB, metadata=key(
+        _as_size,
+        "bytes of copied block payload (not lent tier memory) in replies all connections have not read yet; past "
+        "it a connection with replies unread gets UNREAD_REPLIES (e.g. 1GiB)", "SIZE",
+        group=SERVER, rank=14, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
+                                             what="unread replies are held in memory")))
     # Both caps shed connections as libzmq accepts them (daemon.connection_limits).
     max_connections: int | None = field(default=None, metadata=key(
         _as_optional_int, "client connections held at once; past it new ones get TOO_MANY_CONNECTIONS and are "
-        "closed ('auto' = a quarter of the file descriptors)", "N",
-        group=SERVER, rank=15, check=_optional(partial(_check_int, minimum=1)), unset="auto",
+        "closed ('auto' = a quarter of the file descriptors; at most half of them)", "N",
+        group=SERVER, rank=15, check=_optional(_check_max_connections), unset="auto",
         auto_note=_max_connections_note))
     max_connections_per_peer: int | None = field(default=None, metadata=key(
         _as_optional_int, "client connections one peer (a uid on ipc://, an IP address on tcp://) may hold at "
@@ -604,6 +748,11 @@ class DaemonConfig:
     curve_public_keys_dir: Path | None = field(default=None, metadata=key(
         _as_optional_path, "directory of authorised client CURVE public keys (tcp://)", "DIR",
         group=TCP_SECURITY, rank=3))
+    # Presence and existence are checked with the remote URLs; the daemon reads it at start.
+    remote_secret_key_file: Path | None = field(default=None, metadata=key(
+        _as_optional_path, "the remote tier's secret (kvtier keygen DIR --remote-secret): every value in Redis is "
+        "authenticated with it; required with remote_url, the same file on every daemon sharing the server",
+        "FILE", group=REMOTE_TIER, rank=1))
     socket_mode: int = field(default=0o600, metadata=key(
         _as_mode, "file mode of the ipc socket: 0600, or 0660 to let the socket's group connect", "MODE",
         group=SERVER, rank=2, check=_check_socket_mode))
@@ -623,6 +772,8 @@ class DaemonConfig:
                 "a client heartbeating slower than the lease loses its pins",
             )
         _check_socket(self)
+        _check_metrics_port(self)
+        _check_per_peer(self)
         if not isinstance(self.default_pool, PoolDefaults):
             raise ConfigError("default_pool", "must be a PoolDefaults")
         pools = dict(self.pools)
@@ -631,6 +782,11 @@ class DaemonConfig:
             key = pool_key(name)
             if not isinstance(name, str) or not name:
                 raise ConfigError(key, "pool names must be non-empty strings")
+            try:
+                HELLO_POOL_NAME.check("pool", name)
+            except ProtocolError as exc:
+                raise ConfigError(key, f"no hello can name this pool ({exc.message}), so its settings would "
+                                       "never apply") from None
             if not isinstance(overrides, PoolOverrides):
                 raise ConfigError(key, "must be a PoolOverrides")
             other = env_keys.setdefault(env_pool_name(name), name)
@@ -643,6 +799,14 @@ class DaemonConfig:
         # Frozen all the way down: nobody edits the pools table after loading.
         object.__setattr__(self, "pools", MappingProxyType(pools))
         object.__setattr__(self, "tenants", MappingProxyType(_check_tenants(self.tenants)))
+        _check_remote_secret(self)
+        _check_cpu_budget(self)
+
+    @property
+    def remote_url_keys(self) -> list[str]:
+        """The dotted keys that configure a remote tier (``default_pool.remote_url``, ``pools."x".remote_url``)."""
+        found = ["default_pool.remote_url"] if self.default_pool.remote_url else []
+        return found + [f"{pool_key(n)}.remote_url" for n, o in self.pools.items() if o.remote_url]
 
     @property
     def is_tcp(self) -> bool:

@@ -114,6 +114,11 @@ def _apply_file(layers: _Layers, path: Path) -> None:
         raise ConfigError("config", f"{path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        # tomllib parses nested arrays and inline tables recursively: a few hundred
+        # levels exhaust Python's stack. No key of this file nests at all.
+        raise ConfigError("config", f"{path}: arrays or inline tables nested too deeply to read "
+                                    "(no kvtierd key takes a nested value)") from None
     for key, value in data.items():
         if key == "default_pool":
             if not isinstance(value, dict):

@@ -143,9 +143,18 @@ def start_llm(model_dir: Path, args: argparse.Namespace, *, vllm_blocks: int, ma
     return llm
 
 
+# How long vLLM's engine process may take to tear down before vLLM kills it. vLLM's own default is 5 s; on
+# a loaded 2-core host the teardown takes longer, and a killed engine leaves its shared-memory ring buffer
+# (160 MiB) to Python's resource tracker, which removes it at exit warning "There appear to be 2 leaked
+# shared_memory objects" (one per engine started).
+ENGINE_STOP_TIMEOUT_S = 120.0
+
+
 def stop_llm(llm: Any) -> None:
-    """Shut the engine's processes down before the next LLM starts (2 cores: no overlap)."""
+    """Shut the engine's processes down before the next LLM starts (2 cores: no overlap), letting them clean up."""
     try:
+        llm.llm_engine.engine_core.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
+    except TypeError:  # a vLLM whose shutdown takes no timeout
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # an older or newer vLLM: garbage collection stops it too
         pass

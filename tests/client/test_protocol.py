@@ -51,7 +51,7 @@ def code_of(header: dict[str, object], payload: tuple[object, ...] = (), **kw: o
 
 def test_valid_requests_fill_defaults() -> None:
     req = validate_request(hdr("lookup", hashes=[H, H]))
-    assert req.op == "lookup" and req.id == 7 and req.fields == {"hashes": [H, H], "pin": False, "hints": None}
+    assert req.op == "lookup" and req.id == 7 and req.fields == {"hashes": [H, H], "pin": False, "hints": None, "pin_tag": None}
     req = validate_request(hdr("hello", pool="p", layout=LAYOUT))
     assert req.sid is None and req.fields["layout"] == LAYOUT
     req = validate_request(hdr("store", hashes=[H]), (b"x" * 64,))
@@ -168,7 +168,7 @@ def test_packed_hashes_survive_msgpack() -> None:
     wire = encode(request_header("lookup", 9, "s" * 32, packed_hashes=True, hashes=hs, pin=True))
     assert len(wire) < 16 * 300 + 100 < 18 * 300  # one bin: no per-hash bin header (2 bytes each)
     req = validate_request(decode_header(wire))
-    assert req.fields == {"hashes": hs, "pin": True, "hints": None} and req.packed
+    assert req.fields == {"hashes": hs, "pin": True, "hints": None, "pin_tag": None} and req.packed
 
 
 @pytest.mark.parametrize(

@@ -335,7 +335,7 @@ def test_auto_sizing() -> None:
         ("[default_pool]\ncpu_bytes = 1.5", "default_pool.cpu_bytes", "byte size"),
         ('[default_pool]\npolicy = "mru"', "default_pool.policy", "unknown eviction policy"),
         ('[pools.x]\npolicy = "lru+nope"', "pools.x.policy", "unknown policy wrapper"),
-        ("[default_pool]\nclean_ahead_blocks = -1", "default_pool.clean_ahead_blocks", ">= 0"),
+        ("[default_pool]\nclean_ahead_blocks = -1", "default_pool.clean_ahead_blocks", "in 0..8388608"),
         ('[default_pool]\nclean_ahead_blocks = "4"', "default_pool.clean_ahead_blocks", "integer"),
         ('log_level = "loud"', "log_level", "debug, info"),
         ('device = "gpu"', "device", "cuda:N"),

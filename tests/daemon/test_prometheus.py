@@ -128,7 +128,8 @@ def test_families_from_a_stats_reply() -> None:
     pool = {k.key: 0 for k in POOL_METRICS}
     pool.update(lookups=3, looked_up_blocks=10, hit_blocks_gpu=4, hit_blocks_cpu=3, hit_blocks_remote=1,
                 miss_blocks=2, gpu_blocks=8, gpu_free_blocks=6, cpu_blocks=16, cpu_used_blocks=5,
-                bytes_store=1024, mode="engine", gpu_registered=False, remote={"available": True})
+                bytes_store=1024, mode="engine", gpu_registered=False,
+                remote={"available": True, "remote_unauthentic": 3, "remote_oversized": 1, "remote_corrupt": 0})
     stats = {"pools": {"p": pool}, "sessions": 1,
              "daemon": {"requests_total": {"op=stats": 2}, "protocol_errors_total": {"code=MALFORMED": 1},
                         "sessions": 1}}
@@ -147,6 +148,9 @@ def test_families_from_a_stats_reply() -> None:
     assert value(samples, "kvtier_gpu_attached", pool="p") == 0
     assert value(samples, "kvtier_pool_info", pool="p", mode="engine") == 1
     assert value(samples, "kvtier_remote_up", pool="p") == 1
+    assert value(samples, "kvtier_remote_rejected_blocks_total", pool="p", reason="unauthentic") == 3
+    assert value(samples, "kvtier_remote_rejected_blocks_total", pool="p", reason="oversized") == 1
+    assert value(samples, "kvtier_remote_rejected_blocks_total", pool="p", reason="corrupt") == 0
     assert value(samples, "kvtier_protocol_errors_total", code="MALFORMED") == 1
     assert value(samples, "kvtier_lease_expiries_total") == 0  # exported before the first expiry
     assert value(samples, "kvtier_stats_age_seconds") == 0.25

@@ -26,6 +26,12 @@ def redis_server(tmp_path: Path) -> Iterator[object]:
     srv.stop()
 
 
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    """The remote tier secret the daemons of a test share."""
+    return rs.secret_file(tmp_path / "remote.secret")
+
+
 def wait_for(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -40,10 +46,11 @@ def store_until_in_redis(client: Client, hashes: list[bytes], data: list[bytes],
     wait_for(lambda: client.lookup(hashes[:head]) == ["remote"] * head, 10.0, "the evicted blocks to reach Redis")
 
 
-def test_block_stored_through_daemon_a_restores_byte_exact_through_daemon_b(kvtierd_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_block_stored_through_daemon_a_restores_byte_exact_through_daemon_b(kvtierd_factory, redis_server, secret) -> None:  # type: ignore[no-untyped-def]
     # Four GPU blocks and four CPU blocks per daemon: 12 stored blocks push the
     # first four out of A's CPU tier, which writes them back to Redis.
-    flags = dict(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, remote_url=redis_server.url)
+    flags = dict(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, remote_url=redis_server.url,
+                 remote_secret_key_file=secret)
     a, b = kvtierd_factory(**flags), kvtierd_factory(**flags)
     data = [os.urandom(BLOCK_BYTES) for _ in range(12)]
     hashes = [bytes([7, i]) * 8 for i in range(12)]
@@ -60,8 +67,9 @@ def test_block_stored_through_daemon_a_restores_byte_exact_through_daemon_b(kvti
         assert cb.health()["remote"] == {"m/tp0": True}
 
 
-def test_remote_down_daemon_keeps_serving_and_recovers(kvtierd_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
-    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, remote_url=redis_server.url)
+def test_remote_down_daemon_keeps_serving_and_recovers(kvtierd_factory, redis_server, secret) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=4 * BLOCK_BYTES, remote_url=redis_server.url,
+                             remote_secret_key_file=secret)
     data = [os.urandom(BLOCK_BYTES) for _ in range(4)]
     hashes = [bytes([9, i]) * 8 for i in range(4)]
     with Client(daemon.endpoint, "m/tp0", LAYOUT) as c:
@@ -79,9 +87,10 @@ def test_remote_down_daemon_keeps_serving_and_recovers(kvtierd_factory, redis_se
             restarted.stop()
 
 
-def test_a_pinning_lookup_on_daemon_b_holds_what_only_redis_has(kvtierd_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_pinning_lookup_on_daemon_b_holds_what_only_redis_has(kvtierd_factory, redis_server, secret) -> None:  # type: ignore[no-untyped-def]
     # What the vLLM connector does: lookup(pin=True) at a request's arrival, restore later.
-    flags = dict(gpu_bytes=8 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES, remote_url=redis_server.url)
+    flags = dict(gpu_bytes=8 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES, remote_url=redis_server.url,
+                 remote_secret_key_file=secret)
     a, b = kvtierd_factory(**flags), kvtierd_factory(**flags)
     data = [os.urandom(BLOCK_BYTES) for _ in range(40)]
     hashes = [bytes([11, i]) * 8 for i in range(40)]

@@ -41,11 +41,12 @@ def pool(endpoint: str) -> dict[str, Any]:
 
 def test_a_prefix_computed_on_one_node_is_served_on_another_through_redis(
         tmp_path: Path, kvtierd_factory: Any, redis_server: Any) -> None:
-    # LRU on A, so that its oldest prompts are the ones in Redis only.
+    # LRU on A, so that its oldest prompts are the ones in Redis only. Both hold the one remote secret.
+    secret = rs.secret_file(tmp_path / "remote.secret")
     a = kvtierd_factory(gpu_bytes=8 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES, remote_url=redis_server.url,
-                        policy="lru", log_level="info")
+                        remote_secret_key_file=secret, policy="lru", log_level="info")
     b = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES, remote_url=redis_server.url,
-                        log_level="info")
+                        remote_secret_key_file=secret, log_level="info")
     prompts = [Conversations(60 + i, 1).prompt(0) for i in range(8)]  # 4 full blocks each: 32 > A's 24
     engine_a = Engine(tmp_path / "model", a.endpoint, tmp_path / "a.log")
     try:

@@ -36,7 +36,7 @@ def _random_layout(n: int) -> BlockLayout:
 
 
 def make_pool(url: str, *, gpu_blocks: int = 4, cpu_blocks: int = 4) -> TieredPool:
-    remote = RemoteTier(url, b"test-pool", BLOCK, FAST)
+    remote = RemoteTier(url, b"test-pool", BLOCK, FAST, secret=rs.SECRET)
     assert remote.wait_available(5.0)
     pool = TieredPool(PoolSpec("p", 16, BLOCK), cpu_blocks=cpu_blocks, transfer=ThreadTransferEngine(),
                       cpu_storage=BlockLayout.contiguous(cpu_blocks, BLOCK), clean_ahead_blocks=0, remote=remote)
@@ -100,7 +100,7 @@ def test_corrupt_remote_value_ends_the_prefix_never_a_wrong_block(server: object
     assert op.result["tiers"] == ["remote", "remote"]
     assert torch.equal(dst.slab()[:2], src.slab()[:2])
     assert torch.all(dst.slab()[2:] == 0x5A)
-    assert b.remote.stats()["remote_corrupt"] == 1
+    assert b.remote.stats()["remote_unauthentic"] == 1  # a flipped payload bit fails the MAC
     for p in (a, b):
         p.remote.close(2.0)
 

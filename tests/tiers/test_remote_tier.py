@@ -30,6 +30,7 @@ from kvtier.tiers.remote_tier import (
     RemoteTierSettings,
     make_pool_key,
 )
+from kvtier.tiers.remote_values import ValueMac
 
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 
@@ -101,9 +102,10 @@ def tiers() -> Iterator[list[RemoteTier]]:
 
 
 def make(tiers: list[RemoteTier], url: str, pool_key: bytes = b"pool-a", block_bytes: int = BLOCK,
-         admission: Admission | None = None, **settings: Any) -> RemoteTier:
+         admission: Admission | None = None, secret: bytes = rs.SECRET, **settings: Any) -> RemoteTier:
     """A tier with FAST settings, ``settings`` replacing some of them."""
-    t = RemoteTier(url, pool_key, block_bytes, dataclasses.replace(FAST, **settings), admission=admission)
+    t = RemoteTier(url, pool_key, block_bytes, dataclasses.replace(FAST, **settings), secret=secret,
+                   admission=admission)
     tiers.append(t)
     return t
 
@@ -135,7 +137,7 @@ def test_url_parsing() -> None:
 def test_pool_key_validation_and_make_pool_key() -> None:
     for bad in (b"", b"a:b", b"a*", b"{tag}", "str", b"x" * 129):
         with pytest.raises(RemoteTierError):
-            RemoteTier("redis://127.0.0.1:1/0", bad, BLOCK)  # type: ignore[arg-type]
+            RemoteTier("redis://127.0.0.1:1/0", bad, BLOCK, secret=rs.SECRET)  # type: ignore[arg-type]
     k1 = make_pool_key("llama-8b/tp0", 16, 131072, {"dtype": "bf16"}, "tenant-a")
     k2 = make_pool_key("llama-8b/tp0", 16, 131072, {"dtype": "bf16"}, "tenant-b")
     assert k1 != k2 and len(k1) == 32 and k1 == make_pool_key("llama-8b/tp0", 16, 131072, {"dtype": "bf16"}, "tenant-a")
@@ -160,7 +162,10 @@ def test_settings_defaults_and_validation() -> None:
         with pytest.raises(RemoteTierError, match=field):
             RemoteTierSettings(**kw)
     with pytest.raises(RemoteTierError, match="RemoteTierSettings"):
-        RemoteTier("redis://127.0.0.1:1/0", b"pool-a", BLOCK, {"timeout_s": 1.0})  # type: ignore[arg-type]
+        RemoteTier("redis://127.0.0.1:1/0", b"pool-a", BLOCK, {"timeout_s": 1.0}, secret=rs.SECRET)  # type: ignore[arg-type]
+    for secret in (b"", b"x" * 31, b"x" * 33, "x" * 32):
+        with pytest.raises(RemoteTierError, match="32 bytes"):
+            RemoteTier("redis://127.0.0.1:1/0", b"pool-a", BLOCK, secret=secret)  # type: ignore[arg-type]
 
 
 # ---- standalone --------------------------------------------------------------------------------
@@ -173,10 +178,12 @@ def test_round_trip_byte_exact(tiers: list[RemoteTier], redis_url: str, server: 
     put(t, hs, data)
     got = t.fetch(hs)
     assert all(g is not None and g.nbytes == BLOCK and bytes(g) == d for g, d in zip(got, data))
-    # The stored value is header + payload, under the documented key.
-    raw = server.client().get(b"kvtier:v1:pool-a:" + hs[0].hex().encode())
-    magic, version, length, digest = HEADER.unpack_from(raw)
-    assert (magic, version, length, digest) == (b"KVT1", 1, BLOCK, xxhash.xxh3_64_intdigest(data[0]))
+    # The stored value is header + payload, under the documented key, tagged for that key.
+    key = b"kvtier:v2:pool-a:" + hs[0].hex().encode()
+    raw = server.client().get(key)
+    magic, version, length, tag = HEADER.unpack_from(raw)
+    assert (magic, version, length, HEADER_BYTES) == (b"KVT1", 2, BLOCK, 32)
+    assert tag == ValueMac(rs.SECRET).tag(key, memoryview(data[0])) == t.encode_header(hs[0], data[0])[16:]
     assert raw[HEADER_BYTES:] == data[0]
     s = t.stats()
     assert s["remote_hits"] == 40 and s["bytes_fetched"] == 40 * BLOCK and s["bytes_written"] == 40 * BLOCK
@@ -246,11 +253,12 @@ def test_lookup_without_scripting_falls_back_to_pipeline(tiers: list[RemoteTier]
 def test_corruption_is_a_miss_never_a_wrong_block(tiers: list[RemoteTier], redis_url: str,
                                                   server: rs.RedisServer) -> None:
     t = make(tiers, redis_url)
-    hs, data = hashes(6, seed=2), blocks(6)
+    hs, data = hashes(7, seed=2), blocks(7)
     put(t, hs, data)
     r = server.client()
-    # 0: one payload byte flipped (checksum); 1: truncated; 2: bad magic; 3: newer format version;
-    # 4: header claims another length, value padded to look right; 5 untouched.
+    # 0: one payload byte flipped (the MAC); 1: truncated; 2: bad magic; 3: another format version;
+    # 4: header claims another length, value padded to look right; 5: the old format (v1: 24-byte
+    # header, unkeyed xxh3-64), its checksum right for its bytes and its size a block's; 6 untouched.
     v0 = bytearray(r.get(t.key(hs[0])))
     v0[HEADER_BYTES + 1234] ^= 0x40
     r.set(t.key(hs[0]), bytes(v0))
@@ -259,20 +267,82 @@ def test_corruption_is_a_miss_never_a_wrong_block(tiers: list[RemoteTier], redis
     v2[:4] = b"XXXX"
     r.set(t.key(hs[2]), bytes(v2))
     v3 = bytearray(r.get(t.key(hs[3])))
-    v3[4] = 2
+    v3[4] = 3
     r.set(t.key(hs[3]), bytes(v3))
     payload = data[4][:-8]
-    r.set(t.key(hs[4]), struct.pack("<4sBxxxQQ", b"KVT1", 1, len(payload), xxhash.xxh3_64_intdigest(payload))
-          + payload + b"\0" * 8)
+    r.set(t.key(hs[4]), t.encode_header(hs[4], payload) + payload + b"\0" * 8)
+    old = os.urandom(BLOCK + HEADER_BYTES - 24)
+    r.set(t.key(hs[5]), struct.pack("<4sBxxxQQ", b"KVT1", 1, len(old), xxhash.xxh3_64_intdigest(old)) + old)
     got = t.fetch(hs)
-    assert got[:5] == [None] * 5
-    assert got[5] is not None and bytes(got[5]) == data[5]
+    assert got[:6] == [None] * 6
+    assert got[6] is not None and bytes(got[6]) == data[6]
     s = t.stats()
-    assert s["remote_corrupt"] == 5 and s["remote_hits"] == 1 and s["remote_misses"] == 0
-    # Corrupt keys are deleted in the background, so they stop answering EXISTS.
+    assert (s["remote_corrupt"], s["remote_unauthentic"], s["remote_oversized"]) == (5, 1, 0)
+    assert s["remote_hits"] == 1 and s["remote_misses"] == 0
+    # Malformed values are deleted in the background, so they stop answering lookups; a value
+    # that only fails its MAC is left alone (a daemon with a wrong secret must not delete the
+    # fleet's blocks) and stays a miss.
     assert t.flush(5)
-    assert t.exists_prefix(hs[:1]) == 0
-    assert r.exists(t.key(hs[5])) == 1
+    assert [r.exists(t.key(h)) for h in hs] == [1, 0, 0, 0, 0, 0, 1]
+    assert t.fetch(hs[:1]) == [None] and t.stats()["remote_unauthentic"] == 2
+
+
+def test_a_value_is_served_only_under_its_own_key_pool_and_secret(tiers: list[RemoteTier], redis_url: str,
+                                                                 server: rs.RedisServer) -> None:
+    a = make(tiers, redis_url, pool_key=b"pool-a")
+    b = make(tiers, redis_url, pool_key=b"pool-b")
+    other_secret = make(tiers, redis_url, pool_key=b"pool-a", secret=bytes(32))
+    hs, data = hashes(4, seed=17), blocks(4)
+    put(a, hs[:2], data[:2])
+    r = server.client()
+    value = r.get(a.key(hs[0]))
+    r.set(a.key(hs[1]), value)  # another block's key, same pool
+    r.set(a.key(hs[2]), value)  # a key nobody stored
+    r.set(b.key(hs[0]), value)  # the same block hash in another pool (another layout)
+    assert a.fetch(hs[1:3]) == [None, None]
+    assert b.fetch(hs[:1]) == [None]
+    # A daemon with another secret reads nothing of ours, and deletes nothing.
+    assert other_secret.exists_prefix(hs[:1]) == 1  # present, of a block's size ...
+    assert other_secret.fetch(hs[:1]) == [None]  # ... but not authentic
+    assert other_secret.flush(5) and r.exists(a.key(hs[0])) == 1
+    assert bytes(a.fetch(hs[:1])[0]) == data[0]
+    assert a.stats()["remote_unauthentic"] == 2 and b.stats()["remote_unauthentic"] == 1
+    assert other_secret.stats()["remote_unauthentic"] == 1
+    assert all(t.stats()["deletes_queued"] == 0 for t in (a, b, other_secret))
+
+
+def test_an_oversized_value_is_never_read(tiers: list[RemoteTier], redis_url: str, server: rs.RedisServer) -> None:
+    block = 4096
+    t = make(tiers, redis_url, pool_key=b"pool-big", block_bytes=block)
+    hs, data = hashes(4, seed=18), blocks(4, block)
+    put(t, hs, data)
+    r = server.client()
+    r.set(t.key(hs[1]), os.urandom(64 << 20))  # 64 MiB under a 4 KiB block's key
+    r.delete(t.key(hs[2]))
+    r.rpush(t.key(hs[2]), b"x")  # another type: WRONGTYPE for string commands
+    # Lookups stop at a value that is not a block's size, or not a string at all.
+    assert t.exists_prefix(hs) == 1
+    assert t.exists_prefix(hs[2:]) == 0 and t.exists_prefix(hs[3:]) == 1
+    sent_before = r.info("stats")["total_net_output_bytes"]
+    got = t.fetch(hs)
+    sent_bytes = r.info("stats")["total_net_output_bytes"] - sent_before
+    assert bytes(got[0]) == data[0] and got[1] is None and got[2] is None and bytes(got[3]) == data[3]
+    # The fetch asked for one byte past a block's value: the 64 MiB never crossed the wire.
+    assert sent_bytes < 4 * (block + HEADER_BYTES) + 64 * 1024, sent_bytes
+    s = t.stats()
+    assert s["remote_oversized"] == 1 and s["remote_errors"] == 1 and s["remote_hits"] == 2
+    assert t.flush(5) and r.exists(t.key(hs[1])) == 0  # deleted: it was never this pool's
+
+
+def test_lookups_without_scripting_check_sizes_too(tiers: list[RemoteTier], redis_url: str,
+                                                  server: rs.RedisServer) -> None:
+    server.client().acl_setuser("noscripts2", enabled=True, passwords=["+pw"], keys=["*"],
+                                commands=["+@all", "-@scripting"])
+    t = make(tiers, f"redis://noscripts2:pw@127.0.0.1:{server.port}/0", pool_key=b"pool-ns")
+    hs = hashes(3, seed=19)
+    put(t, hs, blocks(3))
+    server.client().append(t.key(hs[1]), b"!")
+    assert t.exists_prefix(hs) == 1 and not t._use_script
 
 
 def test_pool_key_isolation(tiers: list[RemoteTier], redis_url: str) -> None:
@@ -308,14 +378,14 @@ def test_admission_filter_and_ttl(tiers: list[RemoteTier], redis_url: str, serve
 
 
 def test_close_drains_the_queue(redis_url: str) -> None:
-    t = RemoteTier(redis_url, b"pool-a", BLOCK, FAST)
+    t = RemoteTier(redis_url, b"pool-a", BLOCK, FAST, secret=rs.SECRET)
     hs, data = hashes(50, seed=5), blocks(50)
     for h, d in zip(hs, data):
         t.write_back(h, d)
     assert t.close(timeout_s=5.0)
     assert t.stats()["writes_done"] == 50
     assert not t.write_back(hs[0], data[0])  # closed: dropped, counted
-    reader = RemoteTier(redis_url, b"pool-a", BLOCK, FAST)
+    reader = RemoteTier(redis_url, b"pool-a", BLOCK, FAST, secret=rs.SECRET)
     try:
         assert [bytes(g) for g in reader.fetch(hs)] == data
     finally:
@@ -435,7 +505,7 @@ def test_cluster_corruption_and_isolation(tiers: list[RemoteTier], cluster: rs.R
     finally:
         rc.close()
     got = a.fetch(hs)
-    assert got[3] is None and a.stats()["remote_corrupt"] == 1
+    assert got[3] is None and a.stats()["remote_unauthentic"] == 1
     assert all(bytes(g) == d for i, (g, d) in enumerate(zip(got, data)) if i != 3)
 
 

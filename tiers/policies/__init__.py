@@ -2,7 +2,7 @@
 
 Layout (imports point down this list, never up):
 
-- ``registry``  ``make_policy(name, capacity)``, ``DEFAULT_POLICY``, ``policy_names()``,
+- ``registry``  ``make_policy(name, capacity)``, ``check_policy_name(name)``, ``DEFAULT_POLICY``, ``policy_names()``,
                 the ``POLICIES``/``WRAPPERS`` tables; imports every policy module.
 - ``lru``, ``arc``, ``s3fifo``, ``chain``  one policy each; ``admit2``: the
                 ``+admit2`` admission wrapper; ``session``: the ``+session`` wrapper
@@ -40,9 +40,10 @@ from kvtier.tiers.policies.base import EvictionPolicy
 from kvtier.tiers.policies.names import DEFAULT_POLICY
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "WRAPPERS", "EvictionPolicy", "PolicyFactory", "WrapperFactory",
-           "make_policy", "policy_names"]
+           "check_policy_name", "make_policy", "policy_names"]
 
-_FROM_REGISTRY = frozenset({"POLICIES", "WRAPPERS", "PolicyFactory", "WrapperFactory", "make_policy", "policy_names"})
+_FROM_REGISTRY = frozenset({"POLICIES", "WRAPPERS", "PolicyFactory", "WrapperFactory", "check_policy_name", "make_policy",
+                            "policy_names"})
 
 
 def __getattr__(name: str) -> Any:

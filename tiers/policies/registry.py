@@ -21,8 +21,8 @@ from kvtier.tiers.policies.names import DEFAULT_POLICY
 from kvtier.tiers.policies.s3fifo import S3FIFOPolicy
 from kvtier.tiers.policies.session import SessionWrapper
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "WRAPPERS", "PolicyFactory", "WrapperFactory", "make_policy",
-           "policy_names"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "WRAPPERS", "PolicyFactory", "WrapperFactory", "check_policy_name",
+           "make_policy", "policy_names"]
 
 PolicyFactory = Callable[[int], EvictionPolicy]
 WrapperFactory = Callable[[EvictionPolicy], EvictionPolicy]
@@ -45,14 +45,32 @@ def policy_names() -> list[str]:
     return sorted(POLICIES) + [f"<policy>+{w}" for w in sorted(WRAPPERS)]
 
 
-def make_policy(spec: str, capacity_blocks: int) -> EvictionPolicy:
-    """Build a policy from a name like ``"lru"`` or ``"arc+admit2"``."""
+def check_policy_name(spec: str) -> None:
+    """Raise ``ValueError`` (saying what to write) unless ``spec`` names a policy ``make_policy`` builds.
+
+    A base policy, then wrappers after ``+``, each known and each at most
+    once: a wrapper wraps a policy that has no copy of it inside (a second
+    ``+session`` would track every stream twice, a second ``+admit2`` filter
+    twice). Builds nothing, so the daemon's configuration checks names
+    without allocating a policy.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"a policy name is a string such as 'lru', got {type(spec).__name__}")
     base, *wrappers = spec.split("+")
     if base not in POLICIES:
         raise ValueError(f"unknown eviction policy {base!r}; choose one of {', '.join(policy_names())}")
-    policy = POLICIES[base](capacity_blocks)
-    for wrapper in wrappers:
+    for i, wrapper in enumerate(wrappers):
         if wrapper not in WRAPPERS:
             raise ValueError(f"unknown policy wrapper {wrapper!r}; choose one of {', '.join(sorted(WRAPPERS))}")
+        if wrapper in wrappers[:i]:
+            raise ValueError(f"policy wrapper {wrapper!r} is named twice in {spec!r}; each wrapper at most once")
+
+
+def make_policy(spec: str, capacity_blocks: int) -> EvictionPolicy:
+    """Build a policy from a name like ``"lru"`` or ``"arc+admit2"`` (``check_policy_name``'s rules)."""
+    check_policy_name(spec)
+    base, *wrappers = spec.split("+")
+    policy = POLICIES[base](capacity_blocks)
+    for wrapper in wrappers:
         policy = WRAPPERS[wrapper](policy)
     return policy
