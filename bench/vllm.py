@@ -738,7 +738,7 @@ def sched_section(args: argparse.Namespace, daemon: KvtierDaemon) -> dict[str, A
     # and 64 distinct prompts x 32 blocks are stored inline in a moment.
     layout = PoolLayout(model="bench-vllm-sched", block_size=bs, block_bytes=bs * 2 * 1 * 8 * 2, dtype="bfloat16",
                         num_layers=1, kv_heads=1, head_dim=8, mode="store")
-    pool = PoolChoice(name="bench/vllm-sched/b128", layout=layout, layer_names=("layer0",), block_size=bs)
+    pool = PoolChoice.single("bench/vllm-sched/b128", layout, ("layer0",), bs)
     settings = ConnectorSettings.from_extra_config({"socket": daemon.endpoint})
     hasher = BlockHasher(bs, settings.hash_algo)
     ns = [int(x) for x in args.sched_reqs.split(",")]
