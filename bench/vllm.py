@@ -10,8 +10,8 @@ the end (SIGTERM, exit status checked).
 
 1. TTFT (time of ``llm.generate`` with ``max_tokens=1``, one request at a time) of a prompt made of a
    long shared prefix (default 4,096 tokens) and a short unique suffix (32 tokens), on a random-weight
-   Llama (``load_format="dummy"``, then ``kvtier.testing.vllm_weights.context_sensitive_weights``, so
-   the next token depends on the whole prefix's KV; default hidden 1024, 8 heads of 128, 2 KV heads (GQA), 4 layers,
+   Llama (a checkpoint written by ``kvtier.testing.vllm_weights.write_model``, so the next token
+   depends on the whole prefix's KV; default hidden 1024, 8 heads of 128, 2 KV heads (GQA), 4 layers,
    float32: a 4,096-token prefill costs ~10 s on this CPU, so a restore has a lot to beat, while the KV is
    8 KiB a token, 32 MiB for the prefix, so the copy is not free either; bfloat16 runs 4-25x slower on a
    CPU without AVX-512 BF16, as this one: 72 s for the prefix, 7.5 s for a prefix-cache hit). Cases:
@@ -346,7 +346,7 @@ def child_main(spec: dict[str, Any]) -> int:
     blocks_per_req = max_len // BLOCK_SIZE
     # 4 requests' worth: the prefix-cache engine keeps the prefix (LRU) while two salted recomputes
     # pass between two of its hits; the others need one request's worth. 1 MiB a block by default.
-    kw: dict[str, Any] = dict(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True,
+    kw: dict[str, Any] = dict(model=spec["model_dir"], skip_tokenizer_init=True,
                               max_model_len=max_len, max_num_batched_tokens=max_len, block_size=BLOCK_SIZE,
                               num_gpu_blocks_override=blocks_per_req * 4 + 1, enforce_eager=True,
                               seed=0, dtype=spec["dtype"])
@@ -378,11 +378,6 @@ def child_main(spec: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     startup_s = time.perf_counter() - t0
-    # vLLM's dummy weights make the next token depend on the last token only: "same token as the
-    # recompute" would then hold for any KV. Every engine gets the same context-sensitive weights.
-    from kvtier.testing.vllm_weights import context_sensitive_weights
-
-    llm.collective_rpc(context_sensitive_weights, args=(WEIGHT_SEED,))
     info = llm.collective_rpc(_install_trace, args=(connector,))[0]
     progress(f"{engine}: LLM started in {startup_s:.1f} s (engine core pid {info['pid']})")
     sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
@@ -534,8 +529,11 @@ class EngineProc:
 def ttft_section(args: argparse.Namespace, daemon: KvtierDaemon, workdir: Path, log_path: Path) -> dict[str, Any]:
     cfg = model_config(args)
     model_dir = workdir / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(cfg))
+    # Weights under which the next token depends on the whole prefix's KV (vLLM's dummy weights: on
+    # the last token only), so "same token as the recompute" can tell right KV from wrong.
+    from kvtier.testing.vllm_weights import write_model
+
+    write_model(model_dir, cfg, WEIGHT_SEED)
     rng = random.Random(args.seed)
     vocab = args.vocab
 
@@ -557,7 +555,7 @@ def ttft_section(args: argparse.Namespace, daemon: KvtierDaemon, workdir: Path, 
     base["example_dir"] = str(example_dir)
     hd = args.hidden // args.heads
     kv_bytes_per_token = args.layers * 2 * args.kv_heads * hd * (4 if args.dtype == "float32" else 2)
-    out: dict[str, Any] = {"model": cfg | {"parameters": parameters(cfg), "weights": f"load_format=dummy, then context_sensitive_weights(seed={WEIGHT_SEED})"},
+    out: dict[str, Any] = {"model": cfg | {"parameters": parameters(cfg), "weights": f"kvtier.testing.vllm_weights.write_model(seed={WEIGHT_SEED}), bfloat16 checkpoint"},
                            "kv_bytes_per_token": kv_bytes_per_token,
                            "prefix_kv_bytes": kv_bytes_per_token * args.prefix_tokens,
                            "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,

@@ -19,7 +19,7 @@ One run, on this machine: the bench starts one kvtierd (``--device cpu``,
 store mode) and, per case and round, a fresh vLLM engine as its own child
 process (``--child``), one alive at a time, the case order reversed in odd
 rounds. Each engine: a random-weight Llama (the model of ``bench/vllm.py``:
-``load_format="dummy"``, then ``context_sensitive_weights``; float32,
+a checkpoint from ``kvtier.testing.vllm_weights.write_model``; float32,
 hidden 1024, 4 layers, 8 KiB of KV a token), vLLM's prefix caching off (the
 prefix is not in vLLM's own cache: it was evicted, or computed by another
 engine), ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``. The prefix is stored in kvtierd
@@ -148,13 +148,11 @@ def child_main(spec: dict[str, Any]) -> int:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from kvtier.testing.vllm_weights import context_sensitive_weights
-
     case = spec["case"]
     prefix = spec["prefix"]
     max_len = -(-(len(prefix) + BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE
     blocks = max_len // BLOCK_SIZE * 2 + spec["decoders"] * 2 + 1  # the arriving request, the decoders, spare
-    kw: dict[str, Any] = dict(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True,
+    kw: dict[str, Any] = dict(model=spec["model_dir"], skip_tokenizer_init=True,
                               max_model_len=max_len, max_num_batched_tokens=max_len, block_size=BLOCK_SIZE,
                               num_gpu_blocks_override=blocks, enforce_eager=True, seed=0, dtype="float32",
                               enable_prefix_caching=False)
@@ -165,7 +163,6 @@ def child_main(spec: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     startup_s = time.perf_counter() - t0
-    llm.collective_rpc(context_sensitive_weights, args=(WEIGHT_SEED,))
     connector = llm.collective_rpc(_install_trace, args=(case != "recompute",))[0]
     progress(f"{case}: LLM started in {startup_s:.1f} s")
     one = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
@@ -331,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     log_path = args.log or Path(tempfile.gettempdir()) / "kvtier-bench-vllm-busy.log"
     log_path.write_text("")
     model_dir = workdir / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(MODEL | {"max_position_embeddings": max(8192, 2 * args.prefix_tokens)}))
+    from kvtier.testing.vllm_weights import write_model
+
+    write_model(model_dir, MODEL | {"max_position_embeddings": max(8192, 2 * args.prefix_tokens)}, WEIGHT_SEED)
     suffixes = [toks(args.suffix_tokens) for _ in range(args.reps)]
     base = {"model_dir": str(model_dir), "prefix": toks(args.prefix_tokens), "warm_suffix": toks(args.suffix_tokens),
             "suffixes": suffixes, "warmup": toks(256), "decoders": args.decoders,
