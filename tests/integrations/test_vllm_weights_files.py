@@ -16,7 +16,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from kvtier.testing import vllm_weights as vw  # noqa: E402
 
-CONFIGS = {"llama": vw.llama_config(), "deepseek_v2": vw.deepseek_v2_config()}
+CONFIGS = {"llama": vw.llama_config(), "deepseek_v2": vw.deepseek_v2_config(), "gemma3": vw.gemma3_config()}
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
@@ -72,9 +72,22 @@ def test_write_update_changes_every_drawn_tensor_and_leaves_the_model(tmp_path: 
         assert torch.equal(new[name], t.to(torch.bfloat16)) == (t.std() == 0), name
 
 
+def test_gemma3_norms_carry_the_gains_as_gemma_stores_them() -> None:
+    recipe = vw.Recipe()
+    cfg = vw.gemma3_config()
+    assert cfg["layer_types"].count("sliding_attention") == 5 and cfg["layer_types"][5] == "full_attention"
+    t = vw.checkpoint(cfg, 0, recipe)
+    # Gemma's RMSNorm multiplies by 1 + weight.
+    assert torch.all(t["model.layers.0.self_attn.q_norm.weight"] == recipe.qk_gain - 1)
+    assert torch.all(t["model.layers.0.post_attention_layernorm.weight"] == recipe.value_gain - 1)
+    assert torch.all(t["model.layers.0.input_layernorm.weight"] == 0)
+    # The model scales the embedding by sqrt(hidden): stored 1/sqrt(hidden) of the recipe's.
+    assert t["model.embed_tokens.weight"].std().item() == pytest.approx(recipe.embed_std / 256 ** 0.5, rel=0.05)
+
+
 def test_configs_it_cannot_write_are_refused() -> None:
-    with pytest.raises(ValueError, match="cannot write a 'gemma3'"):
-        vw.tensor_specs({"model_type": "gemma3"})
+    with pytest.raises(ValueError, match="cannot write a 'mistral'"):
+        vw.tensor_specs({"model_type": "mistral"})
     with pytest.raises(ValueError, match="dense MLPs"):
         vw.tensor_specs(vw.deepseek_v2_config(first_k_dense_replace=1))
     with pytest.raises(ValueError, match="q_lora_rank"):

@@ -1,9 +1,9 @@
 """A vLLM engine in its own process, driven by the vLLM tests over stdin/stdout.
 
 ``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N] [--tp N] [--layers N]
-[--arch llama|deepseek_v2] [--block-size N] [--prompt-embeds] [--kv-events ENDPOINT]``
+[--arch llama|deepseek_v2|gemma3] [--block-size N] [--prompt-embeds] [--kv-events ENDPOINT]``
 writes the random-weight model (``kvtier.testing.vllm_weights``, seed 0: a
-Llama, or a DeepSeek-V2 with MLA) into DIR, starts ``vllm.LLM`` on it (with
+Llama, a DeepSeek-V2 with MLA, or a Gemma 3) into DIR, starts ``vllm.LLM`` on it (with
 KvtierConnector when ``--socket`` is given), prints ``@@ready``, then serves one JSON command
 per stdin line and answers each with one ``@@{json}`` line on stdout (vLLM's
 own logs share stdout; the prefix tells them apart):
@@ -87,11 +87,15 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (each rank's threads get their own cores)")
     ap.add_argument("--layers", type=int, default=2, help="the model's layers (hidden 256, 4 heads)")
-    ap.add_argument("--arch", choices=("llama", "deepseek_v2"), default="llama",
-                    help="llama (2 KV heads) or deepseek_v2 (MLA: kv_lora_rank 512 + rope 64)")
+    ap.add_argument("--arch", choices=("llama", "deepseek_v2", "gemma3"), default="llama",
+                    help="llama (2 KV heads), deepseek_v2 (MLA: kv_lora_rank 512 + rope 64) or gemma3 "
+                         "(5 sliding-window layers of 128 tokens to 1 full; vLLM runs it with kvtier only where "
+                         "the connector supports hybrid KV-cache groups)")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                     help="vLLM's block size in tokens (vLLM's CPU MLA backend forces 16)")
     ap.add_argument("--prompt-embeds", action="store_true", help="vLLM's enable_prompt_embeds")
+    ap.add_argument("--max-model-len", type=int,
+                    help="default: what --gpu-blocks hold less one block (a hybrid model needs more blocks a token)")
     ap.add_argument("--kv-events", metavar="ENDPOINT",
                     help="publish vLLM's KV cache events on this ZMQ endpoint (vLLM binds it)")
     args = ap.parse_args()
@@ -103,9 +107,17 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtier.testing.vllm_weights import deepseek_v2_config, llama_config, tensor_specs, write_model, write_update
+    from kvtier.testing.vllm_weights import (
+        deepseek_v2_config,
+        gemma3_config,
+        llama_config,
+        tensor_specs,
+        write_model,
+        write_update,
+    )
 
-    config = (llama_config if args.arch == "llama" else deepseek_v2_config)(num_hidden_layers=args.layers)
+    make_config = {"llama": llama_config, "deepseek_v2": deepseek_v2_config, "gemma3": gemma3_config}[args.arch]
+    config = make_config(num_hidden_layers=args.layers)
     write_model(args.model_dir, config, WEIGHT_SEED)
 
     kw: dict[str, Any] = {}
@@ -121,7 +133,8 @@ def main() -> None:
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events)
     if args.prompt_embeds:
         kw["enable_prompt_embeds"] = True
-    llm = LLM(model=args.model_dir, skip_tokenizer_init=True, max_model_len=(args.gpu_blocks - 1) * args.block_size,
+    llm = LLM(model=args.model_dir, skip_tokenizer_init=True,
+              max_model_len=args.max_model_len or (args.gpu_blocks - 1) * args.block_size,
               block_size=args.block_size, num_gpu_blocks_override=args.gpu_blocks, enforce_eager=True, seed=0,
               tensor_parallel_size=args.tp,
               disable_log_stats=False, **kw)
