@@ -56,7 +56,8 @@ class Engine:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._tail: deque[str] = deque(maxlen=60)
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -108,6 +109,7 @@ class Engine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        self._reader.join(10)  # it writes the engine's last lines into the log
         self._log.close()
 
 
