@@ -101,8 +101,9 @@ def kv_groups(kv_cache_config: KVCacheConfig) -> list[KvGroup]:
     out = [_group(i, g) for i, g in enumerate(groups)]
     sizes = {(g.block_size, g.block_bytes) for g in out}
     if len(sizes) > 1:
-        detail = ", ".join(f"group {g.index} ({g.describe()}, {len(g.layer_names)} layers): {g.block_bytes} bytes "
-                           f"per {g.block_size} tokens" for g in out)
+        detail = ", ".join(f"group {g.index} ({g.describe()}, {len(g.layer_names)} layer"
+                           f"{'' if len(g.layer_names) == 1 else 's'}): {g.block_bytes} bytes per {g.block_size} tokens"
+                           for g in out)
         raise UnsupportedLayout(
             "kvtier keeps an engine's KV-cache groups in one pool of one block size, and this model's groups "
             f"differ in bytes per block ({detail}); vLLM pads groups of fewer layers, which kvtier does not "

@@ -103,6 +103,10 @@ def main() -> None:
         # vLLM's CPU backend binds each rank's threads to a NUMA node; one node here, so by hand.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(args.tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's CPU backend reserves one more core for an engine with a KV connector: on 2 cores an engine
+    # with kvtier then computes on 2 OpenMP threads and one without on 1, whose other reduction order
+    # flips near-tied greedy tokens. The same reservation for every engine: the same arithmetic.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
