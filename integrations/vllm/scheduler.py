@@ -47,7 +47,9 @@ scheduler never waits on a round trip:
   A hybrid engine's loads always run beside the forward (``background``):
   vLLM takes a failed load of such an engine only as a failed request
   (``failed_recving``: it recomputes it), never as failed blocks, and only
-  for a request that waited for its load.
+  for a request that waited for its load. Where ``load_mode`` would have
+  loaded synchronously, the load is ``inline``: the worker runs it right
+  after the step's forward, and the request waits one engine step.
 - ``build_connector_meta`` hands the worker this step's loads, and the full
   blocks this step computes for every scheduled request that kvtierd did not
   hold (write-through: prompt and generated blocks alike), in every group
@@ -141,6 +143,7 @@ class _Tracked:
     held_blocks: int = 0  # the answer handed to the scheduler, in blocks
     asked: bool = False  # the scheduler asked about it since its lookup started
     background: bool = False  # the answer's load runs beside the forward (load_mode)
+    inline: bool = False  # ... but in the worker's start_load_kv, after the forward (a hybrid engine's sync choice)
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
     tiers: Sequence[str] = ()  # the lookup's answer: the tier of each block held
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
@@ -300,8 +303,11 @@ class SchedulerSide:
             except Exception:
                 t.held_blocks = 0
             tokens = max(0, t.held_blocks * self._bs - num_computed_tokens)
-            t.background = tokens > 0 and (self._loads_in_background
-                                           or self._load_mode.background(-(-tokens // self._bs)))
+            background = tokens > 0 and self._load_mode.background(-(-tokens // self._bs))
+            # A hybrid engine loads in the background always; where load_mode chose a synchronous load, the
+            # worker runs it right after the step's forward (inline), so the request waits one step, not more.
+            t.inline = tokens > 0 and self._loads_in_background and not background
+            t.background = background or t.inline
             return tokens, t.background
         finally:
             self.calls_s += time.perf_counter() - t0
@@ -328,7 +334,7 @@ class SchedulerSide:
             sel = [i for i in range(start, end) if ids[i] != null]
             if sel:
                 self._loads.append(BlockTransfer([keys[i] for i in sel], [ids[i] for i in sel], request.request_id,
-                                                 background=t.background, group=g.index))
+                                                 background=t.background, group=g.index, inline=t.inline))
                 loading.update(keys[i] for i in sel)
         # Pins of blocks not loaded (past the hit, windows tried and not taken) go now; the rest once loaded.
         self._unpin(t.tag, [k for k in pinned if k not in loading])

@@ -30,6 +30,7 @@ class BlockTransfer:
     hints: Hints | None = None  # the request's (stores only)
     background: bool = False  # loads: vLLM runs steps without the request until the worker reports it loaded
     group: int = 0  # vLLM's KV-cache group whose block ids these are
+    inline: bool = False  # a background load the worker runs in start_load_kv, after the forward (no thread)
 
 
 @dataclass

@@ -22,6 +22,10 @@ session on the rank's pool.
   by ``get_block_ids_with_load_errors``, no later than the step whose
   ``get_finished`` reports the request, and vLLM recomputes them (the
   scheduler half sets vLLM's ``kv_load_failure_policy`` to ``recompute``).
+  A background load marked ``inline`` (the scheduler half's choice where a
+  synchronous load would have been right) runs in ``start_load_kv`` itself,
+  which vLLM calls after the step's forward when it has no synchronous load,
+  and is reported as any background load is.
   A hybrid engine's (several KV-cache groups) are reported by request
   instead, with the request (``take_failed`` after ``get_finished``: vLLM's
   ``failed_recving``), since vLLM takes no failed block ids from such an
@@ -137,7 +141,13 @@ class WorkerSide:
             if failed:
                 log.info("kvtier: %d of %d blocks to load were not restored; vLLM recomputes them",
                          failed, sum(len(x.keys) for x in now))
-        later = [load for load in meta.loads if load.background]
+        inline = [load for load in meta.loads if load.background and load.inline]
+        if inline:
+            # Reported as a background load is (get_finished; a hybrid engine's failures per request), but
+            # restored now, after this step's forward: the engine had nothing else to run, so no thread
+            # hand-off and no empty engine steps spinning beside the copy.
+            self._load_in_background(inline, self._stores.submit(lambda: None))
+        later = [load for load in meta.loads if load.background and not load.inline]
         if later:
             # Done once every store queued so far is (one thread, in order).
             stores_before = self._stores.submit(lambda: None)

@@ -245,7 +245,8 @@ def test_the_scheduler_loads_and_stores_each_groups_blocks_and_never_a_null_bloc
         loads = {t.group: t for t in meta.loads}
         assert loads[1].block_ids == [13, 14, 15, 16, 17, 18] and loads[1].keys == keys.of_group(groups[1].domain, 8)[2:]
         assert loads[0].block_ids == [31, 32, 33] and loads[0].keys == keys.of_group(groups[0].domain, 8)[5:]
-        assert all(t.background for t in meta.loads)
+        # An idle engine: where a sync load would be right, the worker restores inline, right after the forward.
+        assert all(t.background and t.inline for t in meta.loads)
         # Pinned: what is loaded, no more (blocks 0-1 of the full group, which vLLM holds, went).
         deadline = time.monotonic() + 5
         while client.stats()["pools"][pool.name]["pinned_blocks"] != 9 and time.monotonic() < deadline:
@@ -339,6 +340,24 @@ def test_each_groups_blocks_are_stored_and_restored_byte_exact_from_its_own_bloc
         BlockTransfer(other.of_group(pool.groups[0].domain, 3)[2:], [9], "r3", background=True, group=0)]))
     assert _wait_finished(w2) == ({"r3"}, {"r3"}, set())
     w2.shutdown()
+
+
+def test_an_inline_load_is_restored_in_start_load_kv_and_reported_at_once(kvtierd_factory: Callable[..., Any]) -> None:
+    daemon = kvtierd_factory(gpu_bytes=1 << 20, cpu_bytes=4 << 20)
+    pool = choose_pool(_vllm_config(), gemma_like(), model_id="gemma-inline", hash_algo="xxh3_128", tp_rank=0)  # type: ignore[arg-type]
+    keys = RequestKeys(BlockHasher(BS), FakeRequest("r", list(range(2 * BS + 1))))  # type: ignore[arg-type]
+    raw, kv = _overlaid("cpu", 3, 6)
+    w = _worker(daemon.endpoint, pool)
+    w.register_kv_caches(kv)
+    full = pool.groups[5]
+    w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys.of_group(full.domain, 2), [1, 2], "r", group=5)]))
+    view = raw.view(NUM_BLOCKS, -1)
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys.of_group(full.domain, 2), [8, 9], "r2", background=True,
+                                                       inline=True, group=5)]))
+    # No thread: done when start_load_kv returns, after the store it waited for; reported by this step's call.
+    assert w.get_finished() == {"r2"} and w.take_failed() == set()
+    assert torch.equal(view[8], view[1]) and torch.equal(view[9], view[2])
+    w.shutdown()
 
 
 @pytest.mark.parametrize("device", DEVICES)
