@@ -28,7 +28,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 from kvtier.client.client import Client  # noqa: E402
@@ -115,6 +117,14 @@ def test_a_gemma_like_engine_keeps_every_group_in_one_pool_under_its_own_keys() 
     ([(["m.0"], ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM,
                                            dtype=torch.bfloat16, attention_chunk_size=64)), (["m.1"], _full())],
      "group 0 (ChunkedLocalAttentionSpec, layers m.0): kvtier cannot hold chunked local attention"),
+    ([(["m.0"], SlidingWindowMLASpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                                      sliding_window=128, max_tp_shards=1))],
+     "group 0 (SlidingWindowMLASpec, layers m.0): kvtier cannot hold sliding-window MLA"),
+    ([(["m.0", "m.0.indexer"], UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs={
+        "m.0": MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, max_tp_shards=1),
+        "m.0.indexer": MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=132, dtype=torch.uint8,
+                                        max_tp_shards=1)}))],
+     "group 0 (UniformTypeKVCacheSpecs, layers m.0, m.0.indexer): kvtier cannot hold layers of one attention type"),
     # vLLM pads the last group of a type: groups of unequal layer counts differ in bytes per block.
     ([(["m.0", "m.2"], _swa()), (["m.1"], _swa()), (["m.3", "m.4"], _full())],
      "differ in bytes per block (group 0 (swa40, 2 layers): 2048 bytes per 16 tokens, group 1 (swa40, 1 layer): 1024"),
