@@ -74,6 +74,8 @@ def _run(engine: Engine) -> list[list[int]]:
     return outs
 
 
+# Three engine starts (TP=1, then TP=2 twice) in one test: ~300 s on an idle 2-core VM, over 300 s under load.
+@pytest.mark.timeout(900)
 def test_tp2_answers_as_without_kvtier_and_stores_one_copy_no_more_than_tp1(lab: dict[str, Any]) -> None:
     d1, d2 = lab["daemons"]
     kv1 = lab["start"]("kv-tp1", d1.endpoint, 1)
