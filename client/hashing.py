@@ -75,6 +75,20 @@ splits unambiguously. ``extra`` is encoded canonically:
 
 Example: a block with no LoRA, no multimodal item and no salt has
 ``extra = 93 c0 90 c0``.
+
+Derived keys
+============
+
+One prefix may have several kinds of KV: a hybrid model's KV-cache groups
+(full-attention layers, sliding-window layers) each hold their own bytes
+for the same tokens. ``BlockHasher.derive(keys, domain)`` gives the keys of
+the same blocks in ``domain`` (non-empty bytes naming the kind), so that
+kinds never share a key::
+
+    derived = H(DERIVE_TAG || u32le(len(domain)) || domain || key)
+
+with ``DERIVE_TAG = b"kvtier/derived-key/v1"`` and ``H`` the pool's. A
+derived key names a whole prefix as its key does.
 """
 
 from __future__ import annotations
@@ -104,6 +118,7 @@ HASH_BYTES = 16
 HASH_ALGOS = ("xxh3_128", "sha256")
 ENCODING_VERSION = 1
 ROOT_TAG = b"kvtier/block-hash/v1"
+DERIVE_TAG = b"kvtier/derived-key/v1"
 
 # Explicit byte order: numpy's native int64 is big-endian on s390x and friends,
 # and the keys must not depend on the host.
@@ -352,6 +367,15 @@ class BlockHasher:
                 )
             )
         )
+
+    def derive(self, keys: Sequence[bytes], domain: bytes) -> list[bytes]:
+        """The keys of the same blocks in ``domain`` (see "Derived keys"); ValueError for an empty domain."""
+        domain = _as_bytes(domain, "domain")
+        if not domain:
+            raise ValueError("domain must not be empty: the keys of no domain are the keys themselves")
+        prefix = DERIVE_TAG + struct.pack("<I", len(domain)) + domain
+        digest = self._digest
+        return [digest(prefix + _norm_parent(k)) for k in keys]  # type: ignore[operator]
 
     def hash_blocks(
         self,

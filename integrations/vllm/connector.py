@@ -21,7 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
@@ -49,7 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.integrations.vllm")
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV-cache manager (``SupportsHMA``): every KV-cache group is looked up, stored and
+    restored with its own block ids (``groups.py``), so vLLM keeps it on with this connector."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
@@ -63,6 +68,11 @@ class KvtierConnector(KVConnectorBase_V1):
             # Lookups and pins go to rank 0's pool; each rank restores from its own.
             pool = choose_pool(vllm_config, kv_cache_config, model_id=settings.model_id,
                                hash_algo=settings.hash_algo, tp_rank=0)
+            log.info("kvtier: pool %s: %d KV-cache group%s (%s), %d bytes per block of %d tokens%s", pool.name,
+                     len(pool.groups), "s" if pool.hybrid else "", ", ".join(g.describe() for g in pool.groups),
+                     pool.layout.block_bytes, pool.block_size,
+                     f"; one copy for {pool.replicas} TP ranks (rank 0 stores, every rank loads)"
+                     if pool.replicas > 1 else "")
             events = vllm_config.kv_events_config
             # vLLM's final config: where it cannot compute on a prefix, nothing is loaded (prefix_support.py).
             self._scheduler = SchedulerSide(settings, pool,
@@ -111,6 +121,11 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         received = self._w().get_finished()  # background loads that ran; no request waits on a store
         return None, received or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        received = self._w().get_finished()
+        # A hybrid engine's failed loads, by request: vLLM recomputes those requests (it takes no block ids).
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=self._w().take_failed())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().get_block_ids_with_load_errors()
@@ -170,6 +185,11 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._s().get_external_cache_hit_sources(request, num_external_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's call for a SupportsHMA connector, one or many groups: blocks may go now, as request_finished says.
         return self._s().request_finished(request)
 
     def take_events(self) -> Iterable[KVCacheEvent]:

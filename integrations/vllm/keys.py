@@ -8,6 +8,11 @@ multimodal items (vLLM's content identifier and placeholder range) and its
 process: two vLLM processes, a restarted one, or another node compute the
 same keys for the same prefix, which is what lets them share kvtierd.
 
+A hybrid model's KV-cache groups each hold their own bytes for the same
+tokens: a group's keys are the request's keys derived with the group's
+domain (``BlockHasher.derive``, ``groups.KvGroup.domain``), so groups never
+share a key; an engine of one group uses the request's keys as they are.
+
 After ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``,
 e.g. after a weight update) the engine's keys also carry an epoch: 16 random
 bytes folded into block 0's salt, so no key from before the reset is ever
@@ -27,13 +32,14 @@ if TYPE_CHECKING:
 class RequestKeys:
     """The keys of one request's full blocks, hashed on demand and kept."""
 
-    __slots__ = ("_hasher", "_request", "_keys", "_extra")
+    __slots__ = ("_hasher", "_request", "_keys", "_extra", "_derived")
 
     def __init__(self, hasher: BlockHasher, request: Request, epoch: bytes | None = None) -> None:
         self._hasher = hasher
         self._request = request
         self._keys: list[bytes] = []
         self._extra = _extra_keys(request, epoch)
+        self._derived: dict[bytes, list[bytes]] = {}  # domain -> keys of that group, as far as derived
 
     def upto(self, num_blocks: int) -> list[bytes]:
         """Keys of blocks ``[0, num_blocks)``; fewer when the request has fewer full blocks."""
@@ -44,6 +50,16 @@ class RequestKeys:
             parent = self._keys[-1] if have else None
             self._keys += self._hasher.hash_blocks(tokens, parent=parent, start_block=have, **self._extra)
         return self._keys[:num_blocks]
+
+    def of_group(self, domain: bytes, num_blocks: int) -> list[bytes]:
+        """Keys of blocks ``[0, num_blocks)`` in the KV-cache group of ``domain`` (b"": ``upto``)."""
+        if not domain:
+            return self.upto(num_blocks)
+        keys = self._derived.setdefault(domain, [])
+        if num_blocks > len(keys):
+            base = self.upto(num_blocks)
+            keys += self._hasher.derive(base[len(keys):], domain)
+        return keys[:num_blocks]
 
 
 EPOCH_SALT_PREFIX = b"kvtier-epoch:"

@@ -4,9 +4,17 @@ Contract
 ========
 
 A plane has ``connect(client)`` (run on every new session: register or
-attach), ``restore(client, keys, block_ids) -> int`` (blocks written into
-vLLM's slots, a prefix of ``keys``) and ``store(client, keys, block_ids)``.
-Both raise the client's errors; ``DaemonLink`` turns those into misses.
+attach), ``restore(client, keys, block_ids, group) -> int`` (blocks written
+into vLLM's slots, a prefix of ``keys``) and ``store(client, keys,
+block_ids, hints, group)``. Both raise the client's errors; ``DaemonLink``
+turns those into misses.
+
+A plane is made over vLLM's KV tensors group by group (``tensors`` maps
+vLLM's KV-cache group id to its layers' tensors, in block byte order): a
+block id names memory in one group's layers at a time (vLLM's groups
+overlay one allocation), so each group is a registration of its own
+(``vllm-kv`` for an engine of one group, ``vllm-kv-g<id>`` otherwise), or
+a block layout of its own in the staged arena.
 
 - ``RegisteredPlane``: vLLM's KV tensors are registered with kvtierd once
   (CUDA IPC on a GPU; on a CPU-only machine their storage is first moved
@@ -29,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvtier.client.client import Client
@@ -67,41 +75,56 @@ class Plane(Protocol):
 
     def connect(self, client: Client) -> None: ...
 
-    def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int: ...
+    def restore(self, client: Client, keys: list[bytes], block_ids: list[int], group: int = 0) -> int: ...
 
-    def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None) -> None: ...
+    def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None,
+              group: int = 0) -> None: ...
+
+
+GroupTensors = Mapping[int, Sequence["torch.Tensor"]]  # vLLM group id -> its layers' KV tensors
+GroupDims = Mapping[int, Sequence[int]]  # vLLM group id -> the block dimension of each tensor
+
+
+def registration_name(group: int, groups: int) -> str:
+    """The registration of one group's tensors in kvtierd."""
+    return REGISTRATION if groups == 1 else f"{REGISTRATION}-g{group}"
 
 
 class RegisteredPlane:
     name = "registered"
 
-    def __init__(self, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], deadline: CopyDeadline) -> None:
+    def __init__(self, tensors: GroupTensors, block_dims: GroupDims, deadline: CopyDeadline) -> None:
         self._deadline = deadline
-        self._tensors = list(tensors)
-        self._dims = list(block_dims)
-        if self._tensors[0].device.type == "cpu":
-            share_kv_in_place(self._tensors)
-        export_kv(self._tensors, self._dims)  # refuses what cannot be shared, before any daemon sees it
+        self._tensors = {g: list(ts) for g, ts in tensors.items()}
+        self._dims = {g: list(block_dims[g]) for g in tensors}
+        self._names = {g: registration_name(g, len(tensors)) for g in tensors}
+        every = [t for ts in self._tensors.values() for t in ts]
+        if every[0].device.type == "cpu":
+            share_kv_in_place(every)  # a storage the groups share moves once; every view follows
+        for g, ts in self._tensors.items():
+            export_kv(ts, self._dims[g])  # refuses what cannot be shared, before any daemon sees it
 
     def connect(self, client: Client) -> None:
-        client.register_kv(REGISTRATION, self._tensors, self._dims)
+        for g, ts in self._tensors.items():
+            client.register_kv(self._names[g], ts, self._dims[g])
 
-    def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int:
-        return len(client.restore(keys, slots=block_ids, reg=REGISTRATION, timeout_s=self._deadline(len(keys))))
+    def restore(self, client: Client, keys: list[bytes], block_ids: list[int], group: int = 0) -> int:
+        return len(client.restore(keys, slots=block_ids, reg=self._names[group], timeout_s=self._deadline(len(keys))))
 
-    def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None) -> None:
-        client.store(keys, slots=block_ids, reg=REGISTRATION, hints=hints, timeout_s=self._deadline(len(keys)))
+    def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None,
+              group: int = 0) -> None:
+        client.store(keys, slots=block_ids, reg=self._names[group], hints=hints, timeout_s=self._deadline(len(keys)))
 
 
 class StagedPlane:
     name = "staged"
 
-    def __init__(self, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int,
+    def __init__(self, tensors: GroupTensors, block_dims: GroupDims, staging_blocks: int,
                  deadline: CopyDeadline) -> None:
         self._deadline = deadline
-        self._engine = BlockLayout(list(tensors), list(block_dims))
+        self._engines = {g: BlockLayout(list(ts), list(block_dims[g])) for g, ts in tensors.items()}
         self._slots = staging_blocks
-        _check_arena_fits(staging_blocks, self._engine.block_bytes)
+        _check_arena_fits(staging_blocks, max(e.block_bytes for e in self._engines.values()))
         self._arena: BlockLayout | None = None
         # A restore and a store must not share the arena's slots, nor a reconnect swap the arena under them.
         self._arena_lock = threading.RLock()
@@ -120,32 +143,34 @@ class StagedPlane:
             self._arena = BlockLayout.from_buffer(arena.buffer, arena.num_slots, arena.slot_bytes)
         return self._arena
 
-    def restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int:
+    def restore(self, client: Client, keys: list[bytes], block_ids: list[int], group: int = 0) -> int:
         with self._arena_lock:
-            return self._restore(client, keys, block_ids)
+            return self._restore(client, keys, block_ids, self._engines[group])
 
-    def _restore(self, client: Client, keys: list[bytes], block_ids: list[int]) -> int:
+    def _restore(self, client: Client, keys: list[bytes], block_ids: list[int], engine: BlockLayout) -> int:
         arena = self._arena_of(client)
         done = 0
         for lo in range(0, len(keys), self._slots):
             chunk = keys[lo: lo + self._slots]
             got = len(client.restore(chunk, slots=list(range(len(chunk))), timeout_s=self._deadline(len(chunk))))
-            copy_host_blocks(arena, list(range(got)), self._engine, block_ids[lo: lo + got])
+            copy_host_blocks(arena, list(range(got)), engine, block_ids[lo: lo + got])
             done += got
             if got < len(chunk):
                 break
         return done
 
-    def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None) -> None:
+    def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None,
+              group: int = 0) -> None:
         with self._arena_lock:
-            self._store(client, keys, block_ids, hints)
+            self._store(client, keys, block_ids, hints, self._engines[group])
 
-    def _store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None) -> None:
+    def _store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None,
+               engine: BlockLayout) -> None:
         arena = self._arena_of(client)
         for lo in range(0, len(keys), self._slots):
             chunk = keys[lo: lo + self._slots]
             slots = list(range(len(chunk)))
-            copy_host_blocks(self._engine, block_ids[lo: lo + len(chunk)], arena, slots)
+            copy_host_blocks(engine, block_ids[lo: lo + len(chunk)], arena, slots)
             client.store(chunk, slots=slots, hints=hints, timeout_s=self._deadline(len(chunk)))
 
 
@@ -160,7 +185,7 @@ def _check_arena_fits(staging_blocks: int, block_bytes: int) -> None:
                          f"free in {SHM_DIR}: lower staging_blocks (loads and stores go in chunks of that many)")
 
 
-def make_plane(choice: str, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int,
+def make_plane(choice: str, tensors: GroupTensors, block_dims: GroupDims, staging_blocks: int,
                deadline: CopyDeadline) -> Plane:
     if choice in ("auto", "registered"):
         try:

@@ -16,7 +16,11 @@ scheduler never waits on a round trip:
   lookup queued since its last round trip in one pipelined batch
   (``Client.lookup_many``), so a burst of arrivals costs one round trip, not
   one each. The blocks found stay pinned in kvtierd, bound to this engine's
-  session lease.
+  session lease. With vLLM's hybrid KV-cache manager (several KV-cache
+  groups: ``groups.py``), the hit is the prefix every group can serve by
+  vLLM's rules, and only the blocks it needs are looked up and pinned
+  (``hits.py``: a sliding-window group's window at the hit's end; one more
+  round trip).
 - ``get_num_new_matched_tokens`` answers from that lookup: ``None`` ("ask me
   again") while it is in flight, then the tokens kvtierd holds beyond vLLM's
   own hit, block-aligned and always leaving the last prompt token to compute.
@@ -36,11 +40,22 @@ scheduler never waits on a round trip:
   stall under a sync load (the measured restore rate times the blocks,
   times the requests running) or the request's own extra steps under an
   async one.
-- ``update_state_after_alloc`` turns an answer into a load (keys + vLLM block
-  ids) for the next ``build_connector_meta``; pins of blocks not loaded go.
+- ``update_state_after_alloc`` turns an answer into loads (keys + vLLM block
+  ids, one per group) for the next ``build_connector_meta``: the blocks
+  vLLM allocated for the hit in each group, skipping the null blocks vLLM
+  puts where a sliding window does not reach; pins of blocks not loaded go.
+  A hybrid engine's loads always run beside the forward (``background``):
+  vLLM takes a failed load of such an engine only as a failed request
+  (``failed_recving``: it recomputes it), never as failed blocks, and only
+  for a request that waited for its load. Where ``load_mode`` would have
+  loaded synchronously, the load is ``inline``: the worker runs it right
+  after the step's forward, and the request waits one engine step.
 - ``build_connector_meta`` hands the worker this step's loads, and the full
   blocks this step computes for every scheduled request that kvtierd did not
-  hold (write-through: prompt and generated blocks alike).
+  hold (write-through: prompt and generated blocks alike), in every group
+  (a sliding-window group's blocks too: a later hit may end anywhere).
+  Where ranks share one copy of the KV (``PoolChoice.stores``), only the
+  storing rank's worker copies them.
 - A request's hints (session, retain_s, priority: ``hints.py`` says how a
   vLLM user sets them) go with its lookup and its stores; its stores also
   carry the tokens it generated so far (``output_tokens``), which a
@@ -96,6 +111,7 @@ from kvtier.client.hashing import BlockHasher
 from kvtier.client.protocol import MAX_STR_LEN, Hints, KvtierError
 from kvtier.integrations.vllm.background import Background
 from kvtier.integrations.vllm.hints import hints_of
+from kvtier.integrations.vllm.hits import HitQuery, find_hits
 from kvtier.integrations.vllm.keys import RequestKeys
 from kvtier.integrations.vllm.kv_events import KvEvents
 from kvtier.integrations.vllm.link import DaemonLink
@@ -127,6 +143,7 @@ class _Tracked:
     held_blocks: int = 0  # the answer handed to the scheduler, in blocks
     asked: bool = False  # the scheduler asked about it since its lookup started
     background: bool = False  # the answer's load runs beside the forward (load_mode)
+    inline: bool = False  # ... but in the worker's start_load_kv, after the forward (a hybrid engine's sync choice)
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
     tiers: Sequence[str] = ()  # the lookup's answer: the tier of each block held
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
@@ -155,6 +172,12 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, pool: PoolChoice, *, kv_events: bool = False,
                  support: PrefixSupport = SUPPORTED) -> None:
         self._bs = pool.block_size
+        self._groups = pool.groups
+        # The first full-attention group stands for the prefix (events, hit sources); a pool always has a group.
+        self._ref = next((g for g in pool.groups if not g.is_window), pool.groups[0])
+        # vLLM takes a hybrid engine's failed loads per request, from background loads only (see the contract).
+        self._loads_in_background = pool.hybrid
+        self._null_block_id: int | None = None  # vLLM's null block, read from its block pool when first needed
         self._support = support
         self._refusals_logged: set[str] = set()  # request_support's reasons, each logged once
         if support != SUPPORTED:
@@ -223,34 +246,29 @@ class SchedulerSide:
             self._jobs.submit(self._flush_lookups)
 
     def _flush_lookups(self) -> None:
-        """Every lookup queued since the last flush, in one pipelined round trip."""
+        """Every lookup queued since the last flush, in one pipelined round trip (hybrid: one per round)."""
         with self._batch_lock:
             batch, self._batch = self._batch, []
         self._release_unreleased()
         with self._reset_lock:
-            keys = [t.keys.upto(max_blocks) for t, max_blocks, _ in batch]
-        hints = [t.hints for t, _, _ in batch]
-        tags = [t.tag for t, _, _ in batch]
-        # None: the batch's answers were lost (a timeout, a restart); what the daemon pinned
-        # for it is released with each request's tag when it ends.
-        answers = self._link.call(lambda c: c.lookup_many(keys, pin=True, hints=hints, pin_tags=tags))
-        refused = [a for a in answers or () if isinstance(a, KvtierError)]
+            # The keys as of now: reset_cache may re-key a request while its lookup is out.
+            queries = [HitQuery(t.keys.of_group, max_blocks, t.hints, t.tag) for t, max_blocks, _ in batch]
+        hits = find_hits(self._link.call, self._groups, queries)
+        refused = [r for h in hits for r in h.refusals]
         if refused:
-            self._log_refusals(len(refused), len(batch), refused[0])
+            self._log_refusals(sum(1 for h in hits if h.refusals), len(batch), refused[0])
         stale: list[tuple[str, list[bytes]]] = []
-        for i, (t, _, fut) in enumerate(batch):
-            answer = answers[i] if answers else ()
-            tiers: Sequence[str] = () if isinstance(answer, KvtierError) else answer
-            held = len(tiers)
-            if held or answers is None:
+        for (t, _, fut), q, hit in zip(batch, queries, hits):
+            held = hit.blocks
+            if hit.pinned or hit.lost:
                 t.may_hold_pins = True
             with self._reset_lock:
                 current = t.lookup is fut  # else reset_cache replaced it while this one was out
                 if current:
-                    t.pinned, t.tiers = keys[i][:held], tiers
+                    t.pinned, t.tiers = hit.pinned, hit.tiers
             if not current:
-                if held:
-                    stale.append((tags[i], keys[i][:held]))
+                if hit.pinned:
+                    stale.append((q.tag, hit.pinned))
                 held = 0
             fut.set_result(held)
         if stale:
@@ -285,7 +303,11 @@ class SchedulerSide:
             except Exception:
                 t.held_blocks = 0
             tokens = max(0, t.held_blocks * self._bs - num_computed_tokens)
-            t.background = tokens > 0 and self._load_mode.background(-(-tokens // self._bs))
+            background = tokens > 0 and self._load_mode.background(-(-tokens // self._bs))
+            # A hybrid engine loads in the background always; where load_mode chose a synchronous load, the
+            # worker runs it right after the step's forward (inline), so the request waits one step, not more.
+            t.inline = tokens > 0 and self._loads_in_background and not background
+            t.background = background or t.inline
             return tokens, t.background
         finally:
             self.calls_s += time.perf_counter() - t0
@@ -303,13 +325,22 @@ class SchedulerSide:
             return
         end = t.held_blocks
         start = end - num_external_tokens // self._bs
-        block_ids = blocks.get_block_ids()[0]
-        keys = t.keys.upto(end)
-        self._loads.append(BlockTransfer(keys[start:end], list(block_ids[start:end]), request.request_id,
-                                         background=t.background))
-        self._load_pins[request.request_id] = (t.tag, pinned)
+        ids_by_group = blocks.get_block_ids()
+        null = self._null_id()
+        loading: set[bytes] = set()
+        for g in self._groups:
+            ids, keys = ids_by_group[g.index], t.keys.of_group(g.domain, end)
+            # Every block vLLM allocated for the hit (not its null block: outside a sliding window).
+            sel = [i for i in range(start, end) if ids[i] != null]
+            if sel:
+                self._loads.append(BlockTransfer([keys[i] for i in sel], [ids[i] for i in sel], request.request_id,
+                                                 background=t.background, group=g.index, inline=t.inline))
+                loading.update(keys[i] for i in sel)
+        # Pins of blocks not loaded (past the hit, windows tried and not taken) go now; the rest once loaded.
+        self._unpin(t.tag, [k for k in pinned if k not in loading])
+        self._load_pins[request.request_id] = (t.tag, [k for k in pinned if k in loading])
         if self._events is not None:
-            self._events.note(request, start, keys[start:end], held=True)
+            self._events.note(request, start, t.keys.of_group(self._ref.domain, end)[start:end], held=True)
 
     # ---- each step ---------------------------------------------------------------------
 
@@ -330,15 +361,23 @@ class SchedulerSide:
             full = done_tokens // self._bs
             if full <= t.stored_blocks:
                 continue
-            block_ids = self._block_ids(req_id)
-            full = min(full, len(block_ids))
-            keys = t.keys.upto(full)
-            if full > t.stored_blocks:
-                meta.stores.append(BlockTransfer(keys[t.stored_blocks:full], block_ids[t.stored_blocks:full], req_id,
-                                                 _with_output(t.hints, t.request.num_output_tokens)))
-                if self._events is not None:
-                    self._events.note(t.request, t.stored_blocks, keys[t.stored_blocks:full], held=False)
-                t.stored_blocks = full
+            ids_by_group = self._block_ids(req_id)
+            full = min([full] + [len(ids) for ids in ids_by_group])
+            if full <= t.stored_blocks:
+                continue
+            hints = _with_output(t.hints, t.request.num_output_tokens)
+            null = self._null_id()
+            for g in self._groups:
+                ids, keys = ids_by_group[g.index], t.keys.of_group(g.domain, full)
+                # A sliding window's blocks vLLM already let go (its null block) were stored when computed.
+                sel = [i for i in range(t.stored_blocks, full) if ids[i] != null]
+                if sel:
+                    meta.stores.append(BlockTransfer([keys[i] for i in sel], [ids[i] for i in sel], req_id, hints,
+                                                     group=g.index))
+            if self._events is not None:
+                self._events.note(t.request, t.stored_blocks,
+                                  t.keys.of_group(self._ref.domain, full)[t.stored_blocks:full], held=False)
+            t.stored_blocks = full
         if self._events is not None:
             self._events.poll()
         if self._unreleased and not self._retrying and self._link.is_up():
@@ -361,9 +400,19 @@ class SchedulerSide:
         """
         self._wait_left_s = self._wait_per_step_s
 
-    def _block_ids(self, req_id: str) -> list[int]:
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block ids in every group (vLLM's null block where a sliding window let go)."""
         assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+        return tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))
+
+    def _null_id(self) -> int:
+        """vLLM's null block id (its block pool's first block; 0 in vLLM 0.32), -1 before a manager is bound."""
+        if self._null_block_id is None:
+            pool = getattr(self.kv_cache_manager, "block_pool", None)
+            if pool is None:
+                return -1  # bench/vllm.py drives the scheduler half without vLLM's manager: no null blocks
+            self._null_block_id = int(pool.null_block.block_id)
+        return self._null_block_id
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta

@@ -5,7 +5,8 @@ half (``worker.WorkerSide``) carries out: ``loads`` are restored into vLLM's
 KV tensors, before the step's forward or (``background``) beside it while
 their request waits, ``stores`` (full blocks the step computes) are copied
 out after it. Each ``BlockTransfer`` pairs kvtier block
-keys, in prefix order, with the vLLM block ids they live in.
+keys, in prefix order, with the vLLM block ids they live in, in one
+KV-cache group (``group``: vLLM's group id; 0 for an engine of one group).
 
 vLLM needs its own base classes on what travels between its processes; those
 wrappers are in ``metadata.py``. Nothing here imports vLLM, so the worker's
@@ -28,6 +29,8 @@ class BlockTransfer:
     req_id: str = ""
     hints: Hints | None = None  # the request's (stores only)
     background: bool = False  # loads: vLLM runs steps without the request until the worker reports it loaded
+    group: int = 0  # vLLM's KV-cache group whose block ids these are
+    inline: bool = False  # a background load the worker runs in start_load_kv, after the forward (no thread)
 
 
 @dataclass

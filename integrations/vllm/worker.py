@@ -7,7 +7,9 @@ Runs in each vLLM worker process (one per TP rank), with its own kvtierd
 session on the rank's pool.
 
 - ``register_kv_caches``: describes vLLM's KV tensors (whatever the attention
-  backend's shape; the block dimension is found, not assumed), picks a data
+  backend's shape; the block dimension is found, not assumed), group by
+  group (``PoolChoice.groups``: each KV-cache group's layers; a layer the
+  pool names that vLLM did not hand over is a start-up error), picks a data
   plane (``planes.py``) and connects. A daemon that is not up yet is not
   fatal: the link connects on first use.
 - ``start_load_kv``: restores this step's loads before the forward reads
@@ -20,8 +22,18 @@ session on the rank's pool.
   by ``get_block_ids_with_load_errors``, no later than the step whose
   ``get_finished`` reports the request, and vLLM recomputes them (the
   scheduler half sets vLLM's ``kv_load_failure_policy`` to ``recompute``).
+  A background load marked ``inline`` (the scheduler half's choice where a
+  synchronous load would have been right) runs in ``start_load_kv`` itself,
+  which vLLM calls after the step's forward when it has no synchronous load,
+  and is reported as any background load is.
+  A hybrid engine's (several KV-cache groups) are reported by request
+  instead, with the request (``take_failed`` after ``get_finished``: vLLM's
+  ``failed_recving``), since vLLM takes no failed block ids from such an
+  engine; its loads are all background loads (the scheduler half's rule).
 - ``wait_for_save``: hands this step's newly full blocks to a background
   thread and returns: kvtierd copies them while vLLM schedules the next step.
+  A rank whose shard another rank stores (``PoolChoice.stores`` False:
+  MLA's one copy of the KV) stores nothing; it loads as every rank does.
   ``handle_preemptions``, which vLLM calls at the start of the next step
   before any KV block is zeroed, copied or written, waits for those stores:
   a block is never reused while kvtierd reads it. A store that fails is a
@@ -81,6 +93,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()  # for the scheduler half: pins to drop
         self._received: set[str] = set()  # background loads that ran, for get_finished
+        self._failed: set[str] = set()  # of those, a hybrid engine's that did not restore every block
+        self._failed_taken: set[str] = set()  # the failed of the last get_finished, for take_failed
+        self._fail_by_request = pool.hybrid  # vLLM takes no failed block ids from a hybrid engine
         self.blocks_loaded = 0
         self.blocks_load_failed = 0
         self.loads_background = 0
@@ -92,16 +107,24 @@ class WorkerSide:
         self._stats_taken = dict.fromkeys(STAT_NAMES, 0.0)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = [n for n in self._pool.layer_names if n in kv_caches] or list(kv_caches)
-        tensors = [kv_caches[n] for n in names]
-        dims = [block_dim_of(t, self._num_blocks) for t in tensors]
+        missing = [n for n in self._pool.layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"kvtier: vLLM handed no KV tensor for layers {missing[:4]} of its own KV cache "
+                             f"config (it handed {sorted(kv_caches)[:4]}...); kvtier cannot tell which bytes "
+                             "are which: run this model without the kvtier connector")
+        by_group = {g.index: [kv_caches[n] for n in g.layer_names] for g in self._pool.groups}
+        dims_by_group = {g: [block_dim_of(t, self._num_blocks) for t in ts] for g, ts in by_group.items()}
+        tensors = [t for ts in by_group.values() for t in ts]
+        dims = [d for ds in dims_by_group.values() for d in ds]
         deadline = CopyDeadline(self._settings.timeout_s, self._pool.layout.block_bytes)
-        self._plane = plane = make_plane(self._settings.data_plane, tensors, dims, self._settings.staging_blocks, deadline)
+        self._plane = plane = make_plane(self._settings.data_plane, by_group, dims_by_group,
+                                         self._settings.staging_blocks, deadline)
         self._link = DaemonLink(self._settings.socket, self._pool.name, self._pool.layout,
                                 retry_s=self._settings.retry_s, client_kwargs=self._settings.client_kwargs(),
                                 on_connect=plane.connect)
-        log.info("kvtier: %d KV tensors (block dim %s, %d blocks) on the %s plane, pool %s",
-                 len(tensors), sorted(set(dims)), self._num_blocks, plane.name, self._pool.name)
+        log.info("kvtier: %d KV tensors in %d KV-cache groups (block dim %s, %d blocks) on the %s plane, pool %s%s",
+                 len(tensors), len(by_group), sorted(set(dims)), self._num_blocks, plane.name, self._pool.name,
+                 "" if self._pool.stores else f" (the KV of {self._pool.replicas} ranks: another rank stores it)")
         self._link.call(lambda _c: None)  # connect now if kvtierd is up
 
     # ---- loads -------------------------------------------------------------------------
@@ -118,7 +141,13 @@ class WorkerSide:
             if failed:
                 log.info("kvtier: %d of %d blocks to load were not restored; vLLM recomputes them",
                          failed, sum(len(x.keys) for x in now))
-        later = [load for load in meta.loads if load.background]
+        inline = [load for load in meta.loads if load.background and load.inline]
+        if inline:
+            # Reported as a background load is (get_finished; a hybrid engine's failures per request), but
+            # restored now, after this step's forward: the engine had nothing else to run, so no thread
+            # hand-off and no empty engine steps spinning beside the copy.
+            self._load_in_background(inline, self._stores.submit(lambda: None))
+        later = [load for load in meta.loads if load.background and not load.inline]
         if later:
             # Done once every store queued so far is (one thread, in order).
             stores_before = self._stores.submit(lambda: None)
@@ -126,17 +155,25 @@ class WorkerSide:
 
     def _load_in_background(self, loads: list[BlockTransfer], stores_before: Future[None]) -> None:
         failed = 0
+        failed_requests: set[str] = set()
         try:
             stores_before.result(STORE_DRAIN_TIMEOUT_S)
         except Exception:
             # The stores hang: restoring now could race one still reading a
             # block it overwrites. Every block of these loads is recomputed.
             failed = self._fail(loads)
+            failed_requests = {load.req_id for load in loads}
         else:
-            failed = sum(self._load(load) for load in loads)
+            for load in loads:
+                missed = self._load(load)
+                failed += missed
+                if missed:
+                    failed_requests.add(load.req_id)
         finally:
             with self._results_lock:
                 self._received.update(load.req_id for load in loads)
+                if self._fail_by_request:
+                    self._failed |= failed_requests
         if failed:
             log.info("kvtier: %d of %d blocks to load in the background were not restored; vLLM recomputes them",
                      failed, sum(len(x.keys) for x in loads))
@@ -147,13 +184,14 @@ class WorkerSide:
         t0 = time.perf_counter()
         if self._plane is not None and self._link is not None:
             plane = self._plane
-            got = self._link.call(lambda c: plane.restore(c, load.keys, load.block_ids)) or 0
+            got = self._link.call(lambda c: plane.restore(c, load.keys, load.block_ids, load.group)) or 0
         elapsed_s = time.perf_counter() - t0
         with self._results_lock:
             if got:  # a skipped call (daemon down) says nothing about a restore's time
                 self._timed_blocks += got
                 self._timed_s += elapsed_s
-            self._load_errors.update(load.block_ids[got:])
+            if not self._fail_by_request:
+                self._load_errors.update(load.block_ids[got:])
             self.blocks_loaded += got
             self.blocks_load_failed += len(load.keys) - got
             self.loads_background += load.background
@@ -163,7 +201,8 @@ class WorkerSide:
     def _fail(self, loads: list[BlockTransfer]) -> int:
         with self._results_lock:
             for load in loads:
-                self._load_errors.update(load.block_ids)
+                if not self._fail_by_request:
+                    self._load_errors.update(load.block_ids)
                 self._loaded.add(load.req_id)
                 self.blocks_load_failed += len(load.keys)
                 self.loads_background += load.background
@@ -173,7 +212,15 @@ class WorkerSide:
         """The requests whose background loads ran since the last call (done or failed)."""
         with self._results_lock:
             received, self._received = self._received, set()
+            # Taken with them, so a request is never reported failed before it is reported done.
+            self._failed_taken, self._failed = self._failed, set()
         return received
+
+    def take_failed(self) -> set[str]:
+        """Of the requests the last ``get_finished`` reported, a hybrid engine's whose load failed: vLLM
+        recomputes them whole (a single-group engine's failed blocks are ``get_block_ids_with_load_errors``')."""
+        failed, self._failed_taken = self._failed_taken, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Taken after get_finished in each step (vLLM's order): a request it
@@ -206,11 +253,12 @@ class WorkerSide:
     # ---- stores ------------------------------------------------------------------------
 
     def wait_for_save(self, meta: StepTransfers) -> None:
-        if not meta.stores or self._plane is None or self._link is None:
+        if not meta.stores or self._plane is None or self._link is None or not self._pool.stores:
             return
         plane, link = self._plane, self._link
         for st in meta.stores:
-            self._stores.submit(lambda st=st: link.call(lambda c: plane.store(c, st.keys, st.block_ids, st.hints)))
+            self._stores.submit(lambda st=st: link.call(lambda c: plane.store(c, st.keys, st.block_ids, st.hints,
+                                                                              st.group)))
         self.blocks_stored += sum(len(st.keys) for st in meta.stores)
 
     def wait_for_stores(self) -> None:

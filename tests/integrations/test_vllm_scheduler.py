@@ -29,7 +29,7 @@ def daemon(kvtierd_module_factory):  # type: ignore[no-untyped-def]
 def setup(daemon: Any, name: str, **extra: Any) -> tuple[SchedulerSide, Client, PoolChoice]:
     layout = PoolLayout(model=name, block_size=BS, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
                         kv_heads=1, head_dim=8, mode="store")
-    pool = PoolChoice(name=f"test/{name}", layout=layout, layer_names=("layer0",), block_size=BS)
+    pool = PoolChoice.single(f"test/{name}", layout, ("layer0",), BS)
     settings = ConnectorSettings.from_extra_config({"socket": daemon.endpoint, **extra})
     return SchedulerSide(settings, pool), Client(daemon.endpoint, pool.name, layout), pool
 
@@ -408,7 +408,7 @@ def test_kv_events_follow_what_kvtierd_holds_of_this_engines_blocks(kvtierd_fact
     daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=8 * BLOCK_BYTES, policy="lru")
     layout = PoolLayout(model="events", block_size=BS, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
                         kv_heads=1, head_dim=8, mode="store")
-    pool = PoolChoice(name="test/events", layout=layout, layer_names=("layer0",), block_size=BS)
+    pool = PoolChoice.single("test/events", layout, ("layer0",), BS)
     settings = ConnectorSettings.from_extra_config({"socket": daemon.endpoint, "events_interval_s": 0.01,
                                                  "lookup_wait_ms": 500})
     sched = SchedulerSide(settings, pool, kv_events=True)

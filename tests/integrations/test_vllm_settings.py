@@ -81,8 +81,12 @@ def test_the_client_takes_the_endpoints_kvtierd_binds(endpoint: str) -> None:
     assert (endpoint_problem(endpoint) is None) == daemon_takes
 
 
+class FullAttentionSpec(SimpleNamespace):
+    """Stands for vLLM's (the connector reads KV specs by their type's name)."""
+
+
 def _kv_config(layers: int = 2) -> SimpleNamespace:
-    spec = SimpleNamespace(num_kv_heads=2, head_size=64, dtype="torch.bfloat16", page_size_bytes=65536, block_size=128)
+    spec = FullAttentionSpec(num_kv_heads=2, head_size=64, dtype="torch.bfloat16", page_size_bytes=65536, block_size=128)
     return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(layers)])])
 
 
@@ -108,10 +112,10 @@ def test_a_staging_arena_dev_shm_cannot_hold_is_refused_when_the_staged_plane_is
     from kvtier.integrations.vllm.planes import CopyDeadline, StagedPlane
 
     kv = torch.zeros(4, 1024, dtype=torch.uint8)
-    plane = StagedPlane([kv], [0], 64, CopyDeadline(1.0, 1024))
+    plane = StagedPlane({0: [kv]}, {0: [0]}, 64, CopyDeadline(1.0, 1024))
     assert plane.name == "staged"
     with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.staging_blocks: .* /dev/shm"):
-        StagedPlane([kv], [0], 2**32 - 1, CopyDeadline(1.0, 1024))  # 4 TiB
+        StagedPlane({0: [kv]}, {0: [0]}, 2**32 - 1, CopyDeadline(1.0, 1024))  # 4 TiB
 
 
 DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"

@@ -41,7 +41,7 @@ def _pool(dtype: torch.dtype) -> PoolChoice:
     page_bytes = 2 * BS * HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
     layout = PoolLayout(model="test-worker", block_size=BS, block_bytes=page_bytes * LAYERS, dtype=str(dtype).removeprefix("torch."),
                         num_layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, mode="store")
-    return PoolChoice("vllm/test-worker", layout, tuple(f"layer.{i}" for i in range(LAYERS)), BS)
+    return PoolChoice.single("vllm/test-worker", layout, tuple(f"layer.{i}" for i in range(LAYERS)), BS)
 
 
 def _kv(shape: tuple[int, ...], device: str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:

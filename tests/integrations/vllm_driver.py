@@ -30,6 +30,8 @@ own logs share stdout; the prefix tells them apart):
   ``{"perturbed": number of tensors}``;
 - ``{"op": "reset", "connector": bool}``: ``LLM.reset_prefix_cache`` (with
   ``reset_connector``) -> ``{"reset": what it returned}``;
+- ``{"op": "config"}`` -> what vLLM decided at start-up:
+  ``{"hybrid_kv_cache_manager": bool, "prefix_caching": bool}``;
 - ``{"op": "exit"}``.
 
 Each engine is one process so that the tests can run two at once, restart one,
@@ -101,6 +103,10 @@ def main() -> None:
         # vLLM's CPU backend binds each rank's threads to a NUMA node; one node here, so by hand.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(args.tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's CPU backend reserves one more core for an engine with a KV connector: on 2 cores an engine
+    # with kvtier then computes on 2 OpenMP threads and one without on 1, whose other reduction order
+    # flips near-tied greedy tokens. The same reservation for every engine: the same arithmetic.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -157,6 +163,11 @@ def main() -> None:
             update = write_update(args.model_dir, int(cmd["seed"]), base_seed=WEIGHT_SEED)
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(update)})
             reply({"perturbed": len(tensor_specs(config))})
+            continue
+        if op == "config":
+            cfg = llm.llm_engine.vllm_config
+            reply({"hybrid_kv_cache_manager": not cfg.scheduler_config.disable_hybrid_kv_cache_manager,
+                   "prefix_caching": bool(cfg.cache_config.enable_prefix_caching)})
             continue
         if op == "reset":
             reply({"reset": llm.reset_prefix_cache(reset_connector=bool(cmd["connector"]))})
