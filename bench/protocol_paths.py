@@ -140,7 +140,7 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
         **array_pieces,
         **packed_pieces,
         "daemon: TieredPool.lookup, policy chain (default)": lambda: chain.lookup(hashes),
-        "  of which chain record_request (every 2nd lookup)": lambda: chain.cpu.policy.record_request(hashes),
+        "  of which chain learn (every 2nd lookup)": lambda: chain.cpu.policy.record(hashes),
         "daemon: TieredPool.lookup, policy lru": lambda: pools["lru"].lookup(hashes),
         "  of which _held_prefix": lambda: pools["lru"]._held_prefix(hashes),
     }

@@ -83,7 +83,7 @@ from kvtier.tiers.host_memory import HostMemoryError, allocate_host_slab
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.persistent_arena import ArenaDirectory, PersistentArena
 from kvtier.tiers.slot_index import SlotIndexBusy
-from kvtier.tiers.pool import PolicyWrapper, PoolSpec, TieredPool
+from kvtier.tiers.pool import PoolSpec, TieredPool, WrapPolicy
 from kvtier.tiers.transfer import ThreadTransferEngine, TransferEngine, make_transfer_engine
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ class PoolRegistry:
         hash_algo: str | None = None,
         wakeup: Callable[[], None] | None = None,
         progress: Callable[[str, int, int], None] | None = None,
-        policy_wrapper: Callable[[int], PolicyWrapper | None] | None = None,
+        policy_wrapper: Callable[[int], WrapPolicy | None] | None = None,
         arenas: ArenaDirectory | None = None,
         close_timeout_s: float = 10.0,
     ) -> None:

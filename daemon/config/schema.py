@@ -68,7 +68,7 @@ from kvtier.daemon.config.units import (
     _is_int,
 )
 from kvtier.daemon.tenant_ids import tenant_tag
-from kvtier.tiers.eviction import DEFAULT_POLICY  # no torch: config stays fast to load
+from kvtier.tiers.policies.names import DEFAULT_POLICY  # stdlib only: config stays fast to load
 from kvtier.tiers.units import GiB, KiB, MiB, format_byte_size, format_gib
 
 CPU_AUTO_FRACTION = 0.25

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.tiers.eviction import DEFAULT_POLICY
+from kvtier.tiers.policies import DEFAULT_POLICY
 from kvtier.daemon.config import (
     ConfigError,
     DaemonConfig,

@@ -338,7 +338,7 @@ def test_clean_when_idle_asks_about_a_refused_block_once(make, monkeypatch: pyte
         asked.extend(keys)
         return [False] * len(keys)
 
-    monkeypatch.setattr(hx.pool.cpu, "admit_many", refuse)
+    monkeypatch.setattr(hx.pool.cpu, "admit", refuse)
     hx.allocate("r", chain("r", 4), 16)
     hx.pool.free("r")
     assert len(asked) == 1  # the call's own clean-ahead: the head block
