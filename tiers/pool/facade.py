@@ -101,6 +101,7 @@ from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies import EvictionPolicy, make_policy
 from kvtier.tiers.policies.admit2 import AdmissionWrapper, SecondSightingAdmission
 from kvtier.tiers.policies.base import find_wrapped
+from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY
 from kvtier.tiers.pool import engine, lending, store
 from kvtier.tiers.pool.adoption import Adoption
 from kvtier.tiers.pool.base import Borrowed, Held, PoolError, PoolSpec, Tier
@@ -141,12 +142,12 @@ class TieredPool:
         spec: PoolSpec,
         *,
         cpu_blocks: int,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         transfer: TransferEngine | None = None,
         data: bool = True,
         cpu_storage: BlockLayout | None = None,
         enable_caching: bool = True,
-        clean_ahead_blocks: int = 64,
+        clean_ahead_blocks: int = DEFAULT_CLEAN_AHEAD_BLOCKS,
         idle_clean_blocks: int | None = None,
         remote: RemoteStore | None = None,
         disk: DiskTier | None = None,
