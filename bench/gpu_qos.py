@@ -177,7 +177,7 @@ def clean_ahead_run(make_engine: Callable[[], object], device: str, clean_ahead:
     gpu = fragmented_layout(gpu_blocks, device)
     host = allocate_host_slab(1024, gpu.block_bytes, pin=device != "cpu")
     engine = make_engine()
-    pool = TieredPool(PoolSpec("qos", block_tokens, gpu.block_bytes), cpu_blocks=1024, transfer=engine,
+    pool = TieredPool(PoolSpec("qos", block_tokens, gpu.block_bytes), cpu_blocks=1024, policy="lru", transfer=engine,
                       cpu_storage=host, clean_ahead_blocks=clean_ahead)
     pool.attach_gpu(gpu)
     waits, alloc_ms = 0, []

@@ -71,16 +71,16 @@ def flood(spec: str, cpu_blocks: int, bounded: bool, requests: int, keys: int) -
         for r in range(requests):
             batch = fresh_keys(keys)
             t0 = time.process_time()
-            if isinstance(policy, SessionWrapper):
-                policy.record_hints(batch, RequestHints(session=f"s{r}".encode(), at_s=float(r)))
-            policy.record_request(batch)
+            session = isinstance(policy, SessionWrapper)
+            hints = RequestHints(session=f"s{r}".encode(), at_s=float(r)) if session else None
+            policy.record(batch, hints)
             seconds += time.process_time() - t0
             del batch
         if traced:
             gc.collect()
             out["held_bytes"], out["peak_bytes"] = tracemalloc.get_traced_memory()
             tracemalloc.stop()
-            out["remembered_keys"] = policy.remembered_keys()
+            out["remembered_keys"] = policy.stats().remembered_keys
         else:
             out["ms_per_request"] = 1e3 * seconds / requests
         del policy

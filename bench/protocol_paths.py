@@ -90,9 +90,10 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
     )
     from kvtier.daemon.handlers import _tiers
     from kvtier.tiers.pool import PoolSpec, TieredPool
+    from kvtier.tiers.pool_defaults import DEFAULT_POLICY
 
     pools = {}
-    for policy in ("chain", "lru"):
+    for policy in dict.fromkeys((DEFAULT_POLICY, "chain", "lru")):
         pool = TieredPool(PoolSpec("bench", BLOCK_TOKENS, SPECS[0][1]), cpu_blocks=4096, policy=policy, data=False)
         pool.attach_gpu(num_blocks=4096)
         pool.store(hashes, None, list(range(len(hashes))))
@@ -139,8 +140,9 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
     cases = {
         **array_pieces,
         **packed_pieces,
-        "daemon: TieredPool.lookup, policy chain (default)": lambda: chain.lookup(hashes),
-        "  of which chain record_request (every 2nd lookup)": lambda: chain.cpu.policy.record_request(hashes),
+        f"daemon: TieredPool.lookup, policy {DEFAULT_POLICY} (default)": lambda: pools[DEFAULT_POLICY].lookup(hashes),
+        "daemon: TieredPool.lookup, policy chain": lambda: chain.lookup(hashes),
+        "  of which chain learn (every 2nd lookup)": lambda: chain.cpu.policy.record(hashes),
         "daemon: TieredPool.lookup, policy lru": lambda: pools["lru"].lookup(hashes),
         "  of which _held_prefix": lambda: pools["lru"]._held_prefix(hashes),
     }

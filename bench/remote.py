@@ -223,7 +223,7 @@ def bench_lookup(url: str, num_hashes: int, calls: int) -> dict[str, Any]:
             from kvtier.tiers.pool import PoolSpec, TieredPool
 
             cpu_held = num_hashes // 4
-            pool = TieredPool(PoolSpec("bench", 16, block_bytes), cpu_blocks=cpu_held, data=False)
+            pool = TieredPool(PoolSpec("bench", 16, block_bytes), cpu_blocks=cpu_held, policy="lru", data=False)
             pool.store(hs[:cpu_held], None, list(range(cpu_held)))
             assert len(pool.lookup(hs, count=False)) == cpu_held
 

@@ -62,10 +62,10 @@ class OracleSession(SessionWrapper):
         self._next_s: dict[int, float] = {}  # id(stream) -> its next return
         self._asked_s = NEVER_S
 
-    def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
+    def _take_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
         if keys:
             self._asked_s = self.returns.get((hints.session or b"", hints.at_s, keys[0]), NEVER_S)
-        super().record_hints(keys, hints)
+        super()._take_hints(keys, hints)
 
     def _stream_for(self, session: bytes, keys: Sequence[bytes]) -> Any:
         s = super()._stream_for(session, keys)

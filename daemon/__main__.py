@@ -102,34 +102,24 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
                         arenas: ArenaDirectory | None = None) -> ServeOptions:
     import psutil
 
-    from kvtier.daemon.config import resolve_cpu_budget_bytes
-    from kvtier.daemon.pools import PoolSizing
+    from kvtier.daemon.config import PoolSettings, resolve_cpu_budget_bytes
     from kvtier.daemon.server import ServeOptions
     from kvtier.daemon.tenants import TenantRegistry
 
     on_cuda = device.startswith("cuda")
 
-    def sizing_for(name: str, reusable_bytes: int = 0) -> PoolSizing:
-        settings = cfg.pool_settings(name)
+    def sizing_for(name: str, reusable_bytes: int = 0) -> PoolSettings:
         # Memory the pool's persistent CPU tier already holds counts as available: an "auto" or N%
         # cpu_bytes comes to what it came to before the restart, not less.
         available = int(psutil.virtual_memory().available) + reusable_bytes
-        return PoolSizing(
-            gpu_bytes=settings.resolve_gpu_bytes(on_cuda=on_cuda),
-            cpu_bytes=settings.resolve_cpu_bytes(available),
-            policy=settings.policy,
-            clean_ahead_blocks=settings.clean_ahead_blocks,
-            remote_url=settings.remote_url,
-            remote_secret=remote_secret if settings.remote_url else None,
-            disk_dir=settings.disk_dir,
-            disk_bytes=settings.disk_bytes,
-            fault_hook=fault_plan,
-        )
+        return cfg.pool_settings(name).sized(on_cuda=on_cuda, available_bytes=available)
 
     return ServeOptions(
         endpoint=cfg.socket,
         device=device,
         sizing_for=sizing_for,
+        remote_secret=remote_secret,
+        fault_hook=fault_plan,
         lease_s=cfg.lease_s,
         heartbeat_s=cfg.heartbeat_s,
         poll_interval_s=cfg.poll_interval_s,

@@ -28,13 +28,17 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.daemon.memory import check_new_pool, gib
 from kvtier.daemon.metrics import Counters
-from kvtier.daemon.pools import PoolRegistry, PoolSizing
+from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.sd_notify import Notifier
 from kvtier.tiers.host_memory import HostMemoryError
+
+if TYPE_CHECKING:
+    from kvtier.daemon.config import PoolSettings
 
 __all__ = ["PoolAdmission", "free_closed_pools"]
 
@@ -59,7 +63,7 @@ def free_closed_pools() -> None:
 class PoolAdmission:
     """See the module docstring."""
 
-    def __init__(self, *, configured_sizing: Callable[[str, int], PoolSizing], max_pools: int,
+    def __init__(self, *, configured_sizing: Callable[[str, int], PoolSettings], max_pools: int,
                  cpu_budget_bytes: int | None, pool_idle_ttl_s: float, close_timeout_s: float,
                  metrics: Counters, notifier: Notifier) -> None:
         self.configured_sizing = configured_sizing
@@ -74,15 +78,16 @@ class PoolAdmission:
     def attach(self, pools: PoolRegistry) -> None:
         self.pools = pools
 
-    def sizing_for(self, name: str, reusable_bytes: int = 0) -> PoolSizing:
-        """The configured sizing of a new pool, once it fits (see the module docstring)."""
+    def sizing_for(self, name: str, reusable_bytes: int = 0) -> PoolSettings:
+        """The configured settings of a new pool, sized, once it fits (see the module docstring)."""
         pools = self._registry()
         sizing = self.configured_sizing(name, reusable_bytes)
+        cpu_bytes = sizing.resolve_cpu_bytes()  # sized: what the pool will take
         closed = 0
         # By name: a reference held here (a loop variable, the list) would keep a closed pool, and its
         # tier memory, alive through the collection below.
         for key, since_s, cpu_bytes in [(e.name, e.idle_since_s, e.cpu_bytes) for e in pools.idle()]:
-            if not self._would_not_fit(sizing.cpu_bytes, reusable_bytes):
+            if not self._would_not_fit(cpu_bytes, reusable_bytes):
                 break
             log.info("pool %r reclaimed for pool %r: idle %.0f s, %s of CPU tier freed", key, name,
                      time.monotonic() - (since_s or 0.0), gib(cpu_bytes))
@@ -100,16 +105,16 @@ class PoolAdmission:
                                 "all with sessions; join an existing pool or ask the operator")
         existing = {e.name: e.cpu_bytes for e in pools}
         try:  # the host first: a pool the machine cannot hold is refused for that, whatever the budget
-            check_new_pool(name, sizing.cpu_bytes, existing, reusable_bytes=reusable_bytes)
+            check_new_pool(name, cpu_bytes, existing, reusable_bytes=reusable_bytes)
         except HostMemoryError as exc:
             raise ProtocolError(ErrorCode.NO_SPACE, str(exc)) from None
         budget = self.cpu_budget_bytes
-        if budget is not None and sum(existing.values()) + sizing.cpu_bytes > budget:
+        if budget is not None and sum(existing.values()) + cpu_bytes > budget:
             raise ProtocolError(ErrorCode.NO_SPACE,
-                                f"pool {name!r} needs a {gib(sizing.cpu_bytes)} ({sizing.cpu_bytes} bytes) CPU tier; "
+                                f"pool {name!r} needs a {gib(cpu_bytes)} ({cpu_bytes} bytes) CPU tier; "
                                 f"the daemon's CPU tiers hold {gib(sum(existing.values()))} of its {gib(budget)} "
                                 "budget (cpu_budget_bytes), all in pools with sessions; end one, or ask the operator")
-        self.notifier.status(f"allocating the CPU tier of pool {name!r}: {gib(sizing.cpu_bytes)}")
+        self.notifier.status(f"allocating the CPU tier of pool {name!r}: {gib(cpu_bytes)}")
         return sizing
 
     def close_expired(self, now_s: float) -> None:

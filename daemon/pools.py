@@ -17,9 +17,10 @@ Contract:
   key is unambiguous: split at the first ``/``. ``get`` / ``close`` /
   ``find`` take that key (``Session.pool_name`` holds it).
 - The first ``get_or_create`` of a key creates the pool from ``layout``
-  (the validated hello layout) with the sizes and policy the daemon was
-  configured with for the *bare* name (``sizing_for(bare name)``: every
-  tenant's "llama" is sized like the configured "llama"); a later call whose
+  (the validated hello layout) with the settings the daemon was configured
+  with for the *bare* name (``sizing_for(bare name)``: a ``PoolSettings``,
+  sized; every tenant's "llama" is built like the configured "llama"; its
+  remote tier, if any, gets the daemon's ``remote_secret``); a later call whose
   layout differs in any field raises LAYOUT_MISMATCH naming both values (the
   caller is the pool's own tenant), and the existing pool is untouched. When
   the daemon is configured with a hash algorithm, a layout naming another
@@ -75,7 +76,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
@@ -83,10 +83,11 @@ from kvtier.tiers.host_memory import HostMemoryError, allocate_host_slab
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.persistent_arena import ArenaDirectory, PersistentArena
 from kvtier.tiers.slot_index import SlotIndexBusy
-from kvtier.tiers.pool import PolicyWrapper, PoolSpec, TieredPool
+from kvtier.tiers.pool import PoolSpec, TieredPool, WrapPolicy
 from kvtier.tiers.transfer import ThreadTransferEngine, TransferEngine, make_transfer_engine
 
 if TYPE_CHECKING:
+    from kvtier.daemon.config import PoolSettings
     from kvtier.tiers.disk_tier import DiskTier
 
 log = logging.getLogger(__name__)
@@ -115,28 +116,6 @@ def pool_key(tenant: str, name: str) -> str:
     splits it back.
     """
     return name if tenant == ANONYMOUS else f"{tenant}/{name}"
-
-
-@dataclass(frozen=True)
-class PoolSizing:
-    """How a new pool is built (from the daemon's configuration for its name)."""
-
-    gpu_bytes: int  # store mode only; engine mode uses the engine's tensors
-    cpu_bytes: int
-    policy: str = "lru"
-    clean_ahead_blocks: int = 64
-    remote_url: str | None = None  # Redis/Valkey tier below the CPU tier
-    # The remote tier's secret (kvtier.tiers.remote_secret): required with remote_url; never printed.
-    remote_secret: bytes | None = field(default=None, repr=False)
-    # The disk tier below the CPU tier: each pool keeps its blocks in a directory under disk_dir.
-    disk_dir: Path | None = None
-    disk_bytes: int = 0
-    # TEST-ONLY copy fault injection (kvtier.daemon.faults); None in production.
-    fault_hook: Callable[[Any], None] | None = None
-
-    def __post_init__(self) -> None:
-        if self.remote_url and self.remote_secret is None:
-            raise ValueError("a pool with a remote tier needs its secret (remote_secret_key_file)")
 
 
 @dataclass(eq=False)
@@ -184,16 +163,21 @@ class PoolRegistry:
         self,
         *,
         device: str,
-        sizing_for: Callable[[str], PoolSizing],
+        sizing_for: Callable[..., PoolSettings],
         hash_algo: str | None = None,
         wakeup: Callable[[], None] | None = None,
         progress: Callable[[str, int, int], None] | None = None,
-        policy_wrapper: Callable[[int], PolicyWrapper | None] | None = None,
+        policy_wrapper: Callable[[int], WrapPolicy | None] | None = None,
         arenas: ArenaDirectory | None = None,
         close_timeout_s: float = 10.0,
+        remote_secret: bytes | None = None,
+        fault_hook: Callable[[Any], None] | None = None,
     ) -> None:
         self.device = device
         self._sizing_for = sizing_for
+        # The remote tier's secret (kvtier.tiers.remote_secret): required by a pool with a remote_url; never printed.
+        self._remote_secret = remote_secret
+        self._fault_hook = fault_hook  # TEST-ONLY copy fault injection (kvtier.daemon.faults); None in production
         self._hash_algo = hash_algo
         self._wakeup = wakeup
         # (pool key, bytes done, bytes total) after each pinned chunk of a new
@@ -207,6 +191,10 @@ class PoolRegistry:
 
     def __iter__(self) -> Iterator[PoolEntry]:
         return iter(list(self._pools.values()))
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
     def __len__(self) -> int:
         return len(self._pools)
@@ -261,11 +249,14 @@ class PoolRegistry:
         reusable = self._arenas.memory_bytes(key) if self._arenas is not None else 0
         # Configured per bare name: every tenant's "llama" is sized alike.
         sizing = self._sizing_for(name, reusable_bytes=reusable)
+        if sizing.remote_url and self._remote_secret is None:
+            raise ValueError("a pool with a remote tier needs its secret (remote_secret_key_file)")
         block_bytes = int(layout["block_bytes"])
-        cpu_blocks = sizing.cpu_bytes // block_bytes
-        gpu_blocks = sizing.gpu_bytes // block_bytes
-        for tier, blocks, nbytes in (("CPU", cpu_blocks, sizing.cpu_bytes),
-                                     ("GPU", gpu_blocks if layout["mode"] == "store" else 0, sizing.gpu_bytes)):
+        cpu_bytes, gpu_bytes = sizing.resolve_cpu_bytes(), sizing.resolve_gpu_bytes(on_cuda=self.on_cuda)
+        cpu_blocks = cpu_bytes // block_bytes
+        gpu_blocks = gpu_bytes // block_bytes
+        for tier, blocks, nbytes in (("CPU", cpu_blocks, cpu_bytes),
+                                     ("GPU", gpu_blocks if layout["mode"] == "store" else 0, gpu_bytes)):
             if blocks > MAX_BLOCKS_PER_TIER:
                 raise ProtocolError(
                     ErrorCode.INVALID_FIELD,
@@ -273,11 +264,11 @@ class PoolRegistry:
                     f"into {blocks} blocks; at most {MAX_BLOCKS_PER_TIER} per tier (use larger blocks)",
                 )
         store_gpu_blocks = gpu_blocks if layout["mode"] == "store" else 0
-        if (sizing.cpu_bytes > 0 and cpu_blocks == 0) or (layout["mode"] == "store" and store_gpu_blocks + cpu_blocks == 0):
+        if (cpu_bytes > 0 and cpu_blocks == 0) or (layout["mode"] == "store" and store_gpu_blocks + cpu_blocks == 0):
             # block_bytes larger than the tiers: a pool that can hold nothing
             # would take a name, threads and bookkeeping for no cache at all.
-            tiers = f"CPU tier {sizing.cpu_bytes} bytes" + (
-                f", GPU tier {sizing.gpu_bytes} bytes" if layout["mode"] == "store" else "")
+            tiers = f"CPU tier {cpu_bytes} bytes" + (
+                f", GPU tier {gpu_bytes} bytes" if layout["mode"] == "store" else "")
             raise ProtocolError(
                 ErrorCode.INVALID_FIELD,
                 f"pool {name!r}: layout.block_bytes {block_bytes} gives this pool no block ({tiers} on this "
@@ -318,12 +309,12 @@ class PoolRegistry:
         (log.warning if arena.opened.state == "reset" else log.info)("pool %r: %s", key, arena.describe())
         return arena
 
-    def _build(self, tenant: str, name: str, layout: dict[str, Any], sizing: PoolSizing,
+    def _build(self, tenant: str, name: str, layout: dict[str, Any], sizing: PoolSettings,
                arena: PersistentArena | None, on_chunk: Callable[[int, int], None] | None) -> PoolEntry:
         key = pool_key(tenant, name)
         block_bytes = int(layout["block_bytes"])
-        cpu_blocks = sizing.cpu_bytes // block_bytes
-        gpu_blocks = sizing.gpu_bytes // block_bytes
+        cpu_blocks = sizing.resolve_cpu_bytes() // block_bytes  # sized (sizing_for): no host memory read again
+        gpu_blocks = sizing.resolve_gpu_bytes(on_cuda=self.on_cuda) // block_bytes
         if arena is not None:
             cpu_storage: BlockLayout | None = arena.layout
         else:
@@ -338,9 +329,9 @@ class PoolRegistry:
             except (RuntimeError, MemoryError) as exc:  # torch reports device OOM as RuntimeError
                 raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: cannot allocate the GPU tier: {exc}") from None
         transfer = make_transfer_engine(self.device)
-        if sizing.fault_hook is not None:
+        if self._fault_hook is not None:
             if isinstance(transfer, ThreadTransferEngine):
-                transfer.fault_hook = sizing.fault_hook
+                transfer.fault_hook = self._fault_hook
             else:
                 log.warning("pool %r: test fault injection needs the thread copy engine; ignored", key)
         if self._wakeup is not None:
@@ -363,7 +354,7 @@ class PoolRegistry:
             # Never raises for an unreachable server: it starts unavailable.
             remote = RemoteTier(sizing.remote_url, make_pool_key(spec.name, spec.block_size, spec.block_bytes,
                                                                  [list(kv) for kv in spec.extra]), block_bytes,
-                                secret=sizing.remote_secret)
+                                sizing.remote, secret=self._remote_secret)
         pool = TieredPool(
             spec,
             cpu_blocks=cpu_blocks,
@@ -502,7 +493,7 @@ class PoolRegistry:
         return adopted
 
 
-def _disk_tier(sizing: PoolSizing, key: str, spec: PoolSpec) -> DiskTier | None:
+def _disk_tier(sizing: PoolSettings, key: str, spec: PoolSpec) -> DiskTier | None:
     """The pool's disk tier under ``disk_dir`` (None without one, or with room for no block).
 
     Its directory is named after the pool's key (tenant and name: pools of two

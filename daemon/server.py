@@ -89,6 +89,7 @@ from kvtier.client.protocol import (
     recoverable_id,
     validate_request,
 )
+from kvtier.daemon.config import PoolSettings
 from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits
 from kvtier.daemon.auth_limits import AuthFailureLimiter
 from kvtier.daemon.connections import Connection, connection_of, peer_of_frame
@@ -102,7 +103,7 @@ from kvtier.daemon.memory import gib
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.parking import Parked, ParkingLot
 from kvtier.daemon.pool_admission import PoolAdmission
-from kvtier.daemon.pools import PoolRegistry, PoolSizing
+from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.prometheus import StatsSnapshot
 from kvtier.daemon.release import release_session
 from kvtier.daemon.sd_notify import Notifier
@@ -140,8 +141,11 @@ class ServeOptions:
 
     endpoint: str
     device: str = "cpu"
-    # (pool name, memory its persistent CPU tier's files already hold) -> its sizing (daemon.pool_admission)
-    sizing_for: Callable[[str, int], PoolSizing] = field(default=lambda _name, _reusable=0: PoolSizing(256 << 20, 1 << 30))
+    # (pool name, memory its persistent CPU tier's files already hold) -> its settings, sized (daemon.pool_admission)
+    sizing_for: Callable[[str, int], PoolSettings] = field(
+        default=lambda name, _reusable=0: PoolSettings(name, gpu_bytes=256 << 20, cpu_bytes=1 << 30))
+    remote_secret: bytes | None = field(default=None, repr=False)  # pools' remote tiers' (remote_secret_key_file)
+    fault_hook: Callable[[Any], None] | None = None  # TEST-ONLY copy fault injection (kvtier.daemon.faults)
     lease_s: float = 10.0  # also the longest lease a client may ask for
     heartbeat_s: float | None = None  # recommended to clients; None: lease_s / 3
     poll_interval_s: float = 0.1  # loop wakes at least this often when idle
@@ -232,6 +236,8 @@ class Server:
             policy_wrapper=options.tenants.policy_wrapper,
             arenas=options.arenas,
             close_timeout_s=options.drain_timeout_s,
+            remote_secret=options.remote_secret,
+            fault_hook=options.fault_hook,
         )
         self.admission.attach(self.pools)
         self.sessions = SessionTable(lambda session, reason: release_session(self.ctx, self.replies, session, reason),

@@ -29,7 +29,8 @@ Contract
   plus admitted demotions whose copies are still in flight) and refuses to
   admit a *demotion* that would take a tenant over its quota (the block is
   dropped, as any not-admitted demotion: counted per tenant in
-  ``dropped_demotions``). ``check_store`` refuses (NO_SPACE, counted in
+  ``dropped_demotions``). What it counts comes from the CPU tier's state,
+  not from the order of the pool's calls (see the class). ``check_store`` refuses (NO_SPACE, counted in
   ``refused_stores``) a ``store`` whose blocks would overflow straight into
   the CPU tier past the quota; blocks a store puts in the GPU tier are
   checked when they are demoted. An admitted demotion that never lands
@@ -54,12 +55,12 @@ from typing import TYPE_CHECKING, Any
 from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.daemon.tenant_ids import TAG_BYTES, tenant_tag
 
-from kvtier.tiers.eviction import EvictionPolicy  # stdlib only: no torch
-from kvtier.tiers.hints import RequestHints
+from kvtier.tiers.policies.base import EvictionPolicy, PolicyWrapper  # stdlib only: no torch
 
 if TYPE_CHECKING:
     from kvtier.daemon.config import TenantConfig
-    from kvtier.tiers.pool import PolicyWrapper, TieredPool
+    from kvtier.tiers.cpu_tier import CpuTier
+    from kvtier.tiers.pool import TieredPool, WrapPolicy
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class TenantRegistry:
         self.refused_stores: Counter[str] = Counter()
         self.looked_up_blocks: Counter[str] = Counter()  # counted lookups and allocations, all pools
         self.hit_blocks: dict[str, Counter[str]] = {name: Counter() for name in self._tenants}  # tenant -> tier -> n
+        self.has_quotas = any(t.quota_bytes is not None for t in self._tenants.values())
 
     @property
     def enabled(self) -> bool:
@@ -185,7 +187,7 @@ class TenantRegistry:
 
     # ---- quotas ----------------------------------------------------------------------
 
-    def policy_wrapper(self, block_bytes: int) -> PolicyWrapper | None:
+    def policy_wrapper(self, block_bytes: int) -> WrapPolicy | None:
         """What counts (and caps) tenants' CPU-tier residency in a pool of ``block_bytes`` blocks:
         ``TieredPool(policy_wrapper=...)``. None without tenants."""
         if not self._tenants:
@@ -246,41 +248,40 @@ class TenantRegistry:
         return out
 
 
-class TenantQuotaPolicy(EvictionPolicy):
+class TenantQuotaPolicy(PolicyWrapper):
     """Wraps a pool's CPU-tier policy: per-tenant residency counts and quota admission.
 
     Eviction order is the wrapped policy's; only ``admit`` and the residency
-    counters are added. Keys of the anonymous tenant are not counted.
+    counters are added (every other hook is forwarded, ``PolicyWrapper``).
+    Keys of the anonymous tenant are not counted.
+
+    What counts against a quota is read from the CPU tier's own state, never
+    inferred from the order of the calls: resident keys (``on_insert`` until
+    ``on_remove``), plus keys admitted here that the tier holds but has not
+    committed yet (their copies are in flight). At each ``admit`` batch, an
+    earlier admitted key the tier does not hold (its reservation failed, its
+    copy failed or was discarded) stops counting: the tier reserves a
+    batch's admitted keys, or gives up on them, before it asks about the
+    next batch (``CpuTier``). Which other hooks come in between, and in what
+    order, changes nothing.
     """
 
     name = "tenant-quota"
 
-    def __init__(self, inner: EvictionPolicy, registry: TenantRegistry, block_bytes: int, cpu: Any) -> None:
-        super().__init__(inner.capacity_blocks)
-        self.inner = inner
+    def __init__(self, inner: EvictionPolicy, registry: TenantRegistry, block_bytes: int, cpu: CpuTier) -> None:
+        super().__init__(inner)
         self.registry = registry
         self.block_bytes = block_bytes
-        self.cpu = cpu  # the CpuTier this policy orders: says which admitted keys were reserved
+        self.cpu = cpu  # the CpuTier this policy orders: says which admitted keys it still holds
         self.keys_by_tenant: dict[str, set[bytes]] = {}
         self._pending: dict[bytes, str] = {}  # admitted, not yet committed -> tenant
-        # The pool admits a batch of demotions and reserves their slots right
-        # after, with no other policy call in between: the first admit after
-        # any other call starts a new batch.
-        self._in_batch = False
 
     def _settle_pending(self, key: bytes) -> None:
         tenant = self._pending.pop(key, None)
         if tenant is not None:
             self.registry.pending_bytes[tenant] -= self.block_bytes
 
-    def _prune_pending(self) -> None:
-        # Admitted in an earlier batch but not in the tier: its reservation
-        # failed or its copy was aborted; it will never be committed.
-        for key in [k for k in self._pending if self.cpu.get(k) is None]:
-            self._settle_pending(key)
-
     def on_insert(self, key: bytes) -> None:
-        self._in_batch = False
         self._settle_pending(key)
         self.inner.on_insert(key)
         tenant = self.registry.tenant_of(key)
@@ -292,7 +293,6 @@ class TenantQuotaPolicy(EvictionPolicy):
                 self.registry.resident_blocks[tenant] += 1
 
     def on_remove(self, key: bytes) -> None:
-        self._in_batch = False
         self.inner.on_remove(key)
         tenant = self.registry.tenant_of(key)
         if tenant is not None:
@@ -302,65 +302,38 @@ class TenantQuotaPolicy(EvictionPolicy):
                 self.registry.resident_bytes[tenant] -= self.block_bytes
                 self.registry.resident_blocks[tenant] -= 1
 
-    def on_hit(self, key: bytes) -> None:
-        self._in_batch = False
-        self.inner.on_hit(key)
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        if self._pending:
+            peek = self.cpu.peek  # without verifying an adopted entry: only whether the tier holds it
+            for key in [k for k in self._pending if not peek(k)]:
+                self._settle_pending(key)
+        registry = self.registry
+        if not registry.has_quotas:  # counting only: the wrapped policy's answers, in one batch
+            answers = self.inner.admit(keys)
+            for key, yes in zip(keys, answers):
+                if yes:
+                    self._admitted(key, registry.tenant_of(key))
+            return answers
+        # Key by key: a key's quota check sees the keys before it that the wrapped policy admitted, and
+        # the wrapped policy is asked only about the keys within quota (as its side effects expect).
+        answers = []
+        for key in keys:
+            tenant = registry.tenant_of(key)
+            if registry.over_quota(tenant, self.block_bytes):
+                assert tenant is not None
+                registry.dropped_demotions[tenant] += 1
+                answers.append(False)
+            elif self.inner.admit((key,))[0]:
+                self._admitted(key, tenant)
+                answers.append(True)
+            else:
+                answers.append(False)
+        return answers
 
-    def victims(self) -> Iterator[bytes]:
-        self._in_batch = False
-        return self.inner.victims()
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def remembered_keys(self) -> int:
-        return self.inner.remembered_keys()
-
-    def admit(self, key: bytes) -> bool:
-        if not self._in_batch:
-            self._in_batch = True
-            if self._pending:
-                self._prune_pending()
-        tenant = self.registry.tenant_of(key)
-        if self.registry.over_quota(tenant, self.block_bytes):
-            assert tenant is not None
-            self.registry.dropped_demotions[tenant] += 1
-            return False
-        if not self.inner.admit(key):
-            return False
+    def _admitted(self, key: bytes, tenant: str | None) -> None:
         if tenant is not None and key not in self._pending:
             self._pending[key] = tenant
             self.registry.pending_bytes[tenant] += self.block_bytes
-        return True
-
-    def record_request(self, keys: Sequence[bytes]) -> None:
-        self._in_batch = False
-        self.inner.record_request(keys)
-
-    def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:
-        # Forwarded explicitly: the base class's one-step default would hide the wrapped policy's steps.
-        self._in_batch = False
-        yield from self.inner.record_request_steps(keys, chunk_keys)
-
-    # Forwarded explicitly, like the steps: the base class's defaults would swallow them (hints never
-    # reached a session-aware policy under tenants before).
-    def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
-        self._in_batch = False
-        self.inner.record_hints(keys, hints)
-
-    def on_promote(self, keys: Sequence[bytes]) -> None:
-        self._in_batch = False
-        self.inner.on_promote(keys)
-
-    def on_gpu_drop(self, keys: Sequence[bytes]) -> None:
-        self._in_batch = False
-        self.inner.on_gpu_drop(keys)
 
     def keys_of(self, tenant: str) -> list[bytes]:
         return list(self.keys_by_tenant.get(tenant, ()))
-
-    def __getattr__(self, attr: str) -> Any:
-        # Anything else a policy offers (stats of learning policies) is the wrapped one's.
-        if attr == "inner":
-            raise AttributeError(attr)
-        return getattr(self.inner, attr)

@@ -1,6 +1,9 @@
 """Suite-wide pytest configuration: the CUDA skip, and the fixtures of a real kvtierd process.
 
 - Tests marked ``cuda`` skip without a CUDA GPU.
+- Tests get the markers ``slow``, ``vllm``, ``stress`` and ``redis`` from
+  where they live (``tests/markers.py``): ``pytest -m "not slow"`` is the
+  fast inner loop.
 - ``kvtierd_factory(**flags)`` starts a ``kvtier.testing.daemon.KvtierDaemon``
   under the test's ``tmp_path`` with ``DEFAULT_FLAGS`` (debug log, small
   tiers) overridden by ``flags`` (``gpu_bytes=4096`` becomes ``--gpu-bytes
@@ -22,14 +25,40 @@ from pathlib import Path
 import pytest
 
 from kvtier.testing.daemon import KvtierDaemon
+from tests.markers import markers_for, never_selected
 
 DEFAULT_FLAGS: dict[str, object] = {"log_level": "debug", "cpu_bytes": 64 * 1024, "gpu_bytes": 16 * 1024}
 START_TIMEOUT_S = 30.0  # a test daemon has small tiers: longer than this to answer is a failure
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m``, skip importing a file whose every test the expression deselects (tests/markers.py)."""
+    markexpr = config.option.markexpr
+    if not markexpr or collection_path.suffix != ".py":
+        return None
+    try:
+        rel_path = collection_path.relative_to(config.rootpath).as_posix()
+    except ValueError:
+        return None
+    return True if never_selected(rel_path, markexpr) else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    root = config.rootpath
+    by_file: dict[Path, set[str]] = {}
+    for item in items:
+        names = by_file.get(item.path)
+        if names is None:
+            module = getattr(item, "module", None)
+            names = by_file[item.path] = markers_for(item.path.relative_to(root).as_posix(),
+                                                    vars(module) if module is not None else {})
+        for name in names:
+            item.add_marker(name)
+        if item.get_closest_marker("install") is not None:
+            item.add_marker("slow")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

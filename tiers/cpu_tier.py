@@ -23,9 +23,12 @@ Contract (the pool is the only caller; one thread):
   one) before then keeps the entry.
 - ``begin_read`` / ``end_read`` bracket a copy out of a slot; ``pin`` /
   ``unpin`` bracket a client's hold. Neither kind of entry is evicted.
-- ``promoted(keys)`` / ``gpu_dropped(keys)``: the pool says that resident
-  keys were restored into the GPU tier, and that the GPU tier let keys go;
-  both only inform the policy (``EvictionPolicy.on_promote``/``on_gpu_drop``).
+- ``admit(keys)``: the policy's answers for one batch of demotions, asked
+  before any of them is reserved (refusals counted in ``not_admitted``).
+- ``accessed(keys, promoted=False)`` / ``gpu_dropped(keys)``: the pool says
+  that resident keys were used (``promoted``: restored into the GPU tier),
+  and that the GPU tier let keys go; both only inform the policy
+  (``EvictionPolicy.on_access``/``on_gpu_drop``).
 - ``on_evict(entry)``, when set, is called for each victim just before its
   slot is reused (the remote tier's write-back copies the bytes there); not
   for an adopted victim whose bytes were never verified.
@@ -182,15 +185,9 @@ class CpuTier:
     def contains(self, key: bytes) -> bool:
         return self.get_ready(key) is not None
 
-    def admit(self, key: bytes) -> bool:
-        if self.policy.admit(key):
-            return True
-        self.not_admitted += 1
-        return False
-
-    def admit_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """``admit`` for one batch of demotions, asked before any of them is reserved."""
-        answers = self.policy.admit_many(keys)
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        """The policy's answers for one batch of demotions, asked before any of them is reserved."""
+        answers = self.policy.admit(keys)
         self.not_admitted += answers.count(False)
         return answers
 
@@ -266,12 +263,11 @@ class CpuTier:
         """The keys whose writes are in flight (reserved, neither committed nor aborted)."""
         return list(self._writing)
 
-    def hit(self, key: bytes) -> None:
-        self.policy.on_hit(key)
-
-    def promoted(self, keys: Sequence[bytes]) -> None:
+    def accessed(self, keys: Sequence[bytes], promoted: bool = False) -> None:
+        """Resident ``keys`` were used, in this order (a request's hits tail first); ``promoted``: restored
+        into the GPU tier."""
         if keys:
-            self.policy.on_promote(keys)
+            self.policy.on_access(keys, promoted)
 
     def gpu_dropped(self, keys: Sequence[bytes]) -> None:
         if keys:

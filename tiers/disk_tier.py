@@ -108,7 +108,7 @@ COUNTERS = (
 
 
 class Admission(Protocol):
-    """What the disk tier needs of an admission filter (an ``EvictionPolicy`` fits)."""
+    """What the disk tier needs of an admission filter (``policies.admit2.SecondSightingAdmission`` fits)."""
 
     def admit(self, key: bytes) -> bool: ...
 

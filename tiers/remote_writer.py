@@ -60,7 +60,7 @@ _Item = tuple[bytes, "bytearray | memoryview | bytes | None", bool]
 
 
 class Admission(Protocol):
-    """What the remote tier needs of an admission filter (an ``EvictionPolicy`` fits)."""
+    """What the remote tier needs of an admission filter (``policies.admit2.SecondSightingAdmission`` fits)."""
 
     def admit(self, key: bytes) -> bool: ...
 

@@ -49,8 +49,17 @@ its ``--help`` default, its ``--print-config`` line and its did-you-mean
 follow from that field. A key of the pool tables is a field of
 ``PoolDefaults`` declared the same way, with its name and type repeated in
 ``PoolOverrides`` and ``PoolSettings`` (the module does not import when they
-differ). Put the key in ``systemd/kvtierd.toml`` too (a test loads that file
-and compares it with the defaults), and in ``docs/operating.md``.
+differ). A setting of the remote tier (``kvtier.tiers.remote_settings.
+RemoteTierSettings``, which holds its default) is a top-level key named
+``remote_<field>`` whose default is the field's (checked the same way).
+Put the key in ``systemd/kvtierd.toml`` too (a test loads that file and
+compares it with the defaults), and in ``docs/operating.md``.
+
+Pools: ``DaemonConfig.pool_settings(name)`` is a ``PoolSettings``, the one
+shape of a pool's settings: the daemon sizes it (``PoolSettings.sized``) and
+builds the pool from it (``kvtier.daemon.pools``). Its defaults, and
+``TieredPool``'s, are ``kvtier.tiers.pool_defaults``'s (``DEFAULT_POLICY``,
+``DEFAULT_CLEAN_AHEAD_BLOCKS``).
 
 Modules: ``units`` (value grammar: byte sizes, shares, seconds; the ``_as_*``
 readers), ``schema`` (the dataclasses, their checks, the key declarations),
@@ -98,7 +107,9 @@ than ``ipc://<absolute path or @abstract>`` and ``tcp://<host>:<port>``,
 settings, CURVE key files that do not exist, remote URLs the remote tier
 could not use (``kvtier.tiers.remote_url``: scheme, IPv6 brackets, port
 1..65535, database number) and a remote tier without
-``remote_secret_key_file``, eviction policies the registry does not build
+``remote_secret_key_file``, remote tier settings outside their ranges
+(``remote_retry_max_s`` below ``remote_retry_initial_s``), eviction policies
+the registry does not build
 (``kvtier.tiers.policies.check_policy_name``: unknown names, a wrapper
 named twice), unknown hash algorithms, log levels and devices, socket
 modes with bits for others, pool names no ``hello`` can send,

@@ -50,6 +50,7 @@ from kvtier.daemon.config.units import (
     _as_bool,
     _as_device,
     _as_float,
+    _as_fraction,
     _as_int,
     _as_log_level,
     _as_lower_str,
@@ -68,7 +69,8 @@ from kvtier.daemon.config.units import (
     _is_int,
 )
 from kvtier.daemon.tenant_ids import tenant_tag
-from kvtier.tiers.eviction import DEFAULT_POLICY  # no torch: config stays fast to load
+from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY  # stdlib only: config stays fast
+from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings  # stdlib only
 from kvtier.tiers.units import GiB, KiB, MiB, format_byte_size, format_gib
 
 CPU_AUTO_FRACTION = 0.25
@@ -106,6 +108,17 @@ MAX_CLEAN_AHEAD_BLOCKS = 1 << 23
 # at most (daemon.pools.MAX_BLOCKS_PER_TIER): 1 PiB is that many blocks of 128 MiB.
 MIN_DISK_BYTES = 1 * MiB
 MAX_DISK_BYTES = 1 << 50
+DEFAULT_DISK_BYTES = 64 * GiB
+# The remote tier's settings (the remote_* keys) default to RemoteTierSettings' own defaults.
+_REMOTE = RemoteTierSettings()
+# Threads and sockets are per pool (each pool has its own remote tier): bounds a daemon can hold.
+MAX_REMOTE_THREADS = 64
+MAX_REMOTE_CONNECTIONS = 4096
+# A read or a connect that may wait this long on a hung server stalls what waits for it.
+MAX_REMOTE_TIMEOUT_S = 60.0
+MAX_REMOTE_BACKOFF_S = 3600.0
+# SET ... EX takes whole seconds; ten years is past any cache's use for a block.
+MAX_REMOTE_TTL_S = 10 * 365 * 24 * 3600
 # The name a hello sends for a pool: a pool table no hello can name would never apply.
 HELLO_POOL_NAME = OPS["hello"].fields["pool"].type
 # sun_path is 108 bytes on Linux, one of them the terminating NUL.
@@ -523,6 +536,21 @@ def _check_disk_tiers(cfg: DaemonConfig) -> None:
                                          f"{disk_dir} ({format_gib(total, decimals=1)}): no pool could keep that much")
 
 
+def _check_remote_settings(cfg: DaemonConfig) -> None:
+    if cfg.remote_retry_max_s < cfg.remote_retry_initial_s:
+        raise ConfigError("remote_retry_max_s", f"is {cfg.remote_retry_max_s:g} s, less than remote_retry_initial_s "
+                                                f"({cfg.remote_retry_initial_s:g} s): the backoff starts there")
+    try:
+        cfg.remote_settings  # noqa: B018 - the remote tier's own checks, on what every pool will get
+    except RemoteTierError as exc:
+        raise ConfigError("remote_settings", str(exc)) from None
+
+
+def _check_fraction(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ConfigError(key, f"must be a share in [0, 1), got {value!r}")
+
+
 def _check_remote_secret(cfg: DaemonConfig) -> None:
     # Presence here, like the CURVE keys; the daemon reads the file (and refuses
     # a bad one, exit 2) when it starts.
@@ -604,7 +632,7 @@ class PoolDefaults:
         group=POOLS, check=_check_cpu_bytes, unset="auto", auto_note=_cpu_bytes_note))
     policy: str = field(default=DEFAULT_POLICY, metadata=key(
         _as_lower_str, "CPU-tier eviction policy (e.g. lru)", "NAME", group=POOLS, check=_check_policy))
-    clean_ahead_blocks: int = field(default=64, metadata=key(
+    clean_ahead_blocks: int = field(default=DEFAULT_CLEAN_AHEAD_BLOCKS, metadata=key(
         _as_int, "free GPU blocks kept already demoted ahead of allocation", "N",
         group=POOLS, check=partial(_check_int, minimum=0, maximum=MAX_CLEAN_AHEAD_BLOCKS)))
     remote_url: str | None = field(default=None, metadata=key(
@@ -615,7 +643,7 @@ class PoolDefaults:
         _as_optional_dir, "directory of the disk tier below the CPU tier (e.g. on local NVMe): each pool keeps "
         "up to disk_bytes of blocks in a subdirectory, kept across restarts and reboots ('none' = no disk tier)",
         "DIR", group=POOLS, check=_optional(_check_disk_dir)))
-    disk_bytes: int = field(default=64 * GiB, metadata=key(
+    disk_bytes: int = field(default=DEFAULT_DISK_BYTES, metadata=key(
         _as_size, "disk-tier size of each pool with a disk_dir, preallocated when the pool is created "
         "(e.g. 500GiB)", "SIZE", group=POOLS, check=_check_disk_bytes))
 
@@ -641,16 +669,31 @@ class PoolOverrides:
 
 @dataclass(frozen=True)
 class PoolSettings:
-    """The effective settings of one pool: ``default_pool`` with that pool's overrides applied."""
+    """The settings of one pool, in the one shape both sides use.
+
+    The configuration produces it (``DaemonConfig.pool_settings(name)``:
+    ``default_pool`` with the pool's overrides applied, and the remote
+    tier's settings), and the daemon builds the pool from it
+    (``daemon.pools.PoolRegistry``), once ``sized``: its ``gpu_bytes`` and
+    ``cpu_bytes`` in bytes, "auto" and N% resolved on this host. Its
+    defaults are the configuration's, which are ``TieredPool``'s
+    (``kvtier.tiers.pool_defaults``). Checked when built, as the tables are.
+    """
 
     name: str
-    gpu_bytes: int | None
-    cpu_bytes: CpuBytes | None
-    policy: str
-    clean_ahead_blocks: int
+    gpu_bytes: int | None = None
+    cpu_bytes: CpuBytes | None = None
+    policy: str = DEFAULT_POLICY
+    clean_ahead_blocks: int = DEFAULT_CLEAN_AHEAD_BLOCKS
     remote_url: str | None = None
     disk_dir: Path | None = None
-    disk_bytes: int = 64 * GiB
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    remote: RemoteTierSettings = field(default_factory=RemoteTierSettings)  # the top-level remote_* keys
+
+    def __post_init__(self) -> None:
+        _check_keys(self, POOL_KEYS)
+        if not isinstance(self.remote, RemoteTierSettings):
+            raise ConfigError("remote", "must be a RemoteTierSettings")
 
     def resolve_cpu_bytes(self, available_bytes: int | None = None) -> int:
         """CPU-tier bytes for this pool; ``available_bytes`` defaults to psutil's available memory now."""
@@ -667,6 +710,11 @@ class PoolSettings:
         if self.gpu_bytes is not None:
             return self.gpu_bytes
         return GPU_AUTO_BYTES_CUDA if on_cuda else GPU_AUTO_BYTES_HOST
+
+    def sized(self, *, on_cuda: bool, available_bytes: int | None = None) -> PoolSettings:
+        """These settings with both tiers' sizes in bytes, as a new pool gets them on this host now."""
+        return dataclasses.replace(self, gpu_bytes=self.resolve_gpu_bytes(on_cuda=on_cuda),
+                                   cpu_bytes=self.resolve_cpu_bytes(available_bytes))
 
 
 @dataclass(frozen=True)
@@ -817,6 +865,58 @@ class DaemonConfig:
         _as_optional_path, "the remote tier's secret (kvtier keygen DIR --remote-secret): every value in Redis is "
         "authenticated with it; required with remote_url, the same file on every daemon sharing the server",
         "FILE", group=REMOTE_TIER, rank=1))
+    remote_write_queue_blocks: int = field(default=_REMOTE.write_queue_blocks, metadata=key(
+        _as_int, "blocks each pool's remote tier may hold queued for write-back (each block_bytes + 32 bytes of "
+        "memory); a full queue drops the block (counted), never waits", "N",
+        group=REMOTE_TIER, rank=2, check=partial(_check_int, minimum=1, maximum=1 << 20)))
+    remote_writer_threads: int = field(default=_REMOTE.writer_threads, metadata=key(
+        _as_int, f"threads per pool sending queued blocks (1..{MAX_REMOTE_THREADS})", "N",
+        group=REMOTE_TIER, rank=3, check=partial(_check_int, minimum=1, maximum=MAX_REMOTE_THREADS)))
+    remote_write_batch_blocks: int = field(default=_REMOTE.write_batch_blocks, metadata=key(
+        _as_int, "SETs per pipelined round trip of a writer (1..4096)", "N",
+        group=REMOTE_TIER, rank=4, check=partial(_check_int, minimum=1, maximum=4096)))
+    remote_ttl_s: int | None = field(default=_REMOTE.ttl_s, metadata=key(
+        _as_optional_int, "expiry of each block written, in whole seconds (SET ... EX); 'off' = none, the "
+        "server's maxmemory alone bounds what it keeps", "SECONDS",
+        group=REMOTE_TIER, rank=5, check=_optional(partial(_check_int, minimum=1, maximum=MAX_REMOTE_TTL_S)),
+        unset="off"))
+    remote_reader_threads: int = field(default=_REMOTE.reader_threads, metadata=key(
+        _as_int, f"threads per pool fetching blocks in the background (1..{MAX_REMOTE_THREADS})", "N",
+        group=REMOTE_TIER, rank=6, check=partial(_check_int, minimum=1, maximum=MAX_REMOTE_THREADS)))
+    remote_fetch_round_trip_bytes: int = field(default=_REMOTE.fetch_round_trip_bytes, metadata=key(
+        _as_size, "most value bytes one fetch round trip asks for (held in memory at once; at least one block "
+        "is asked for) (e.g. 64MiB)", "SIZE",
+        group=REMOTE_TIER, rank=7, check=partial(_check_bytes_of_memory, minimum=1,
+                                                 what="a round trip's values are held in memory")))
+    remote_timeout_s: float = field(default=_REMOTE.timeout_s, metadata=key(
+        _as_float, f"socket timeout of every command: the longest a hung server delays a lookup or read before "
+        f"it is a miss and the tier is marked unavailable (0.001..{MAX_REMOTE_TIMEOUT_S:g})", "SECONDS",
+        group=REMOTE_TIER, rank=8, check=partial(_check_duration, minimum=0.001, maximum=MAX_REMOTE_TIMEOUT_S,
+                                                 why="a lookup waits for it")))
+    remote_connect_timeout_s: float = field(default=_REMOTE.connect_timeout_s, metadata=key(
+        _as_float, f"timeout of each connection attempt (0.001..{MAX_REMOTE_TIMEOUT_S:g})", "SECONDS",
+        group=REMOTE_TIER, rank=9, check=partial(_check_duration, minimum=0.001, maximum=MAX_REMOTE_TIMEOUT_S,
+                                                 why="a lookup may wait for it")))
+    remote_max_connections: int = field(default=_REMOTE.max_connections, metadata=key(
+        _as_int, f"connections per pool's remote tier (per node of a Cluster), one descriptor each "
+        f"(1..{MAX_REMOTE_CONNECTIONS})", "N",
+        group=REMOTE_TIER, rank=10, check=partial(_check_int, minimum=1, maximum=MAX_REMOTE_CONNECTIONS)))
+    remote_retry_initial_s: float = field(default=_REMOTE.retry_initial_s, metadata=key(
+        _as_float, "while the server is unreachable: the first wait before reconnecting, doubling up to "
+        f"remote_retry_max_s (0.001..{MAX_REMOTE_BACKOFF_S:g})", "SECONDS",
+        group=REMOTE_TIER, rank=11, check=partial(_check_duration, minimum=0.001, maximum=MAX_REMOTE_BACKOFF_S)))
+    remote_retry_max_s: float = field(default=_REMOTE.retry_max_s, metadata=key(
+        _as_float, f"the longest wait between reconnection attempts (remote_retry_initial_s..{MAX_REMOTE_BACKOFF_S:g})",
+        "SECONDS", group=REMOTE_TIER, rank=12,
+        check=partial(_check_duration, minimum=0.001, maximum=MAX_REMOTE_BACKOFF_S)))
+    remote_retry_jitter_fraction: float = field(default=_REMOTE.retry_jitter_fraction, metadata=key(
+        _as_fraction, "each reconnection wait varies by up to this share, + or - ([0, 1): 1 could make a wait 0, a "
+        "busy loop against a dead server)", "SHARE",
+        group=REMOTE_TIER, rank=13, check=_check_fraction))
+    remote_health_interval_s: float = field(default=_REMOTE.health_interval_s, metadata=key(
+        _as_float, f"ping period while the server is reachable and idle, so a dead server is noticed without "
+        f"traffic (0.01..{MAX_REMOTE_BACKOFF_S:g})", "SECONDS",
+        group=REMOTE_TIER, rank=14, check=partial(_check_duration, minimum=0.01, maximum=MAX_REMOTE_BACKOFF_S)))
     socket_mode: int = field(default=0o600, metadata=key(
         _as_mode, "file mode of the ipc socket: 0600, or 0660 to let the socket's group connect", "MODE",
         group=SERVER, rank=2, check=_check_socket_mode))
@@ -871,6 +971,7 @@ class DaemonConfig:
         object.__setattr__(self, "pools", MappingProxyType(pools))
         object.__setattr__(self, "tenants", MappingProxyType(_check_tenants(self.tenants)))
         _check_remote_secret(self)
+        _check_remote_settings(self)
         _check_cpu_budget(self)
         _check_disk_tiers(self)
 
@@ -906,7 +1007,12 @@ class DaemonConfig:
         for key_name in POOL_KEYS:
             value = getattr(overrides, key_name)
             settings[key_name] = value if value is not None else getattr(self.default_pool, key_name)
-        return PoolSettings(name=name, **settings)
+        return PoolSettings(name=name, remote=self.remote_settings, **settings)
+
+    @property
+    def remote_settings(self) -> RemoteTierSettings:
+        """How every pool's remote tier runs: the ``remote_*`` keys (``REMOTE_KEYS``)."""
+        return RemoteTierSettings(**{name: getattr(self, key_name) for key_name, name in REMOTE_KEYS.items()})
 
 
 TOP_KEYS: dict[str, Key] = keys_of(DaemonConfig)
@@ -918,13 +1024,28 @@ TABLES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DaemonConfig)
 TENANT_KEYS: tuple[str, ...] = ("token", *(f.name for f in dataclasses.fields(TenantConfig)))
 
 
+# remote_<setting> key -> the RemoteTierSettings field it sets.
+REMOTE_KEYS: dict[str, str] = {name: name[len("remote_"):] for name in TOP_KEYS
+                               if name.startswith("remote_") and name != "remote_secret_key_file"}
+
+
 def _check_pool_mirrors() -> None:
     # PoolOverrides and PoolSettings repeat PoolDefaults' keys for their types;
     # a key missing from one of them would be dropped without a word.
-    for cls, own in ((PoolOverrides, ()), (PoolSettings, ("name",))):
+    for cls, own in ((PoolOverrides, ()), (PoolSettings, ("name", "remote"))):
         names = [f.name for f in dataclasses.fields(cls) if f.name not in own]
         if names != list(POOL_KEYS):
             raise TypeError(f"{cls.__name__}'s fields {names} must be PoolDefaults' keys {list(POOL_KEYS)}")
+    # Every RemoteTierSettings field is a remote_* key, and each key's default is the field's.
+    fields = [f.name for f in dataclasses.fields(RemoteTierSettings)]
+    if sorted(REMOTE_KEYS.values()) != sorted(fields):
+        raise TypeError(f"the remote_* keys {sorted(REMOTE_KEYS)} must be RemoteTierSettings' fields {fields}")
+    defaults = RemoteTierSettings()
+    for key_name, name in REMOTE_KEYS.items():
+        default = next(f.default for f in dataclasses.fields(DaemonConfig) if f.name == key_name)
+        if default != getattr(defaults, name):
+            raise TypeError(f"{key_name} defaults to {default!r}, RemoteTierSettings.{name} to "
+                            f"{getattr(defaults, name)!r}")
 
 
 _check_pool_mirrors()

@@ -103,6 +103,10 @@ def _as_share(value: object, text: bool) -> float:
     return _as_number(value, text, "a number in (0, 1]")
 
 
+def _as_fraction(value: object, text: bool) -> float:
+    return _as_number(value, text, "a number in [0, 1)")
+
+
 def _as_optional_float(value: object, text: bool) -> float | None:
     if isinstance(value, str) and value.strip().lower() in _UNSET:
         return None

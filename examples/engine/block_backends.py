@@ -50,6 +50,7 @@ import torch
 from kvtier.tiers.host_memory import allocate_host_slab
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, TieredPool
+from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY
 from kvtier.tiers.transfer import make_transfer_engine
 
 from paged_llama import BLOCK_DIM, KVGeometry, PagedKVPool
@@ -114,8 +115,9 @@ def layout_identity(model_name: str, geometry: KVGeometry, hash_algo: str) -> di
 class InProcessBackend:
     """kvtier's ``TieredPool`` in this process, over the engine's own KV tensor."""
 
-    def __init__(self, kv: PagedKVPool, *, cpu_blocks: int, model_name: str = "example", policy: str = "lru",
-                 enable_caching: bool = True, hash_algo: str = "xxh3_128", clean_ahead_blocks: int = 64) -> None:
+    def __init__(self, kv: PagedKVPool, *, cpu_blocks: int, model_name: str = "example",
+                 policy: str = DEFAULT_POLICY, enable_caching: bool = True, hash_algo: str = "xxh3_128",
+                 clean_ahead_blocks: int = DEFAULT_CLEAN_AHEAD_BLOCKS) -> None:
         self.kv = kv
         self.hash_algo = hash_algo
         g = kv.geometry

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.tiers.eviction import DEFAULT_POLICY
+from kvtier.tiers.policies import DEFAULT_POLICY
 from kvtier.daemon.config import (
     ConfigError,
     DaemonConfig,
@@ -70,7 +70,7 @@ def test_defaults_with_no_file_env_or_flags() -> None:
     assert cfg.insecure_tcp is False
     assert cfg.curve_secret_key_file is None and cfg.curve_public_keys_dir is None
     assert cfg.hash_algo == "xxh3_128"
-    assert cfg.default_pool == PoolDefaults(gpu_bytes=None, cpu_bytes=None, policy="chain", clean_ahead_blocks=64)
+    assert cfg.default_pool == PoolDefaults(gpu_bytes=None, cpu_bytes=None, policy=DEFAULT_POLICY, clean_ahead_blocks=64)
     assert dict(cfg.pools) == {}
 
 

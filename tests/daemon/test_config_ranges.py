@@ -88,6 +88,22 @@ OUT_OF_RANGE = [
      "more than the whole filesystem"),
     ('[default_pool]\ndisk_bytes = "1023TiB"\n[pools.x]\ndisk_dir = "/tmp/kvtier-disk"', "default_pool.disk_bytes",
      "more than the whole filesystem"),
+    ("remote_writer_threads = 0", "remote_writer_threads", "in 1..64"),
+    ("remote_reader_threads = 65", "remote_reader_threads", "in 1..64"),
+    (f"remote_write_queue_blocks = {2**21}", "remote_write_queue_blocks", "in 1..1048576"),
+    ("remote_write_batch_blocks = 0", "remote_write_batch_blocks", "in 1..4096"),
+    ("remote_ttl_s = 0", "remote_ttl_s", "in 1..315360000"),
+    ("remote_ttl_s = 1.5", "remote_ttl_s", "integer"),
+    (f"remote_fetch_round_trip_bytes = {2**63}", "remote_fetch_round_trip_bytes", "more than this host's memory"),
+    ("remote_timeout_s = 0", "remote_timeout_s", "> 0 seconds"),
+    ("remote_timeout_s = 3600", "remote_timeout_s", "0.001..60 seconds"),
+    ("remote_connect_timeout_s = 1e300", "remote_connect_timeout_s", "0.001..60 seconds"),
+    ("remote_max_connections = 100000", "remote_max_connections", "in 1..4096"),
+    ("remote_retry_initial_s = 10\nremote_retry_max_s = 5", "remote_retry_max_s", "less than remote_retry_initial_s"),
+    ("remote_retry_max_s = 1e9", "remote_retry_max_s", "0.001..3600 seconds"),
+    ("remote_retry_jitter_fraction = 1.0", "remote_retry_jitter_fraction", "[0, 1)"),
+    ("remote_retry_jitter_fraction = -0.1", "remote_retry_jitter_fraction", "[0, 1)"),
+    ("remote_health_interval_s = 0.001", "remote_health_interval_s", "0.01..3600 seconds"),
 ]
 
 
@@ -119,6 +135,35 @@ def test_the_bounds_themselves_load(tmp_path: Path) -> None:
     assert (cfg.lease_s, cfg.poll_interval_s, cfg.default_pool.clean_ahead_blocks) == (3600, 1, 8388608)
     assert load_config(["--lease-s", "0.1"], ENV).lease_s == 0.1
     assert load_config(["--poll-interval-s", "0.001"], ENV).poll_interval_s == 0.001
+
+
+def test_the_remote_tier_settings_are_an_operators_to_set(tmp_path: Path) -> None:
+    """Issue 36 item 4: RemoteTierSettings from the file, the environment and flags, into every pool's settings."""
+    from kvtier.tiers.remote_settings import RemoteTierSettings
+
+    assert load_config([], ENV).pool_settings("x").remote == RemoteTierSettings()  # the defaults are its own
+    cfg = load_config(["--config", str(write(tmp_path, """
+        remote_write_queue_blocks = 4096
+        remote_writer_threads = 4
+        remote_write_batch_blocks = 64
+        remote_ttl_s = 3600
+        remote_reader_threads = 2
+        remote_fetch_round_trip_bytes = "16MiB"
+        remote_timeout_s = 1.5
+        remote_connect_timeout_s = 2
+        remote_max_connections = 8
+        remote_retry_initial_s = 0.1
+        remote_retry_max_s = 30
+        remote_retry_jitter_fraction = 0
+        remote_health_interval_s = 10
+        """)), "--remote-timeout-s", "0.75"], {**ENV, "KVTIER_REMOTE_MAX_CONNECTIONS": "16"})
+    want = RemoteTierSettings(write_queue_blocks=4096, writer_threads=4, write_batch_blocks=64, ttl_s=3600,
+                              reader_threads=2, fetch_round_trip_bytes=16 << 20, timeout_s=0.75,
+                              connect_timeout_s=2, max_connections=16, retry_initial_s=0.1, retry_max_s=30,
+                              retry_jitter_fraction=0, health_interval_s=10)
+    assert cfg.remote_settings == want
+    assert cfg.pool_settings("x").remote == cfg.pool_settings("other").remote == want
+    assert load_config(["--remote-ttl-s", "off"], ENV).remote_settings.ttl_s is None
 
 
 def test_per_peer_cap_against_the_automatic_total() -> None:

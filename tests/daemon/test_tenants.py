@@ -5,10 +5,14 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.daemon.config import TenantConfig
 from kvtier.daemon.tenants import ANONYMOUS, TenantQuotaPolicy, TenantRegistry, tenant_tag, user_id_for_key
+from kvtier.tiers.cpu_tier import CpuTier, CpuTierFull
+from kvtier.tiers.policies.lru import LRUPolicy
 from kvtier.tiers.pool import PoolSpec, TieredPool
 
 KEY_A = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
@@ -140,9 +144,89 @@ def test_an_admitted_demotion_that_never_lands_stops_counting() -> None:
     policy = pool.policy
     assert isinstance(policy, TenantQuotaPolicy)
     alice = reg.namespace("alice", hashes(4))
-    assert policy.admit(alice[0]) and policy.admit(alice[1])
+    assert policy.admit(alice[:3]) == [True, True, False], "the batch itself counts"
     assert reg.pending_bytes["alice"] == 2 * BLOCK
-    assert not policy.admit(alice[2]), "the batch itself counts"
-    policy.victims()  # any other policy call ends the batch
-    assert policy.admit(alice[3]), "keys of the failed batch were pruned"
+    assert policy.admit(alice[3:]) == [True], "keys of the failed batch were pruned"
     assert reg.pending_bytes["alice"] == BLOCK
+
+
+# ---- the quota does not depend on the order of the pool's calls ----------------------------------
+
+# Calls that change nothing an LRU policy decides: the old wrapper read them as "a batch of
+# admissions ended", so whether they came between two batches changed its answers.
+NOISE = ("victims", "stats", "gpu_drop", "learn", "access_absent")
+
+
+def run_quota(ops: list[tuple[str, int]], quota_blocks: int) -> tuple[list[list[bool]], dict[str, int]]:
+    """Drive a CPU tier whose policy is the quota wrapper (as a pool builds it) through ``ops``; returns
+    each demotion batch's answers and the final counters. Checks the counts against the tier's state."""
+    reg = registry(quota_a=quota_blocks * BLOCK)
+    cpu = CpuTier(6, LRUPolicy(6))
+    cpu.policy = TenantQuotaPolicy(cpu.policy, reg, BLOCK, cpu)
+    alice, bob = reg.namespace("alice", hashes(12)), reg.namespace("bob", hashes(12))
+    writing: list = []
+    answers: list[list[bool]] = []
+
+    def count(tenant: str, *, ready: bool) -> int:
+        return sum(1 for key, e in cpu._entries.items() if e.ready == ready and reg.tenant_of(key) == tenant)
+
+    for op, n in ops:
+        if op == "demote":  # a batch of 1-3 of alice's (and one of bob's) blocks the tier lacks
+            keys = [key for key in (alice[n % 12], alice[(n + 1) % 12], bob[n % 12], alice[(n + 5) % 12])[: 1 + n % 4]
+                    if cpu.get(key) is None]
+            keys = list(dict.fromkeys(keys))
+            got = cpu.admit(keys)
+            answers.append(got)
+            batch = sum(1 for key, yes in zip(keys, got) if yes and reg.tenant_of(key) == "alice")
+            assert reg.pending_bytes["alice"] == BLOCK * (count("alice", ready=False) + batch)
+            admitted = [key for key, yes in zip(keys, got) if yes]
+            try:
+                writing += cpu.reserve(admitted)
+            except CpuTierFull:
+                pass  # admitted, never reserved: stops counting at the next batch
+        elif op == "land" and writing:
+            cpu.commit(writing.pop(n % len(writing)))
+        elif op == "fail" and writing:
+            cpu.abort(writing.pop(n % len(writing)))
+        elif op == "drop":
+            cpu.discard([alice[n % 12], bob[n % 12]])
+        elif op == "victims":
+            list(cpu.policy.victims())
+        elif op == "stats":
+            cpu.policy.stats()
+        elif op == "gpu_drop":
+            cpu.gpu_dropped([alice[n % 12]])
+        elif op == "learn":
+            cpu.policy.record([alice[n % 12], bob[n % 12]])
+        elif op == "access_absent":
+            cpu.accessed([bytes(16)])
+        assert reg.resident_bytes["alice"] == BLOCK * count("alice", ready=True)
+        assert reg.resident_blocks["bob"] == count("bob", ready=True)
+    return answers, {"resident": reg.resident_bytes["alice"], "pending": reg.pending_bytes["alice"],
+                     "dropped": reg.dropped_demotions["alice"]}
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(("demote", "demote", "land", "fail", "drop") + NOISE),
+                              st.integers(0, 11)), max_size=40),
+       quota_blocks=st.integers(1, 4), data=st.data())
+def test_quota_answers_do_not_depend_on_the_order_of_other_calls(ops: list[tuple[str, int]], quota_blocks: int,
+                                                                 data: st.DataObject) -> None:
+    """The same demotions, landings and failures with the other calls removed, or moved anywhere
+    else in any order: the same answers, the same counts (which match the tier's state)."""
+    core = [op for op in ops if op[0] not in NOISE]
+    noise = data.draw(st.permutations([op for op in ops if op[0] in NOISE]))
+    moved = list(core)
+    for op in noise:
+        moved.insert(data.draw(st.integers(0, len(moved))), op)
+    assert run_quota(ops, quota_blocks) == run_quota(core, quota_blocks) == run_quota(moved, quota_blocks)
+
+
+def test_a_failed_demotion_stops_counting_whatever_came_between() -> None:
+    """Two batches with nothing between them: the first one's copies failed (aborted) before the
+    second was asked. The old wrapper only pruned after some other policy call, so here it kept
+    counting them and refused the second batch."""
+    ops = [("demote", 1), ("fail", 0), ("fail", 0), ("demote", 4)]
+    quiet, _ = run_quota(ops, 2)
+    noisy, _ = run_quota(ops[:3] + [("victims", 0)] + ops[3:], 2)
+    assert quiet == noisy == [[True, True], [True]]

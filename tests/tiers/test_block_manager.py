@@ -191,7 +191,7 @@ def test_reference_worked_example_through_pool_moves_block_3_to_cpu(hasher: Bloc
         cpu_storage = BlockLayout.contiguous(16, bb)
         cpu_storage.slab().fill_(0xA5)
         pool = TieredPool(
-            PoolSpec("worked", BS, bb), cpu_blocks=16, transfer=engine, cpu_storage=cpu_storage,
+            PoolSpec("worked", BS, bb), cpu_blocks=16, policy="lru", transfer=engine, cpu_storage=cpu_storage,
             clean_ahead_blocks=clean_ahead,
         )
         pool.attach_gpu(gpu)

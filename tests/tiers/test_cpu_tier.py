@@ -45,7 +45,7 @@ def test_lru_order_evicts_least_recently_used_first() -> None:
     tier = make_tier(3)
     put(tier, k(1), k(2), k(3))
     assert tier.num_free_slots == 0
-    tier.hit(k(1))  # order now 2 3 1
+    tier.accessed([k(1)])  # order now 2 3 1
     (e4,) = tier.reserve([k(4)])
     assert tier.get(k(2)) is None and tier.evictions == 1
     assert e4.ready is False and not tier.contains(k(4))  # invisible until committed
@@ -53,7 +53,7 @@ def test_lru_order_evicts_least_recently_used_first() -> None:
     assert tier.contains(k(4))
     assert list(tier.policy.victims()) == [k(3), k(1), k(4)]
     # Two at once: the two least recent go, in order.
-    tier.hit(k(3))  # order 1 4 3
+    tier.accessed([k(3)])  # order 1 4 3
     tier.reserve([k(5), k(6)])
     assert tier.get(k(1)) is None and tier.get(k(4)) is None and tier.contains(k(3))
     assert tier.evictions == 3

@@ -67,7 +67,7 @@ class Node:
         self.dir = ArenaDirectory(where, ENDPOINT)
         self.arena = self.dir.open("p", layout or LAYOUT, slots, BB, pin=False)
         self.engine = engine or ThreadTransferEngine()
-        self.pool = TieredPool(PoolSpec("p", BS, BB), cpu_blocks=slots, transfer=self.engine,
+        self.pool = TieredPool(PoolSpec("p", BS, BB), cpu_blocks=slots, policy="lru", transfer=self.engine,
                                cpu_storage=self.arena.layout, journal_events=1000)
         self.pool.attach_arena(self.arena)
 

@@ -42,11 +42,11 @@ class SimCache:
         ``pinned_first`` pretends the first that many victims are pinned, so
         the cache must take a later one (or the last, if there are fewer).
         """
-        self.policy.record_request([key])
+        self.policy.record([key])
         if key in self.resident:
-            self.policy.on_hit(key)
+            self.policy.on_access([key])
             return True
-        if self.capacity == 0 or not self.policy.admit(key):
+        if self.capacity == 0 or not self.policy.admit([key])[0]:
             return False
         if len(self.resident) >= self.capacity:
             # Consume the iterator before changing anything, as the tier does.
@@ -135,7 +135,7 @@ def test_invariants_under_random_workload(spec: str, capacity: int, ops: list[tu
             sim.drop(key)
         elif key not in sim.resident:
             # Calls about non-resident keys must be harmless no-ops.
-            policy.on_hit(key)
+            policy.on_access([key])
             policy.on_remove(key)
         check_invariants(sim)
 
@@ -285,8 +285,8 @@ def test_arc_victims_follow_target() -> None:
     policy = ARCPolicy(8)
     for i in range(4):
         policy.on_insert(k(i))
-    policy.on_hit(k(0))
-    policy.on_hit(k(1))  # T1 = [2, 3], T2 = [0, 1]
+    policy.on_access([k(0)])
+    policy.on_access([k(1)])  # T1 = [2, 3], T2 = [0, 1]
     assert list(policy.victims()) == [k(2), k(3), k(0), k(1)]  # |T1| = 2 > p = 0
     policy._p = 2.0
     assert list(policy.victims()) == [k(0), k(1), k(2), k(3)]  # T1 within target: T2 first
@@ -344,9 +344,9 @@ def test_s3fifo_main_reinsertion_spends_frequency() -> None:
     policy = S3FIFOPolicy(10)
     for i in range(10):
         policy.on_insert(k(i))
-        policy.on_hit(k(i))
+        policy.on_access([k(i)])
     for _ in range(5):
-        policy.on_hit(k(0))  # capped at 3
+        policy.on_access([k(0)])  # capped at 3
     assert policy.freq(k(0)) == 3
     # All ten used: settling promotes all of S into M, then laps M
     # decrementing counters until a head reaches 0. Key 0 heads M twice
@@ -363,7 +363,7 @@ def test_s3fifo_iterator_does_not_mutate() -> None:
     for i in range(10):
         policy.on_insert(k(i))
         if i % 2:
-            policy.on_hit(k(i))
+            policy.on_access([k(i)])
     it = policy.victims()
     snapshot = (list(policy._small.items()), list(policy._main.items()))
     order = list(it)
@@ -395,49 +395,49 @@ def test_admit2_first_request_rejected_second_admitted() -> None:
 def test_admit2_lookup_then_demotion_flow() -> None:
     policy = AdmissionWrapper(LRUPolicy(4))
     blocks = [k(1), k(2), k(3)]
-    policy.record_request(blocks + [k(1)])  # duplicates in one request count once
+    policy.record(blocks + [k(1)])  # duplicates in one request count once
     # The request's own blocks are demoted: the lookup that produced them is
     # not an earlier sighting, and the rejection does not become one.
-    assert not any(policy.admit(b) for b in blocks)
-    assert not any(policy.admit(b) for b in blocks)
-    policy.record_request(blocks[:2])
-    assert [policy.admit(b) for b in blocks] == [True, True, False]
+    assert not any(policy.admit([b])[0] for b in blocks)
+    assert not any(policy.admit([b])[0] for b in blocks)
+    policy.record(blocks[:2])
+    assert [policy.admit([b])[0] for b in blocks] == [True, True, False]
 
 
 def test_admit2_unrequested_keys_admitted_on_second_store() -> None:
     policy = AdmissionWrapper(LRUPolicy(4))
-    assert policy.admit(k(7)) is False
-    assert policy.admit(k(7)) is True
+    assert policy.admit([k(7)])[0] is False
+    assert policy.admit([k(7)])[0] is True
     # A rejected store followed by one lookup is two sightings as well.
-    assert policy.admit(k(8)) is False
-    policy.record_request([k(8)])
-    assert policy.admit(k(8)) is True
+    assert policy.admit([k(8)])[0] is False
+    policy.record([k(8)])
+    assert policy.admit([k(8)])[0] is True
 
 
 def test_admit2_seen_set_is_bounded_lru() -> None:
     policy = AdmissionWrapper(LRUPolicy(4), seen_bound=3)
-    policy.record_request([k(1)])
-    policy.record_request([k(2), k(3)])
-    policy.record_request([k(1)])  # refreshes 1
-    policy.record_request([k(4)])  # pushes out 2, the oldest
+    policy.record([k(1)])
+    policy.record([k(2), k(3)])
+    policy.record([k(1)])  # refreshes 1
+    policy.record([k(4)])  # pushes out 2, the oldest
     assert policy.tracked == 3
-    policy.record_request([k(2)])  # 2 starts over (and pushes out 3)
-    assert policy.admit(k(1)) is True and policy.admit(k(2)) is False
+    policy.record([k(2)])  # 2 starts over (and pushes out 3)
+    assert policy.admit([k(1)])[0] is True and policy.admit([k(2)])[0] is False
 
 
 def test_admit2_delegates_and_defers_to_inner() -> None:
     class Refusing(LRUPolicy):
-        def admit(self, key: bytes) -> bool:
-            return key != k(9)
+        def admit(self, keys: Sequence[bytes]) -> list[bool]:
+            return [key != k(9) for key in keys]
 
     inner = Refusing(4)
     policy = AdmissionWrapper(inner)
     policy.on_insert(k(1))
     policy.on_insert(k(2))
-    policy.on_hit(k(1))
+    policy.on_access([k(1)])
     assert len(policy) == 2 and list(policy.victims()) == [k(2), k(1)]
     policy.on_remove(k(2))
     assert list(inner.victims()) == [k(1)]
     for _ in range(2):
-        policy.record_request([k(9), k(5)])
-    assert policy.admit(k(5)) is True and policy.admit(k(9)) is False
+        policy.record([k(9), k(5)])
+    assert policy.admit([k(5)])[0] is True and policy.admit([k(9)])[0] is False

@@ -25,8 +25,8 @@ def test_registered_by_name() -> None:
 
 def test_victims_are_the_resident_keys_once_each_tail_first() -> None:
     p = ChainPolicy(100, horizon=64, bucket_width=1)  # one window per request
-    p.record_request([k(0), k(1), k(2)])
-    p.record_request([k(10), k(11)])
+    p.record([k(0), k(1), k(2)])
+    p.record([k(10), k(11)])
     for i in (0, 1, 2, 10, 11):
         p.on_insert(i.to_bytes(8, "little"))
     p.on_insert(k(1))  # already resident: no-op
@@ -51,13 +51,13 @@ def test_learns_which_class_comes_back() -> None:
     for t in range(2400):
         if t % 2 == 0:
             c = (t // 2) % 40  # conversation c comes back every 40 requests
-            p.record_request(convs[c])
+            p.record(convs[c])
         else:
-            p.record_request([k(next(fresh)) for _ in range(8)])
+            p.record([k(next(fresh)) for _ in range(8)])
     # Keys resident now: one conversation used 10 requests ago and a document used just now.
     p.on_insert(convs[(2398 // 2) % 40 - 5][0])
     doc = [k(next(fresh)) for _ in range(8)]
-    p.record_request(doc)
+    p.record(doc)
     for key in doc:
         p.on_insert(key)
     order = list(p.victims())
@@ -72,23 +72,23 @@ def test_admission_rejects_what_is_worse_than_the_victims() -> None:
     chain = [k(1), k(2), k(3)]
     fresh = iter(range(100, 10**6))
     for t in range(1200):
-        p.record_request(chain if t % 2 == 0 else [k(next(fresh))])
+        p.record(chain if t % 2 == 0 else [k(next(fresh))])
     one_off = k(next(fresh))
-    p.record_request([one_off])
-    assert p.admit(one_off)  # not full: everything is admitted
+    p.record([one_off])
+    assert p.admit([one_off])[0]  # not full: everything is admitted
     p.on_insert(chain[0])
     p.on_insert(chain[1])
     p.on_remove(chain[1])  # the tier evicted a chain block ...
     p.on_insert(chain[1])  # ... and the tier is full again
-    assert not p.admit(one_off)
-    assert p.admit(chain[2])
-    assert ChainPolicy(2, admission=False).admit(one_off)
+    assert not p.admit([one_off])[0]
+    assert p.admit([chain[2]])[0]
+    assert ChainPolicy(2, admission=False).admit([one_off])[0]
 
 
 def test_metadata_stays_bounded() -> None:
     p = ChainPolicy(10, horizon=256, bucket_width=8)
     for i in range(3000):
-        p.record_request([k(10 * i + j) for j in range(5)])
+        p.record([k(10 * i + j) for j in range(5)])
     assert len(p._meta) <= 256 * 5 + 10
     assert len(p._pending) <= 256 * 5
 
@@ -102,7 +102,7 @@ def test_random_operations_keep_the_contract(ops: list[tuple[str, list[int]]]) -
     for op, ids in ops:
         keys = [k(i) for i in ids]
         if op == "req":
-            p.record_request(keys)
+            p.record(keys)
         elif op == "ins":
             p.on_insert(keys[0])
             resident.add(keys[0])
@@ -110,7 +110,7 @@ def test_random_operations_keep_the_contract(ops: list[tuple[str, list[int]]]) -
             p.on_remove(keys[0])
             resident.discard(keys[0])
         else:
-            p.admit(keys[0])
+            p.admit([keys[0]])[0]
         order = list(p.victims())
         assert len(order) == len(set(order)) == len(p) == len(resident)
         assert set(order) == resident

@@ -1,10 +1,10 @@
-"""The "chain" policy's decisions pinned by a golden digest, and ``record_request_steps`` (its own and
-the wrappers' forwarding).
+"""The "chain" policy's decisions pinned by a golden digest, and ``learn`` in steps (its own and the
+wrappers' forwarding).
 
 The digest covers every decision a tier sees (victims order, admit answers), the learned densities
 and the admission threshold over seeded workloads small enough (capacity, horizon, bucket width)
 that epochs roll, densities are re-estimated and blocks are evicted and refused many times. It was
-produced by the implementation before ``record_request`` was made faster: a change to the digest
+produced by the implementation before learning a request was made faster: a change to the digest
 means a change of behaviour, not of speed.
 """
 
@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.policies import EvictionPolicy
+from kvtier.tiers.hints import RequestHints
+from kvtier.tiers.policies import EvictionPolicy, PolicyRequest
 from kvtier.tiers.policies.admit2 import AdmissionWrapper
+from kvtier.tiers.policies.base import ALL_KEYS
 from kvtier.tiers.policies.chain import ChainPolicy
 from kvtier.tiers.policies.lru import LRUPolicy
 
@@ -66,7 +68,7 @@ class Workload:
     removals, and probes of ``victims()``/``admit()``. Every answer goes into ``log``.
 
     ``record`` is how a request reaches the policy, so the same workload can drive
-    ``record_request`` or a drained ``record_request_steps``.
+    ``record`` (``learn`` in one step) or ``learn`` drained in steps.
     """
 
     def __init__(self, policy: ChainPolicy, capacity: int, seed: int,
@@ -74,7 +76,7 @@ class Workload:
         self.p = policy
         self.capacity = capacity
         self.rng = random.Random(seed)
-        self.record = record or (lambda p, keys: p.record_request(keys))
+        self.record = record or (lambda p, keys: p.record(keys))
         self.resident: set[bytes] = set()
         self.chains: list[list[bytes]] = []
         self.systems = [[k(10**6 + 100 * s + j) for j in range(3)] for s in range(3)]
@@ -117,7 +119,7 @@ class Workload:
         """What the tier does with a block it could cache: admit, evict one if full, insert."""
         if key in self.resident:
             return
-        ok = self.p.admit(key)
+        ok = self.p.admit([key])[0]
         self.log.append(f"admit {key.hex()} {ok}")
         if not ok:
             return
@@ -160,7 +162,7 @@ class Workload:
                     key = rng.choice(self.recent)
                 else:
                     key = k(rng.randrange(self.next_id + 5))
-                self.log.append(f"probe {key.hex()} {self.p.admit(key)}")
+                self.log.append(f"probe {key.hex()} {self.p.admit([key])[0]}")
             elif self.recent:
                 # A store the policy did not see looked up: inserted without asking admit.
                 key = rng.choice(self.recent)
@@ -179,7 +181,7 @@ def workload_digest(name: str, seed: int, n_ops: int = 3000,
     return Workload(factory(capacity), capacity, seed, record).run(n_ops)
 
 
-# Produced by the implementation before the record_request speed-up (see the module docstring).
+# Produced by the implementation before the learning speed-up (see the module docstring).
 GOLDEN: dict[tuple[str, int], str] = {
     ("w4", 1): "35a84b77df8a94c3d25c52c14bfb65afe93a61506b0d0cd8ba8e597f39c7586b",
     ("w8-pooled", 1): "d67656a782cd9daa6f4f9bcec03bab8e0c2d424519d75a363b647e12e267c28a",
@@ -197,14 +199,14 @@ def test_decisions_match_the_golden_digest(name: str, seed: int) -> None:
     assert workload_digest(name, seed) == GOLDEN[name, seed]
 
 
-# ---- record_request_steps ----------------------------------------------------------------------
+# ---- learn in steps -------------------------------------------------------------------------------
 
 
 def drained(chunk_keys: int) -> Callable[[ChainPolicy, list[bytes]], None]:
-    """Records a request through ``record_request_steps``, with nothing between the steps."""
+    """Records a request through ``learn`` in steps of ``chunk_keys``, with nothing between the steps."""
 
     def record(p: ChainPolicy, keys: list[bytes]) -> None:
-        for _ in p.record_request_steps(keys, chunk_keys):
+        for _ in p.learn(PolicyRequest(keys), chunk_keys):
             pass
 
     return record
@@ -244,14 +246,14 @@ def test_drained_steps_match_the_golden_digest(name: str, chunk_keys: int) -> No
 
 @settings(max_examples=40, deadline=None)
 @given(name=st.sampled_from(sorted(CONFIGS)), seed=st.integers(0, 2**32), chunk_keys=st.integers(1, 10))
-def test_drained_steps_decide_as_record_request_on_workloads(name: str, seed: int, chunk_keys: int) -> None:
+def test_drained_steps_decide_as_record_on_workloads(name: str, seed: int, chunk_keys: int) -> None:
     assert workload_digest(name, seed, 400, drained(chunk_keys)) == workload_digest(name, seed, 400)
 
 
 @settings(max_examples=80, deadline=None)
 @given(requests=st.lists(st.lists(st.integers(0, 40), max_size=30), max_size=80),
        chunk_keys=st.integers(1, 8), inserted=st.lists(st.integers(0, 40), max_size=10))
-def test_drained_steps_leave_the_state_of_record_request(requests: list[list[int]], chunk_keys: int,
+def test_drained_steps_leave_the_state_of_record(requests: list[list[int]], chunk_keys: int,
                                                          inserted: list[int]) -> None:
     a, b = (ChainPolicy(6, horizon=16, bucket_width=2, min_samples=3.0) for _ in range(2))
     for i in inserted:
@@ -259,10 +261,10 @@ def test_drained_steps_leave_the_state_of_record_request(requests: list[list[int
         b.on_insert(k(i))
     for ids in requests:
         keys = [k(i) for i in ids]
-        a.record_request(keys)
+        a.record(keys)
         drained(chunk_keys)(b, keys)
         probes = [k(i) for i in range(41)]
-        assert [a.admit(key) for key in probes] == [b.admit(key) for key in probes]
+        assert [a.admit([key])[0] for key in probes] == [b.admit([key])[0] for key in probes]
         assert state(a) == state(b)
         if keys:  # an eviction, so admission has a threshold to compare with
             a.on_remove(keys[-1])
@@ -280,7 +282,7 @@ def test_calls_between_steps_keep_the_policy_consistent(requests: list[list[int]
     between = st.lists(st.tuples(st.sampled_from(["ins", "rem", "vic", "adm", "hit"]), st.integers(0, 30)),
                        max_size=3)
     for ids in requests:
-        for _ in p.record_request_steps([k(i) for i in ids], chunk_keys):
+        for _ in p.learn(PolicyRequest([k(i) for i in ids]), chunk_keys):
             for op, i in data.draw(between):
                 key = k(i)
                 if op == "ins":
@@ -292,9 +294,9 @@ def test_calls_between_steps_keep_the_policy_consistent(requests: list[list[int]
                 elif op == "vic":
                     list(zip(range(3), p.victims()))
                 elif op == "adm":
-                    p.admit(key)
+                    p.admit([key])[0]
                 else:
-                    p.on_hit(key)
+                    p.on_access([key])
                 check_consistent(p, resident)
         check_consistent(p, resident)
         check_balanced(p)
@@ -302,41 +304,43 @@ def test_calls_between_steps_keep_the_policy_consistent(requests: list[list[int]
 
 def test_steps_are_chunked() -> None:
     p = ChainPolicy(100, horizon=64, bucket_width=4)
-    assert sum(1 for _ in p.record_request_steps([k(i) for i in range(20)], 4)) >= 10  # 5 + 5 chunks
-    assert sum(1 for _ in p.record_request_steps([k(i) for i in range(20)], 1000)) <= 3
+    assert sum(1 for _ in p.learn(PolicyRequest([k(i) for i in range(20)]), 4)) >= 10  # 5 + 5 chunks
+    assert sum(1 for _ in p.learn(PolicyRequest([k(i) for i in range(20)]), 1000)) <= 3
     with pytest.raises(ValueError):
-        next(p.record_request_steps([k(1)], 0))
+        next(p.learn(PolicyRequest([k(1)]), 0))
 
 
 def test_a_request_closed_early_is_finished_and_one_never_started_is_not_recorded() -> None:
     a, b = ChainPolicy(10, horizon=16, bucket_width=2), ChainPolicy(10, horizon=16, bucket_width=2)
     for t in range(40):
         keys = [k(t % 7 + j) for j in range(12)]
-        a.record_request(keys)
-        steps = b.record_request_steps(keys, 2)
+        a.record(keys)
+        steps = b.learn(PolicyRequest(keys), 2)
         for _ in range(t % 5):
             next(steps)
         steps.close()  # t % 5 == 0: never started, so record it the ordinary way
         if t % 5 == 0:
             assert b.now == a.now - 1
-            b.record_request(keys)
+            b.record(keys)
         assert state(a) == state(b)
 
 
 # ---- wrappers forward the steps -------------------------------------------------------------------
 
 
-def test_default_steps_are_one_step_of_record_request() -> None:
-    calls: list[list[bytes]] = []
+def test_the_default_learns_nothing_and_record_drains_learn() -> None:
+    assert list(LRUPolicy(4).learn(PolicyRequest([k(1), k(2)]), 1)) == []  # no step, no work
+    calls: list[tuple[list[bytes], RequestHints | None]] = []
 
     class Spy(LRUPolicy):
-        def record_request(self, keys: Sequence[bytes]) -> None:
-            calls.append(list(keys))
+        def learn(self, request: PolicyRequest, chunk_keys: int = ALL_KEYS) -> Iterator[None]:
+            for key in request.keys:
+                calls.append(([key], request.hints))
+                yield
 
-    steps = Spy(4).record_request_steps([k(1), k(2)], 1)
-    assert calls == []  # nothing before the first step
-    assert list(steps) == []  # one step, which ends the generator
-    assert calls == [[k(1), k(2)]]
+    hints = RequestHints(session=b"s")
+    Spy(4).record([k(1), k(2)], hints)  # one request, all its steps
+    assert calls == [([k(1)], hints), ([k(2)], hints)]
 
 
 def _wrapped(kind: str) -> tuple[EvictionPolicy, ChainPolicy]:
@@ -357,15 +361,15 @@ def test_wrappers_forward_the_steps(kind: str) -> None:
     rng = random.Random(5)
     for _ in range(60):
         keys = [k(rng.randrange(30)) for _ in range(rng.randrange(12))]
-        a.record_request(keys)
-        steps = sum(1 for _ in b.record_request_steps(keys, 2))
+        a.record(keys)
+        steps = sum(1 for _ in b.learn(PolicyRequest(keys), 2))
         assert steps >= len(set(keys)) // 2  # the chain policy's own steps, not one default step
         for key in keys[:2]:
-            assert a.admit(key) == b.admit(key)
+            assert a.admit([key])[0] == b.admit([key])[0]
             a.on_insert(key)
             b.on_insert(key)
         assert state(chain_a) == state(chain_b)
-    if "admit2" in kind:  # the seen-set counted each request once, as record_request does
+    if "admit2" in kind:  # the seen-set counted each request once, as record does
         seen_a, seen_b = (_admit2_of(p)._seen for p in (a, b))
         assert seen_a == seen_b and any(s.requests >= 2 for s in seen_b.values())
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.tiers.hints import RequestHints
-from kvtier.tiers.policies import make_policy
+from kvtier.tiers.policies import PolicyRequest, make_policy
 from kvtier.tiers.policies.chain import FOLD_KEYS, HISTORY_KEYS_PER_BLOCK, MIN_HISTORY_KEYS, ChainPolicy
 from kvtier.tiers.policies.lru import LRUPolicy
 from kvtier.tiers.policies.session import _EVENTS_SLACK, CHAIN_KEYS_PER_BLOCK, MIN_CHAIN_KEYS, SessionWrapper
@@ -44,9 +44,9 @@ def test_never_seen_keys_do_not_grow_chain_past_its_history_bound() -> None:
     for key in resident:
         p.on_insert(key)
     for r in range(60):
-        p.record_request(fresh(f"flood{r}", 3_000))
+        p.record(fresh(f"flood{r}", 3_000))
         assert p._history <= p.history_keys
-        assert p.remembered_keys() == len(p._meta) <= len(resident) + p.history_keys
+        assert p.stats().remembered_keys == len(p._meta) <= len(resident) + p.history_keys
         assert p._entries <= 2 * p._history + p.history_keys
         check_balanced(p)
     assert p.forgotten_uses == 60 * 3_000 - 2_000
@@ -57,23 +57,23 @@ def test_unbounded_chain_keeps_every_key_of_the_horizon() -> None:
     """The same flood without the bound: the history grows with the traffic (what the bound stops)."""
     p = ChainPolicy(50, horizon=4096, bucket_width=32, history_keys=10**9)
     for r in range(20):
-        p.record_request(fresh(f"flood{r}", 3_000))
+        p.record(fresh(f"flood{r}", 3_000))
     assert len(p._meta) == 60_000 and p.forgotten_uses == 0
 
 
 def test_one_request_longer_than_the_bound_keeps_its_head() -> None:
     p = ChainPolicy(10, history_keys=100)
     keys = fresh("long", 1_000)
-    p.record_request(keys)
+    p.record(keys)
     assert set(p._meta) == set(keys[:100])  # the deepest blocks are forgotten first
-    p.record_request(keys[:50])
+    p.record(keys[:50])
     assert all(p._meta[key].uses == 2 for key in keys[:50])  # a reuse, with its gap counted
     check_balanced(p)
 
 
 def test_a_long_request_folds_its_counts_at_once() -> None:
     p = ChainPolicy(10, history_keys=10 * FOLD_KEYS)
-    p.record_request(fresh("long", FOLD_KEYS + 1))
+    p.record(fresh("long", FOLD_KEYS + 1))
     assert not p._born and p._pend.sum() == FOLD_KEYS + 1
 
 
@@ -100,7 +100,7 @@ def test_history_stays_bounded_and_balanced_on_any_traffic(ops: list[tuple[str, 
     for op, ids in ops:
         keys = [i.to_bytes(2, "little") for i in ids]
         if op == "req":
-            for _ in p.record_request_steps(keys, chunk_keys):
+            for _ in p.learn(PolicyRequest(keys), chunk_keys):
                 pass
             assert p._history <= history_keys
             assert len(p._meta) <= len(resident) + history_keys
@@ -118,13 +118,13 @@ def test_history_stays_bounded_and_balanced_on_any_traffic(ops: list[tuple[str, 
 @settings(max_examples=60, deadline=None)
 @given(requests=st.lists(st.lists(st.integers(0, 80), max_size=30), max_size=60), chunk_keys=st.integers(1, 8),
        history_keys=st.integers(0, 25))
-def test_forgetting_in_steps_leaves_the_state_of_record_request(requests: list[list[int]], chunk_keys: int,
+def test_forgetting_in_steps_leaves_the_state_of_record(requests: list[list[int]], chunk_keys: int,
                                                                history_keys: int) -> None:
     a, b = (ChainPolicy(6, horizon=16, bucket_width=2, min_samples=3.0, history_keys=history_keys) for _ in range(2))
     for ids in requests:
         keys = [i.to_bytes(2, "little") for i in ids]
-        a.record_request(keys)
-        for _ in b.record_request_steps(keys, chunk_keys):
+        a.record(keys)
+        for _ in b.learn(PolicyRequest(keys), chunk_keys):
             pass
         assert state(a) == state(b)
         assert (a._history, a._entries, a.forgotten_uses) == (b._history, b._entries, b.forgotten_uses)
@@ -134,8 +134,7 @@ def test_forgetting_in_steps_leaves_the_state_of_record_request(requests: list[l
 
 
 def hinted(p: SessionWrapper, keys: list[bytes], session: str, at_s: float, **more: float) -> None:
-    p.record_hints(keys, RequestHints(session=session.encode(), at_s=at_s, **more))  # type: ignore[arg-type]
-    p.record_request(keys)
+    p.record(keys, RequestHints(session=session.encode(), at_s=at_s, **more))  # type: ignore[arg-type]
 
 
 def chain_entries(p: SessionWrapper) -> int:
@@ -150,7 +149,7 @@ def test_a_new_session_per_request_does_not_grow_the_streams_past_the_chain_boun
         hinted(p, keys, f"session{r}", float(r))
         assert p._chain_entries == chain_entries(p) <= p.chain_keys
         assert len(p._owner) <= p.chain_keys
-        assert p.remembered_keys() <= p.chain_keys + len(p.inner._meta)
+        assert p.stats().remembered_keys <= p.chain_keys + len(p.inner._meta)
         assert p._owner[keys[-1]][0].ident[0] == f"session{r}".encode()  # the latest stream stays
     assert p.forgotten_streams == 40 - 3
     assert len(p._streams) == 3
@@ -165,7 +164,7 @@ def test_a_chain_longer_than_the_bound_keeps_its_head_and_its_stream() -> None:
     hinted(p, keys + fresh("more", 5), "s", 10.0)  # the next turn continues the same stream
     assert list(p._streams.values()) == [s] and s.requests == 2 and len(s.chain) == 100
     # A store's follow-up does not grow it either.
-    p.record_hints(fresh("generated", 50), RequestHints(session=b"s", at_s=11.0, continues=True))
+    p.record(fresh("generated", 50), RequestHints(session=b"s", at_s=11.0, continues=True))
     assert len(s.chain) == 100 and p._chain_entries == 100
 
 
@@ -173,7 +172,7 @@ def test_follow_ups_grow_a_chain_up_to_the_bound() -> None:
     p = SessionWrapper(LRUPolicy(10), chain_keys=100)
     hinted(p, fresh("prompt", 10), "s", 0.0)
     for i in range(30):
-        p.record_hints(fresh(f"generated{i}", 5), RequestHints(session=b"s", at_s=1.0 + i, continues=True))
+        p.record(fresh(f"generated{i}", 5), RequestHints(session=b"s", at_s=1.0 + i, continues=True))
     (s,) = p._streams.values()
     assert len(s.chain) == 100 and p._chain_entries == 100 and s.chain[:10] == fresh("prompt", 10)
 
@@ -215,10 +214,10 @@ def test_streams_stay_within_the_chain_bound_and_consistent(ops: list[tuple[int,
         if kind <= 2:
             hinted(p, keys, str(session), t, retain_s=rng.choice([0.0, 30.0]))
         elif kind == 3:
-            p.record_hints(keys, RequestHints(session=str(session).encode(), at_s=t, continues=True))
+            p.record(keys, RequestHints(session=str(session).encode(), at_s=t, continues=True))
         elif kind == 4:
             for key in keys:
-                if key not in resident and len(resident) < 10 and p.admit(key):
+                if key not in resident and len(resident) < 10 and p.admit([key])[0]:
                     p.on_insert(key)
                     resident.add(key)
         elif kind == 5 and resident:
@@ -226,7 +225,7 @@ def test_streams_stay_within_the_chain_bound_and_consistent(ops: list[tuple[int,
             p.on_remove(victim)
             resident.discard(victim)
         else:
-            p.on_promote(keys)
+            p.on_access(keys, promoted=True)
         assert p._chain_entries == chain_entries(p) <= chain_keys
         assert len(p._owner) <= chain_keys + len(resident)
         order = list(p.victims())

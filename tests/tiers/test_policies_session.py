@@ -56,8 +56,7 @@ def chain_of(name: str, n: int) -> list[bytes]:
 
 
 def request(p: SessionWrapper, keys: list[bytes], session: bytes | None, at_s: float, **more: float) -> None:
-    p.record_hints(keys, RequestHints(session=session, at_s=at_s, **more))  # type: ignore[arg-type]
-    p.record_request(keys)
+    p.record(keys, RequestHints(session=session, at_s=at_s, **more))  # type: ignore[arg-type]
 
 
 def resident(p: SessionWrapper, keys: list[bytes]) -> None:
@@ -121,7 +120,7 @@ def test_unhinted_blocks_sit_between_streams_below_and_above_the_average_density
     a, b = chains["a"], chains["b"]
     assert p._rank_of(p._owner[b[0]][0]) > (0, 0, 1, 0.0) > p._rank_of(p._owner[a[0]][0])
     u = chain_of("u", 3)
-    p.record_request(u)  # no hints
+    p.record(u)  # no hints
     resident(p, u)
     assert [key for key in p.victims() if key in {*a, *u, *b}] == a[::-1] + u + b[::-1]
 
@@ -183,9 +182,9 @@ def test_a_stores_hints_grow_the_request_without_counting_a_return() -> None:
     resident(p, prompt)
     s = p._owner[prompt[0]][0]
     # The engine stores a prompt block it computed, then the blocks it generated, with the count.
-    p.record_hints(prompt[2:], RequestHints(session=b"A", at_s=1.0, output_tokens=40, continues=True))
+    p.record(prompt[2:], RequestHints(session=b"A", at_s=1.0, output_tokens=40, continues=True))
     generated = [k("g", 0), k("g", 1)]
-    p.record_hints(generated, RequestHints(session=b"A", at_s=4.0, output_tokens=300, continues=True))
+    p.record(generated, RequestHints(session=b"A", at_s=4.0, output_tokens=300, continues=True))
     resident(p, generated)
     assert len(p._streams) == 1 and s.requests == 1 and s.own_returns is None
     assert sum(map(sum, p.model.returned)) == 0
@@ -200,7 +199,7 @@ def test_a_stores_hints_grow_the_request_without_counting_a_return() -> None:
 def test_a_store_that_follows_no_request_counts_as_one() -> None:
     p = SessionWrapper(LRUPolicy(100))
     keys = chain_of("a", 2)
-    p.record_hints(keys, RequestHints(session=b"A", at_s=1.0, continues=True))
+    p.record(keys, RequestHints(session=b"A", at_s=1.0, continues=True))
     assert len(p._streams) == 1 and p._owner[keys[0]][0].requests == 1
 
 
@@ -246,11 +245,11 @@ def test_admission_follows_the_order_when_full() -> None:
     chains = requests_every(p, {"a": (10, 0, 1000), "b": (50, 0, 1000)}, n=3)  # a back sooner than b
     a, b = chains["a"][:2], chains["b"]
     resident(p, a[:1] + b[:3])  # full
-    assert p.admit(a[1])  # a outranks b, the first victim
-    assert p.admit(k("zz", 0))  # never named by a hinted request: the inner policy (LRU: all) decides
+    assert p.admit([a[1]])[0]  # a outranks b, the first victim
+    assert p.admit([k("zz", 0)])[0]  # never named by a hinted request: the inner policy (LRU: all) decides
     # b's own block deeper than its deepest resident: it would be the first victim itself
     request(p, b + [k("b", 3)], b"B", 1001)
-    assert p.admit(k("b", 3)) is False
+    assert p.admit([k("b", 3)])[0] is False
 
 
 @settings(max_examples=60, deadline=None)
@@ -267,17 +266,17 @@ def test_victims_lists_every_resident_key_once_and_spares_stay_consistent(ops: l
         if kind <= 2:
             if hinted and rng.random() < 0.3:  # a store's hints: its prompt blocks, or blocks it generated
                 stored = keys if rng.random() < 0.5 else [k(f"s{session}g{rng.randrange(3)}-", i) for i in range(n)]
-                p.record_hints(stored, RequestHints(session=str(session).encode(), at_s=t, continues=True,
-                                                    output_tokens=rng.choice([0, 100, 2000])))
+                p.record(stored, RequestHints(session=str(session).encode(), at_s=t, continues=True,
+                                              output_tokens=rng.choice([0, 100, 2000])))
             elif hinted:
                 request(p, keys, str(session).encode(), t, retain_s=rng.choice([0.0, 30.0]),
                         priority=rng.choice([0, 0, 1, -1]), output_tokens=rng.choice([0, 300]))
             else:
-                p.record_request(keys)
+                p.record(keys)
         elif kind == 3:
-            assert p.admit_many(keys) == [p.admit(key) for key in keys]  # one batch, the same answers
+            assert p.admit(keys) == [p.admit([key])[0] for key in keys]  # one batch, the same answers
             for key in keys:
-                if key not in resident_keys and len(resident_keys) < 12 and p.admit(key):
+                if key not in resident_keys and len(resident_keys) < 12 and p.admit([key])[0]:
                     p.on_insert(key)
                     resident_keys.add(key)
         elif kind == 4 and resident_keys:
@@ -289,7 +288,7 @@ def test_victims_lists_every_resident_key_once_and_spares_stay_consistent(ops: l
                 p.on_remove(key)
                 resident_keys.discard(key)
         elif kind == 6:  # restored into the GPU tier
-            p.on_promote(keys)
+            p.on_access(keys, promoted=True)
         else:  # the GPU tier let them go
             p.on_gpu_drop(keys)
         order = list(p.victims())
@@ -310,7 +309,7 @@ def test_a_spare_goes_first_and_its_stream_stays_cached_while_the_gpu_tier_holds
     p = SessionWrapper(LRUPolicy(100))
     chains = requests_every(p, {"a": (10, 0, 1000), "b": (50, 0, 1000)}, n=3)  # b ranks below a
     a, b = chains["a"], chains["b"]
-    p.on_promote(a[::-1])  # a's request restored its chain into the GPU tier, tail first
+    p.on_access(a[::-1], promoted=True)  # a's request restored its chain into the GPU tier, tail first
     # spares first, the latest promoted first (the GPU tier keeps its copy longest), then the order
     assert list(p.victims()) == a + b[::-1]
     evicted_before = sum(map(sum, p.model.evicted))
@@ -321,7 +320,7 @@ def test_a_spare_goes_first_and_its_stream_stays_cached_while_the_gpu_tier_holds
     assert sum(map(sum, p.model.evicted)) == evicted_before  # no life ended: a is still cached
     assert list(p.victims()) == b[::-1]
     # The GPU tier evicts a1 and a2: a2's demotion is admitted and lands; a1's is not admitted.
-    assert p.admit(a[2])
+    assert p.admit([a[2]])[0]
     p.on_insert(a[2])
     p.on_gpu_drop([a[2], a[1]])
     assert s.resident_blocks == 1 and s.above_blocks == 1
@@ -335,9 +334,9 @@ def test_a_spare_goes_first_and_its_stream_stays_cached_while_the_gpu_tier_holds
 def test_without_hints_a_promotion_changes_nothing() -> None:
     p = SessionWrapper(LRUPolicy(10))
     u = chain_of("u", 3)
-    p.record_request(u)
+    p.record(u)
     resident(p, u)
-    p.on_promote(u)
+    p.on_access(u, promoted=True)
     assert list(p.victims()) == u and not p.spares  # LRU's order: as inserted
     p.on_remove(u[0])
     p.on_gpu_drop(u[:1])
@@ -354,10 +353,10 @@ def test_wrappers_forward_hints_and_the_gpu_tier_calls(kind: str) -> None:
     if kind.startswith("tenant"):
         p = TenantQuotaPolicy(p, TenantRegistry(), 4096, None)
     a = chain_of("a", 2)
-    p.record_hints(a, RequestHints(session=b"A", at_s=1.0))
+    p.record(a, RequestHints(session=b"A", at_s=1.0))
     for key in a:
         p.on_insert(key)
-    p.on_promote(a[1:])
+    p.on_access(a[1:], promoted=True)
     assert session._streams and list(session.spares._spares) == [a[1]]
     p.on_gpu_drop(a[1:])
     assert not session.spares

@@ -74,7 +74,7 @@ class Harness:
         else:
             self.engine = None
             self.cpu_storage = None
-        self.pool = TieredPool(PoolSpec("p", BS, BB), cpu_blocks=cpu_blocks, transfer=self.engine, data=data,
+        self.pool = TieredPool(PoolSpec("p", BS, BB), cpu_blocks=cpu_blocks, policy="lru", transfer=self.engine, data=data,
                                cpu_storage=self.cpu_storage, clean_ahead_blocks=clean_ahead)
         self.gpu: BlockLayout | None = None
         if gpu_blocks:
@@ -338,7 +338,7 @@ def test_clean_when_idle_asks_about_a_refused_block_once(make, monkeypatch: pyte
         asked.extend(keys)
         return [False] * len(keys)
 
-    monkeypatch.setattr(hx.pool.cpu, "admit_many", refuse)
+    monkeypatch.setattr(hx.pool.cpu, "admit", refuse)
     hx.allocate("r", chain("r", 4), 16)
     hx.pool.free("r")
     assert len(asked) == 1  # the call's own clean-ahead: the head block
@@ -741,7 +741,7 @@ def test_evicting_two_copies_of_one_hash_at_once(make) -> None:
 def test_enable_caching_false_pool_gives_no_hits() -> None:
     eng = ThreadTransferEngine()
     try:
-        pool = TieredPool(PoolSpec("p", BS, BB), cpu_blocks=4, transfer=eng,
+        pool = TieredPool(PoolSpec("p", BS, BB), cpu_blocks=4, policy="lru", transfer=eng,
                           cpu_storage=BlockLayout.contiguous(4, BB), enable_caching=False)
         pool.attach_gpu(BlockLayout.contiguous(4, BB))
         a = chain("a", 2)
@@ -923,7 +923,7 @@ def test_borrow_declines_while_a_write_is_in_flight_and_changes_nothing(make) ->
 
 
 def test_borrow_declines_in_bookkeeping_mode() -> None:
-    pool = TieredPool(PoolSpec("p", BS, BB), cpu_blocks=4, data=False)
+    pool = TieredPool(PoolSpec("p", BS, BB), cpu_blocks=4, policy="lru", data=False)
     pool.attach_gpu(num_blocks=4)
     pool.store(chain("a", 2), None, [0, 1])
     assert pool.borrow(chain("a", 2)) is None

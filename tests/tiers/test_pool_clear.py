@@ -29,7 +29,7 @@ def keys(n: int, tag: int) -> list[bytes]:
 @pytest.fixture
 def stepped() -> Iterator[tuple[TieredPool, SteppedEngine]]:
     engine = SteppedEngine()
-    pool = TieredPool(PoolSpec("c", 4, BB), cpu_blocks=8, transfer=engine,
+    pool = TieredPool(PoolSpec("c", 4, BB), cpu_blocks=8, policy="lru", transfer=engine,
                       cpu_storage=BlockLayout.contiguous(8, BB), clean_ahead_blocks=4, journal_events=1000)
     pool.attach_gpu(BlockLayout.contiguous(4, BB))
     yield pool, engine

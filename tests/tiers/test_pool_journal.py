@@ -48,7 +48,7 @@ def test_bad_reads_and_sizes_are_refused() -> None:
 
 def make_pool(cpu_blocks: int, clean_ahead_blocks: int) -> tuple[TieredPool, ThreadTransferEngine]:
     engine = ThreadTransferEngine()
-    p = TieredPool(PoolSpec("j", 4, BB), cpu_blocks=cpu_blocks, transfer=engine,
+    p = TieredPool(PoolSpec("j", 4, BB), cpu_blocks=cpu_blocks, policy="lru", transfer=engine,
                    cpu_storage=BlockLayout.contiguous(cpu_blocks, BB), clean_ahead_blocks=clean_ahead_blocks,
                    journal_events=1000)
     p.attach_gpu(BlockLayout.contiguous(4, BB))

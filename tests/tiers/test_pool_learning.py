@@ -17,15 +17,16 @@ def test_deferred_learning_reaches_the_policy_only_in_learn() -> None:
     pool.lookup(hashes(2, 2))
     policy = pool.cpu.policy
     recorded: list[list[bytes]] = []
-    real_record = policy.record_request
-    policy.record_request = lambda keys: (recorded.append(list(keys)), real_record(keys))[1]  # type: ignore[method-assign]
+    real_learn = policy.learn
+    policy.learn = lambda request, chunk_keys: (recorded.append(list(request.keys)),  # type: ignore[method-assign]
+                                                real_learn(request, chunk_keys))[1]
     pool.lookup(h)
     assert recorded == []  # nothing reaches the policy on the request path
     pool.learn()
     assert recorded == [h, hashes(2, 2), h]
     pool.learn()
     assert len(recorded) == 3
-    assert policy.admit(h[0])  # two requests asked for it
+    assert policy.admit([h[0]])[0]  # two requests asked for it
 
 
 def test_lookup_then_allocate_of_one_request_is_one_sighting() -> None:
@@ -34,10 +35,10 @@ def test_lookup_then_allocate_of_one_request_is_one_sighting() -> None:
     h = hashes(3, 2)
     pool.lookup(h)
     pool.allocate("r", h, 32)
-    assert not pool.cpu.policy.admit(h[0])  # one request, not two
+    assert not pool.cpu.policy.admit([h[0]])[0]  # one request, not two
     pool.free("r")
     pool.allocate("r2", h, 32)  # a second request
-    assert pool.cpu.policy.admit(h[1])
+    assert pool.cpu.policy.admit([h[1]])[0]
 
 
 def _victims_after(pool: TieredPool) -> list[bytes]:

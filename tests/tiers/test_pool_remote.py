@@ -38,7 +38,7 @@ def _random_layout(n: int) -> BlockLayout:
 def make_pool(url: str, *, gpu_blocks: int = 4, cpu_blocks: int = 4) -> TieredPool:
     remote = RemoteTier(url, b"test-pool", BLOCK, FAST, secret=rs.SECRET)
     assert remote.wait_available(5.0)
-    pool = TieredPool(PoolSpec("p", 16, BLOCK), cpu_blocks=cpu_blocks, transfer=ThreadTransferEngine(),
+    pool = TieredPool(PoolSpec("p", 16, BLOCK), cpu_blocks=cpu_blocks, policy="lru", transfer=ThreadTransferEngine(),
                       cpu_storage=BlockLayout.contiguous(cpu_blocks, BLOCK), clean_ahead_blocks=0, remote=remote)
     pool.attach_gpu(BlockLayout.contiguous(gpu_blocks, BLOCK))
     return pool

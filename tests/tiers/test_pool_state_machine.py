@@ -95,7 +95,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.gpu.slab().fill_(POISON)
         self.cpu_storage = BlockLayout.contiguous(CPU_BLOCKS, BB)
         self.cpu_storage.slab().fill_(POISON)
-        self.pool = TieredPool(PoolSpec("sm", BS, BB), cpu_blocks=CPU_BLOCKS, transfer=self.engine,
+        self.pool = TieredPool(PoolSpec("sm", BS, BB), cpu_blocks=CPU_BLOCKS, policy="lru", transfer=self.engine,
                                cpu_storage=self.cpu_storage, clean_ahead_blocks=CLEAN_AHEAD,
                                journal_events=JOURNAL_EVENTS)
         self.pool.attach_gpu(self.gpu)

@@ -38,7 +38,7 @@ class StoreAck(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.engine = SteppedEngine()
-        self.pool = TieredPool(PoolSpec("ack", 4, BB), cpu_blocks=CPU_BLOCKS, transfer=self.engine,
+        self.pool = TieredPool(PoolSpec("ack", 4, BB), cpu_blocks=CPU_BLOCKS, policy="lru", transfer=self.engine,
                                cpu_storage=BlockLayout.contiguous(CPU_BLOCKS, BB), clean_ahead_blocks=0)
         self.pool.attach_gpu(BlockLayout.contiguous(GPU_BLOCKS, BB))
         self.ops: list[tuple[Op, list[bytes]]] = []

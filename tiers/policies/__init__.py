@@ -8,7 +8,8 @@ Layout (imports point down this list, never up):
                 ``+admit2`` admission wrapper; ``session``: the ``+session`` wrapper
                 (session-aware eviction from request hints). Each imports only ``base``
                 (and ``kvtier.tiers.hints``).
-- ``base``      the ``EvictionPolicy`` contract; ``names``: ``DEFAULT_POLICY`` (both stdlib only).
+- ``base``      the ``EvictionPolicy`` contract and ``PolicyWrapper``, the base of every wrapper (it
+                forwards every hook); ``names``: ``DEFAULT_POLICY`` (both stdlib only).
 
 This package re-exports the registry's API (loaded on first use) and the
 contract, so ``from kvtier.tiers.policies import make_policy`` is the usual import.
@@ -29,18 +30,18 @@ long as nothing is skipped, so a batch eviction is the algorithm's own
 sequence. A skipped (pinned) key is treated as if it had gone, which keeps
 the rest of the order sensible without the policy knowing about pins.
 
-Re-inserting a key that is already resident counts as a use (``on_hit``),
-as it does for ``LRUPolicy``. ``on_hit``/``on_remove`` of a key that is not
+Re-inserting a key that is already resident counts as a use (``on_access``),
+as it does for ``LRUPolicy``. ``on_access``/``on_remove`` of a key that is not
 resident are no-ops.
 """
 
 from typing import Any
 
-from kvtier.tiers.policies.base import EvictionPolicy
+from kvtier.tiers.policies.base import EvictionPolicy, PolicyRequest, PolicyStats, PolicyWrapper
 from kvtier.tiers.policies.names import DEFAULT_POLICY
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "WRAPPERS", "EvictionPolicy", "PolicyFactory", "WrapperFactory",
-           "check_policy_name", "make_policy", "policy_names"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "WRAPPERS", "EvictionPolicy", "PolicyFactory", "PolicyRequest",
+           "PolicyStats", "PolicyWrapper", "WrapperFactory", "check_policy_name", "make_policy", "policy_names"]
 
 _FROM_REGISTRY = frozenset({"POLICIES", "WRAPPERS", "PolicyFactory", "WrapperFactory", "check_policy_name", "make_policy",
                             "policy_names"})

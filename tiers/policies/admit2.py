@@ -7,10 +7,10 @@
     Maggs and R. K. Sitaraman, "Algorithmic Nuggets in Content Delivery", ACM
     SIGCOMM CCR 2015): a key is cached only once it has been seen before, so blocks of
     one-off prompts never displace reused ones. The rule is spelled out on
-    the class. The seen-set is a bounded LRU of keys. Everything but
-    ``admit`` and ``record_request`` (and its resumable form
-    ``record_request_steps``) is delegated to the wrapped policy.
-    Cost: O(len(keys)) per ``record_request``, O(1) per ``admit``, plus the
+    the class. The seen-set is a bounded LRU of keys. Every hook but
+    ``admit``, ``learn`` and ``stats`` is the wrapped policy's
+    (``PolicyWrapper``).
+    Cost: O(len(keys)) per ``learn``, O(1) per key of ``admit``, plus the
     wrapped policy's costs.
 
 The notes every policy of this package shares (how the tier's calls map onto
@@ -23,8 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvtier.tiers.hints import RequestHints
-from kvtier.tiers.policies.base import EvictionPolicy
+from kvtier.tiers.policies.base import ALL_KEYS, EvictionPolicy, PolicyRequest, PolicyStats, PolicyWrapper
 
 
 __all__ = ["AdmissionWrapper", "SecondSightingAdmission"]
@@ -34,7 +33,7 @@ __all__ = ["AdmissionWrapper", "SecondSightingAdmission"]
 class _Sighting:
     """What the admission filter remembers about one key."""
 
-    # Distinct requests (record_request calls) that looked the key up.
+    # Distinct requests (counted ``learn`` calls) that looked the key up.
     requests: int = 0
     # An admit() was rejected while no request had looked the key up: a
     # sighting that no lookup accounts for (e.g. an engine storing blocks
@@ -42,13 +41,13 @@ class _Sighting:
     rejected_unrequested: bool = False
 
 
-class AdmissionWrapper(EvictionPolicy):
+class AdmissionWrapper(PolicyWrapper):
     """Admit a key on its second sighting ("admit2").
 
     Rule: ``admit(key)`` is True iff, counting only sightings *before* the one
     that produced the block being admitted, the key was seen at least once:
 
-    - at least two distinct requests looked it up (``record_request``): the
+    - at least two distinct requests looked it up (``learn``): the
       latest lookup is the request that computed the block, the one before it
       is the earlier sighting; or
     - an earlier ``admit(key)`` was rejected while no request had yet looked
@@ -58,7 +57,8 @@ class AdmissionWrapper(EvictionPolicy):
 
     A rejection after a lookup adds nothing: it is the same request's block,
     and counting it would let every key in on its first request. A key is
-    counted once per ``record_request`` call however often it repeats in it.
+    counted once per request however often it repeats in it; a follow-up
+    (``PolicyRequest.counted`` False) is not a request.
 
     The seen-set is an LRU of at most ``seen_bound`` keys (default
     ``max(4 * capacity, 1024)``); a key that falls out of it starts over. If
@@ -68,12 +68,11 @@ class AdmissionWrapper(EvictionPolicy):
     name = "admit2"
 
     def __init__(self, inner: EvictionPolicy, seen_bound: int | None = None) -> None:
-        super().__init__(inner.capacity_blocks)
+        super().__init__(inner)
         if seen_bound is None:
             seen_bound = max(4 * inner.capacity_blocks, 1024)
         if seen_bound < 1:
             raise ValueError(f"seen_bound must be >= 1, got {seen_bound}")
-        self.inner = inner
         self.seen_bound = seen_bound
         self._seen: OrderedDict[bytes, _Sighting] = OrderedDict()
 
@@ -82,8 +81,13 @@ class AdmissionWrapper(EvictionPolicy):
         """Number of keys in the seen-set."""
         return len(self._seen)
 
-    def admit(self, key: bytes) -> bool:
-        return self.second_sighting(key) and self.inner.admit(key)
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        """This wrapper's rule per key; the wrapped policy answers for the keys it lets through."""
+        passed = [self.second_sighting(key) for key in keys]
+        if not any(passed):
+            return passed
+        inner = iter(self.inner.admit([key for key, yes in zip(keys, passed) if yes]))
+        return [yes and next(inner) for yes in passed]
 
     def second_sighting(self, key: bytes) -> bool:
         """This wrapper's rule alone, without the wrapped policy's word (a rejection counts as above)."""
@@ -94,46 +98,20 @@ class AdmissionWrapper(EvictionPolicy):
             sighting.rejected_unrequested = True
         return False
 
-    def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
-        self.inner.record_hints(keys, hints)
+    def learn(self, request: PolicyRequest, chunk_keys: int = ALL_KEYS) -> Iterator[None]:
+        steps = self.inner.learn(request, chunk_keys)  # the wrapped policy takes the hints now
+        return self._count_then(request.keys, steps) if request.counted else steps  # a follow-up is no sighting
 
-    def record_request(self, keys: Sequence[bytes]) -> None:
-        self._count_request(keys)
-        self.inner.record_request(keys)
-
-    def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:
+    def _count_then(self, keys: Sequence[bytes], steps: Iterator[None]) -> Iterator[None]:
         # The seen-set is counted in the first step (cheap next to the wrapped policy's work),
-        # then the wrapped policy records in its own steps.
-        self._count_request(keys)
-        yield from self.inner.record_request_steps(keys, chunk_keys)
-
-    def _count_request(self, keys: Sequence[bytes]) -> None:
+        # then the wrapped policy learns in its own steps.
         for key in dict.fromkeys(keys):
             self._touch(key).requests += 1
+        yield from steps
 
-    def on_insert(self, key: bytes) -> None:
-        self.inner.on_insert(key)
-
-    def on_hit(self, key: bytes) -> None:
-        self.inner.on_hit(key)
-
-    def on_remove(self, key: bytes) -> None:
-        self.inner.on_remove(key)
-
-    def on_promote(self, keys: Sequence[bytes]) -> None:
-        self.inner.on_promote(keys)
-
-    def on_gpu_drop(self, keys: Sequence[bytes]) -> None:
-        self.inner.on_gpu_drop(keys)
-
-    def victims(self) -> Iterator[bytes]:
-        return self.inner.victims()
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def remembered_keys(self) -> int:
-        return len(self._seen) + self.inner.remembered_keys()
+    def stats(self) -> PolicyStats:
+        inner = self.inner.stats()
+        return PolicyStats(inner.resident_keys, len(self._seen) + inner.remembered_keys)
 
     def _touch(self, key: bytes) -> _Sighting:
         sighting = self._seen.get(key)

@@ -17,7 +17,7 @@
     tier already chose its victim, so adaptation lags one eviction; REPLACE's
     tie case (``|T1| == p`` and the incoming key is in B2) is ignored because
     ``victims()`` does not know the incoming key.
-    Cost: O(1) per ``on_insert``/``on_hit``/``on_remove`` (OrderedDicts);
+    Cost: O(1) per ``on_insert``/``on_remove`` and per key of ``on_access`` (OrderedDicts);
     ``victims()`` is O(k) to the k-th key.
 
 The notes every policy of this package shares (how the tier's calls map onto
@@ -27,9 +27,9 @@ the classic algorithms) are in ``kvtier.tiers.policies``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from kvtier.tiers.policies.base import EvictionPolicy
+from kvtier.tiers.policies.base import EvictionPolicy, PolicyStats
 
 
 __all__ = ["ARCPolicy"]
@@ -61,7 +61,7 @@ class ARCPolicy(EvictionPolicy):
 
     def on_insert(self, key: bytes) -> None:
         if key in self._t1 or key in self._t2:
-            self.on_hit(key)
+            self._hit(key)
             return
         c = self.capacity_blocks
         if key in self._b1:
@@ -80,7 +80,11 @@ class ARCPolicy(EvictionPolicy):
             self._t1[key] = None
         self._trim_ghosts()
 
-    def on_hit(self, key: bytes) -> None:
+    def on_access(self, keys: Sequence[bytes], promoted: bool = False) -> None:
+        for key in keys:
+            self._hit(key)
+
+    def _hit(self, key: bytes) -> None:
         if key in self._t1:
             del self._t1[key]
             self._t2[key] = None
@@ -115,11 +119,9 @@ class ARCPolicy(EvictionPolicy):
                 n2 -= 1
                 yield next(t2)
 
-    def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
-
-    def remembered_keys(self) -> int:
-        return len(self) + self.ghosts
+    def stats(self) -> PolicyStats:
+        resident = len(self._t1) + len(self._t2)
+        return PolicyStats(resident, resident + self.ghosts)
 
     def _trim_ghosts(self) -> None:
         # Ghosts only ever shrink to restore the paper's bounds; resident keys

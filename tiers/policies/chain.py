@@ -18,7 +18,7 @@ the time until a block of that class is used again (the "gap"), and ranks
 resident blocks by the hit density that distribution gives at the block's
 current age. It is LHD's ranking (N. Beckmann, H. Chen, A. Cidon, "LHD:
 Improving Cache Hit Rate by Maximizing Hit Density", NSDI 2018) with one
-difference that matters: ``record_request`` shows the policy every block
+difference that matters: ``learn`` shows the policy every block
 every request asks for, resident or not, so the gap distributions are
 learned from the whole request stream, not only from what the cache happened
 to keep (a cache learning from its own hits cannot learn that a block it
@@ -36,7 +36,7 @@ Classes use what the prefix chains tell about a block when it is used:
   a small addition to a chain is a conversational turn, a large fresh
   document is often read once.
 
-Time is counted in requests (``record_request`` calls), not seconds.
+Time is counted in requests (``learn`` calls), not seconds.
 
 Ranking. For a class with gap histogram ``h[b]`` (gaps in bucket ``b`` of
 ``bucket_width`` requests, up to ``horizon`` requests) and ``g`` uses not
@@ -67,10 +67,10 @@ classes. Densities are re-estimated every ``bucket_width`` requests (until
 the first estimate every block ranks the same, so the order is oldest
 first: FIFO).
 
-Assumptions: ``record_request`` (or its resumable form,
-``record_request_steps``) is called once per request (the pool calls it for a
+Assumptions: ``learn`` is called once per request (the pool calls it for a
 counted lookup or allocation); a second call for the same request would read
-as a reuse after zero requests. Hub detection needs the keys of a
+as a reuse after zero requests (follow-ups, ``request.counted`` False, are
+not requests: ignored). Hub detection needs the keys of a
 request in chain order, as the pool passes them.
 
 Measured (``kvtier replay``, GPU 195 / CPU 5,859 blocks of 512 tokens): block
@@ -81,10 +81,9 @@ which blocks come back (an offline fit of the same classes to the whole
 trace, i.e. knowing the future statistics, reaches 0.204 on conversation),
 so the gap to Belady is mostly unpredictability, not tuning.
 
-Cost: ``record_request`` O(len(keys)), about 0.5 µs per key measured (the
+Cost: ``learn`` O(len(keys)), about 0.5 µs per key measured (the
 counts are buffered and folded into the statistics with numpy at each
-re-estimate); ``record_request_steps`` does the same work in steps of
-``chunk_keys`` keys. ``on_insert``/``on_remove``/``admit`` O(1);
+re-estimate), in steps of ``chunk_keys`` keys. ``on_insert``/``on_remove``/``admit`` O(1);
 ``victims()`` walks a cached order of groups (one group per class and
 ``bucket_width`` window of last use), re-sorted every ``bucket_width``
 requests (O(G log G), G <= classes × horizon/bucket_width).
@@ -103,7 +102,7 @@ recorded, however many (up to the protocol's limit per request), and
 trimmed after. The per-request use lists hold each use once (8 bytes);
 uses made stale by a later use of the same block are compacted away once
 they outnumber the live ones plus the bound, and the buffered counts are
-folded into the arrays past ``FOLD_KEYS`` of them. ``remembered_keys()`` is
+folded into the arrays past ``FOLD_KEYS`` of them. ``stats().remembered_keys`` is
 the number of blocks with metadata.
 
 The bound changes no decision on the shared traces at the sizes above: the
@@ -117,20 +116,19 @@ instead of 64: conversation at 1,953 blocks (1M tokens) 0.1047 against
 0.1067, Claude Code (GPU 976 blocks) at 1,953 blocks 0.2984 against 0.2957;
 hence 64, which leaves both unchanged at 1M tokens.
 
-Without ``record_request`` calls (a store-only client), every block is one
+Without ``learn`` calls (a store-only client), every block is one
 class at age 0 and the policy degrades to FIFO with admit-all.
 """
 
 from __future__ import annotations
 
 import bisect
-import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from kvtier.tiers.policies.base import EvictionPolicy
+from kvtier.tiers.policies.base import ALL_KEYS, EvictionPolicy, PolicyRequest, PolicyStats
 
 __all__ = ["HISTORY_KEYS_PER_BLOCK", "MIN_HISTORY_KEYS", "ChainPolicy"]
 
@@ -248,14 +246,10 @@ class ChainPolicy(EvictionPolicy):
 
     # ---- learning -------------------------------------------------------------------
 
-    def record_request(self, keys: Sequence[bytes]) -> None:
-        # One code path with the resumable form; drained in one go it yields a few times per
-        # request, which costs well under a microsecond.
-        for _ in self.record_request_steps(keys, sys.maxsize):
-            pass
-
-    def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:
-        """``record_request(keys)`` in steps of at most ``chunk_keys`` keys (see ``EvictionPolicy``).
+    def learn(self, request: PolicyRequest, chunk_keys: int = ALL_KEYS) -> Iterator[None]:
+        """Learn a counted request in steps of at most ``chunk_keys`` keys (see ``EvictionPolicy``); a
+        follow-up teaches nothing. Drained in one go it yields a few times per request, which costs well
+        under a microsecond.
 
         Steps: the key pass (metadata, successors, use counts), the per-key pass (outcome of the
         previous use, class, group), the expiry of the uses made ``horizon`` requests ago, then
@@ -267,7 +261,9 @@ class ChainPolicy(EvictionPolicy):
         in one go: a use counted in one pass and not the other would unbalance the counts."""
         if chunk_keys < 1:
             raise ValueError(f"chunk_keys must be >= 1, got {chunk_keys}")
-        steps = self._record_steps(keys, chunk_keys)
+        if not request.counted:
+            return
+        steps = self._record_steps(request.keys, chunk_keys)
         try:
             for _ in steps:
                 yield
@@ -418,8 +414,6 @@ class ChainPolicy(EvictionPolicy):
             self._entries -= len(uses) - len(kept)
             uses[:] = kept
 
-    def remembered_keys(self) -> int:
-        return len(self._meta)
 
     def _outcome(self, cls: int, born: int, gap: int) -> int:
         """The use of a block of class ``cls`` at time ``born`` was followed by a reuse after ``gap``
@@ -536,8 +530,6 @@ class ChainPolicy(EvictionPolicy):
         self._group(key, m)
         self._resident += 1
 
-    def on_hit(self, key: bytes) -> None:
-        return None  # record_request already saw the use
 
     def on_remove(self, key: bytes) -> None:
         m = self._meta.get(key)
@@ -553,13 +545,16 @@ class ChainPolicy(EvictionPolicy):
         if m.last < 0:
             del self._meta[key]
 
-    def admit(self, key: bytes) -> bool:
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        # on_access adds nothing: learn already saw the use.
         if not self.admission or self._resident < self.capacity_blocks or self._evictions_seen == 0:
-            return True
-        m = self._meta.get(key)
-        if m is None or m.last < 0:
-            return True
-        return self._score(m.last // self.width, m.cls) >= self._victim_density
+            return [True] * len(keys)
+        meta, width, bar, score = self._meta, self.width, self._victim_density, self._score
+        answers = []
+        for key in keys:
+            m = meta.get(key)
+            answers.append(m is None or m.last < 0 or score(m.last // width, m.cls) >= bar)
+        return answers
 
     def victims(self) -> Iterator[bytes]:
         groups = self._groups
@@ -571,5 +566,5 @@ class ChainPolicy(EvictionPolicy):
                 # Deepest first: a chain loses its tail before its head.
                 yield from sorted(keys, key=keys.__getitem__, reverse=True)
 
-    def __len__(self) -> int:
-        return self._resident
+    def stats(self) -> PolicyStats:
+        return PolicyStats(self._resident, len(self._meta))

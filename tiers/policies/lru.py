@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from kvtier.tiers.policies.base import EvictionPolicy
+from kvtier.tiers.policies.base import EvictionPolicy, PolicyStats
 
 __all__ = ["LRUPolicy"]
 
@@ -23,9 +23,11 @@ class LRUPolicy(EvictionPolicy):
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def on_hit(self, key: bytes) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
+    def on_access(self, keys: Sequence[bytes], promoted: bool = False) -> None:
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
 
     def on_remove(self, key: bytes) -> None:
         self._order.pop(key, None)
@@ -33,5 +35,5 @@ class LRUPolicy(EvictionPolicy):
     def victims(self) -> Iterator[bytes]:
         return iter(self._order)
 
-    def __len__(self) -> int:
-        return len(self._order)
+    def stats(self) -> PolicyStats:
+        return PolicyStats(len(self._order), len(self._order))

@@ -33,9 +33,9 @@ the classic algorithms) are in ``kvtier.tiers.policies``.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from kvtier.tiers.policies.base import EvictionPolicy
+from kvtier.tiers.policies.base import EvictionPolicy, PolicyStats
 
 
 __all__ = ["S3FIFOPolicy"]
@@ -81,14 +81,18 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def on_insert(self, key: bytes) -> None:
         if key in self._small or key in self._main:
-            self.on_hit(key)
+            self._hit(key)
         elif key in self._ghost:
             del self._ghost[key]
             self._main[key] = 0
         else:
             self._small[key] = 0
 
-    def on_hit(self, key: bytes) -> None:
+    def on_access(self, keys: Sequence[bytes], promoted: bool = False) -> None:
+        for key in keys:
+            self._hit(key)
+
+    def _hit(self, key: bytes) -> None:
         if key in self._small:
             self._small[key] = min(self._small[key] + 1, self.MAX_FREQ)
         elif key in self._main:
@@ -109,11 +113,9 @@ class S3FIFOPolicy(EvictionPolicy):
         self._settle()
         return self._replay()
 
-    def __len__(self) -> int:
-        return len(self._small) + len(self._main)
-
-    def remembered_keys(self) -> int:
-        return len(self) + self.ghosts
+    def stats(self) -> PolicyStats:
+        resident = len(self._small) + len(self._main)
+        return PolicyStats(resident, resident + self.ghosts)
 
     def _settle(self) -> None:
         """Run S3-FIFO's promotions until a queue head is a true victim.

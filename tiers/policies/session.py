@@ -49,7 +49,7 @@ Eviction order (``victims()``), best victim first:
 1. *orphans*: hinted blocks whose stream was forgotten (``max_streams``) or
    that left their stream's latest chain;
 2. *spares*: a stream's blocks restored into the GPU tier that it still
-   holds (``on_promote`` until ``on_gpu_drop``), the latest promoted first.
+   holds (``on_access(promoted=True)`` until ``on_gpu_drop``), the latest promoted first.
    Evicting one costs no hit: the GPU tier demotes the block again when it
    evicts it, and that demotion is admitted or not by the rank below, like
    any other (``spares.Spares``);
@@ -157,7 +157,7 @@ is the first victim only if it is shallower than that stream's deepest
 resident block); an orphan is not admitted. Unhinted blocks: the wrapped
 policy's ``admit``.
 
-Without hints (``record_hints`` never called) no stream exists and every
+Without hints (no ``learn`` of a request with hints) no stream exists and every
 call is the wrapped policy's: the same victims in the same order, the same
 admission answers (tests: the golden digests of ``chain``).
 
@@ -165,15 +165,15 @@ Ownership: a block belongs to the stream whose request named it last (a
 shared system prompt moves to the latest user); a block named again by an
 unhinted request keeps its stream.
 
-Cost: ``record_hints`` O(len(keys) + log S + buckets) (S: streams with
+Cost: ``learn`` with hints O(len(keys) + log S + buckets) (S: streams with
 resident blocks; the stream's own density row is recomputed), a follow-up
 O(len(keys) + log S) (its blocks are appended, the chain is not rebuilt), plus a refresh
 every ``REFRESH_REQUESTS`` requests: O(classes x buckets + S x buckets + S
-log S); each age event O(log S); ``on_insert``/``on_remove``/
-``on_hit`` O(1) plus the wrapped policy's, and O(log S) when a stream gains
-its first or loses its last resident block; ``admit_many`` O(log S)
+log S); each age event O(log S); ``on_insert``/``on_remove``
+O(1) plus the wrapped policy's, and O(log S) when a stream gains
+its first or loses its last resident block; ``admit`` O(log S)
 amortized per batch plus O(1) per key;
-``on_promote``/``on_gpu_drop`` O(len(keys)). ``victims()`` lists the spares
+``on_access``/``on_gpu_drop`` O(len(keys)) plus the wrapped policy's. ``victims()`` lists the spares
 (at most the GPU tier's blocks), then walks the streams in rank order with a
 heap (O(log S) per stream visited) and each stream's chain from a cursor
 that only moves down between requests (amortized O(1) per block). With
@@ -212,7 +212,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.tiers.hints import RequestHints
-from kvtier.tiers.policies.base import EvictionPolicy
+from kvtier.tiers.policies.base import ALL_KEYS, EvictionPolicy, PolicyRequest, PolicyStats, PolicyWrapper
 from kvtier.tiers.policies.rank_order import Rank, RankOrder
 from kvtier.tiers.policies.session_returns import (AGE_EDGES_S, NUM_BUCKETS, REFRESH_REQUESTS, ReturnModel, age_bucket,
                                                    stream_class)
@@ -261,15 +261,14 @@ class _Stream:
     densities: list[float] | None = None  # its hit density per age bucket, from its own returns
 
 
-class SessionWrapper(EvictionPolicy):
+class SessionWrapper(PolicyWrapper):
     """Session-aware eviction around any policy. See the module docstring."""
 
     name = "session"
 
     def __init__(self, inner: EvictionPolicy, *, max_streams: int | None = None, admission: bool = True,
                  chain_keys: int | None = None) -> None:
-        super().__init__(inner.capacity_blocks)
-        self.inner = inner
+        super().__init__(inner)
         self.admission = admission
         self.model = ReturnModel()
         self._requests_seen = 0
@@ -300,8 +299,14 @@ class SessionWrapper(EvictionPolicy):
 
     # ---- hints and requests ------------------------------------------------------------
 
-    def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
-        self.inner.record_hints(keys, hints)
+    def learn(self, request: PolicyRequest, chunk_keys: int = ALL_KEYS) -> Iterator[None]:
+        # The hints now (the contract: when learn is called), the request in the wrapped policy's steps;
+        # the wrapped policy gets the request with its hints too.
+        if request.hints is not None:
+            self._take_hints(request.keys, request.hints)
+        return self.inner.learn(request, chunk_keys)
+
+    def _take_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
         if not keys:
             return
         if hints.at_s > self.now_s:
@@ -488,12 +493,6 @@ class SessionWrapper(EvictionPolicy):
         s.chain.extend(more)
         self._chain_entries += len(more)
 
-    def record_request(self, keys: Sequence[bytes]) -> None:
-        self.inner.record_request(keys)
-
-    def record_request_steps(self, keys: Sequence[bytes], chunk_keys: int = 64) -> Iterator[None]:
-        yield from self.inner.record_request_steps(keys, chunk_keys)
-
     # ---- residency --------------------------------------------------------------------
 
     def on_insert(self, key: bytes) -> None:
@@ -514,9 +513,6 @@ class SessionWrapper(EvictionPolicy):
             s.cursor = depth
         self._add_resident(s, 1)
 
-    def on_hit(self, key: bytes) -> None:
-        self.inner.on_hit(key)
-
     def on_remove(self, key: bytes) -> None:
         self.inner.on_remove(key)
         if key not in self._resident:
@@ -536,8 +532,10 @@ class SessionWrapper(EvictionPolicy):
         if not self.spares.evicted(key, s):  # an evicted spare leaves s cached: the GPU tier holds it
             self._life_may_end(s)
 
-    def on_promote(self, keys: Sequence[bytes]) -> None:
-        self.inner.on_promote(keys)
+    def on_access(self, keys: Sequence[bytes], promoted: bool = False) -> None:
+        self.inner.on_access(keys, promoted)
+        if not promoted:
+            return
         owner, resident, promote = self._owner, self._resident, self.spares.promote
         for key in keys:
             own = owner.get(key)
@@ -560,11 +558,9 @@ class SessionWrapper(EvictionPolicy):
         if not _cached(s) and s.age_epoch >= 0:
             self.model.on_evict(s.cls, s.age_bucket)
 
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def remembered_keys(self) -> int:
-        return len(self._owner) + self.inner.remembered_keys()
+    def stats(self) -> PolicyStats:
+        inner = self.inner.stats()
+        return PolicyStats(inner.resident_keys, len(self._owner) + inner.remembered_keys)
 
     def _add_resident(self, s: _Stream, delta: int) -> None:
         """A stream gained or lost a resident block: keep the heap and the retained total in step."""
@@ -722,23 +718,23 @@ class SessionWrapper(EvictionPolicy):
         if unhinted_left:
             yield from self._unhinted()
 
-    def admit(self, key: bytes) -> bool:
-        return self.admit_many((key,))[0]
-
-    def admit_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """``admit`` per key. No answer changes what the next one reads, so the first victim is found
-        once per batch and each stream ranked once."""
-        owner, inner, admitted = self._owner, self.inner, self.spares.admitted
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        """One answer per key. No answer changes what the next one reads, so the first victim is found
+        once per batch and each stream ranked once; the wrapped policy answers for the unhinted keys,
+        in one batch."""
+        owner, admitted = self._owner, self.spares.admitted
         if not owner:  # no hints: the wrapped policy's answers
-            return inner.admit_many(keys)
+            return self.inner.admit(keys)
         open_door = not self.admission or len(self._resident) < self.capacity_blocks
         bar: tuple[_Stream | None, Rank | None] | None = None
         above: dict[_Stream, bool] = {}  # stream -> whether it ranks above the bar
         answers: list[bool] = []
+        unhinted: list[int] = []  # where the wrapped policy answers
         for key in keys:
             own = owner.get(key)
             if own is None:
-                answers.append(inner.admit(key))
+                unhinted.append(len(answers))
+                answers.append(True)
                 continue
             s, depth = own
             if open_door:
@@ -762,6 +758,9 @@ class SessionWrapper(EvictionPolicy):
             if yes:
                 admitted(key)
             answers.append(yes)
+        if unhinted:
+            for i, yes in zip(unhinted, self.inner.admit([keys[i] for i in unhinted])):
+                answers[i] = yes
         return answers
 
     def _admission_bar(self) -> tuple[_Stream | None, Rank | None]:

@@ -17,7 +17,7 @@ concern each:
 from kvtier.tiers.pool.base import Borrowed, Held, NoSpace, NotFound, PoolError, PoolSpec, Tier
 from kvtier.tiers.pool.copies import Op
 from kvtier.tiers.pool.counters import Counters
-from kvtier.tiers.pool.facade import PolicyWrapper, TieredPool
+from kvtier.tiers.pool.facade import TieredPool, WrapPolicy
 from kvtier.tiers.pool.learning import LEARN_CHUNK_KEYS
 
 __all__ = [
@@ -28,9 +28,9 @@ __all__ = [
     "NoSpace",
     "NotFound",
     "Op",
-    "PolicyWrapper",
     "PoolError",
     "PoolSpec",
     "Tier",
     "TieredPool",
+    "WrapPolicy",
 ]

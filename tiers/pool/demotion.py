@@ -90,7 +90,7 @@ class Demoter:
         pool = self.pool
         cpu = pool.cpu
         counters = pool.counters
-        answers = cpu.admit_many([ev.block_hash for ev in evicted])
+        answers = cpu.admit([ev.block_hash for ev in evicted])
         admitted = [ev for ev, yes in zip(evicted, answers) if yes]
         counters.demotions_not_admitted += len(evicted) - len(admitted)
         if not admitted or cpu.capacity_blocks == 0:

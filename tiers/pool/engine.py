@@ -59,9 +59,7 @@ def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tok
         cpu.begin_read(e)
     # Hits recorded tail first, as vLLM frees: under a recency policy the head ends up the most
     # recent, so an eviction takes the tail, not the head the rest of the chain needs (prefix-stop).
-    for e in reversed(entries):
-        cpu.hit(e.key)
-    cpu.promoted([e.key for e in reversed(entries)])
+    cpu.accessed([e.key for e in reversed(entries)], promoted=True)
     # A GPU hit whose bytes are still being written (another op's restore or
     # store) is only as good as that write: the op fails if it fails.
     for c in copies.busy_copies(alloc.block_ids[: alloc.num_hit_blocks], writes_only=True):

@@ -97,9 +97,11 @@ from typing import TYPE_CHECKING, Any
 from kvtier.tiers.block_manager import BlockManager
 from kvtier.tiers.copy_types import CopyKind, TransferEngine
 from kvtier.tiers.cpu_tier import CpuTier
-from kvtier.tiers.eviction import EvictionPolicy, make_policy
 from kvtier.tiers.hints import RequestHints
+from kvtier.tiers.policies import EvictionPolicy, make_policy
 from kvtier.tiers.policies.admit2 import AdmissionWrapper, SecondSightingAdmission
+from kvtier.tiers.policies.base import find_wrapped
+from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY
 from kvtier.tiers.pool import engine, lending, store
 from kvtier.tiers.pool.adoption import Adoption
 from kvtier.tiers.pool.base import Borrowed, Held, PoolError, PoolSpec, Tier
@@ -122,7 +124,7 @@ IDLE_CLEAN_BATCH_BLOCKS = 256
 
 # Wraps the CPU tier's eviction policy as the pool is built (the daemon's
 # tenant quotas): gets the policy made from ``policy`` and the CPU tier it orders.
-PolicyWrapper = Callable[[EvictionPolicy, CpuTier], EvictionPolicy]
+WrapPolicy = Callable[[EvictionPolicy, CpuTier], EvictionPolicy]
 
 
 class TieredPool:
@@ -140,17 +142,17 @@ class TieredPool:
         spec: PoolSpec,
         *,
         cpu_blocks: int,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         transfer: TransferEngine | None = None,
         data: bool = True,
         cpu_storage: BlockLayout | None = None,
         enable_caching: bool = True,
-        clean_ahead_blocks: int = 64,
+        clean_ahead_blocks: int = DEFAULT_CLEAN_AHEAD_BLOCKS,
         idle_clean_blocks: int | None = None,
         remote: RemoteStore | None = None,
         disk: DiskTier | None = None,
         defer_learning: bool = False,
-        policy_wrapper: PolicyWrapper | None = None,
+        policy_wrapper: WrapPolicy | None = None,
         journal_events: int = 0,
     ) -> None:
         if data and transfer is None:
@@ -353,7 +355,7 @@ class TieredPool:
         request or a finished copy is waiting, so a 256-block request's
         bookkeeping (~100 us of Python) never sits in front of the next
         reply. The policy may then be left with one request half recorded,
-        which its contract allows (``EvictionPolicy.record_request_steps``).
+        which its contract allows (``EvictionPolicy.learn``).
         """
         return self._learning.learn(should_yield, chunk_keys=chunk_keys)
 
@@ -511,7 +513,7 @@ class TieredPool:
             cpu_evictions=self.cpu.evictions,
             cpu_full_failures=self.cpu.full_failures,
             cpu_not_admitted=self.cpu.not_admitted,
-            policy_keys=self.cpu.policy.remembered_keys(),
+            policy_keys=self.cpu.policy.stats().remembered_keys,
             cpu_adopted_blocks=self.cpu.adopted_blocks,
             cpu_adoption_dropped_blocks=self.cpu.adoption_dropped_blocks,
             cpu_adoption_pending_blocks=self.cpu.adoption_pending_blocks,
@@ -540,7 +542,5 @@ class TieredPool:
 
 def second_sighting(policy: EvictionPolicy) -> SecondSightingAdmission | None:
     """The ``+admit2`` rule of ``policy`` (wrapped anywhere inside it), for a lower tier's admission; None without it."""
-    found: Any = policy
-    while found is not None and not isinstance(found, AdmissionWrapper):
-        found = getattr(found, "inner", None)
+    found = find_wrapped(policy, AdmissionWrapper)
     return SecondSightingAdmission(found) if found is not None else None

@@ -59,8 +59,7 @@ def borrow(pool: TieredPool, hashes: Sequence[bytes], *, max_views: int | None) 
         bm.touch(blocks)  # type: ignore[arg-type]
     for e in entries:
         cpu.begin_read(e)  # type: ignore[arg-type]
-    for e in reversed(entries):  # tail first, so the head is the most recent (see engine.allocate)
-        cpu.hit(e.key)  # type: ignore[union-attr]
+    cpu.accessed([e.key for e in reversed(entries)])  # type: ignore[union-attr]  # tail first (see engine.allocate)
     pool.counters.loads += len(held)
     pool.counters.lent_bytes += len(held) * pool.spec.block_bytes
     views = [slab[first : first + n].numpy() for slab, first, n in runs]

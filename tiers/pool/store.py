@@ -199,8 +199,7 @@ def restore(pool: TieredPool, hashes: Sequence[bytes], dst: BlockLayout | None, 
         entries = [e for e, _ in cpu_held]
         for e in entries:
             cpu.begin_read(e)  # type: ignore[arg-type]
-        for e in reversed(entries):  # tail first, so the head is the most recent (see engine.allocate)
-            cpu.hit(e.key)  # type: ignore[union-attr]
+        cpu.accessed([e.key for e in reversed(entries)])  # type: ignore[union-attr]  # tail first (see engine.allocate)
         copy = copies.copy(CopyKind.LOAD, cpu.storage, [e.slot for e in entries], dst,  # type: ignore[union-attr]
                            [d for _, d in cpu_held], start_by_ns=start_by_ns)
         copy.on_done.append(lambda ok, es=entries: [cpu.end_read(e) for e in es])  # type: ignore[arg-type]
