@@ -32,14 +32,15 @@ LAYOUT = PoolLayout(model="m", block_size=16, block_bytes=BLOCK_BYTES, dtype="fl
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[object, str]]:
     from kvtier.daemon.lifecycle import StopFlag
-    from kvtier.daemon.pools import PoolSizing
+    from kvtier.daemon.config.schema import PoolSettings
     from kvtier.daemon.server import ServeOptions, Server
 
     redis = rs.RedisServer(tmp_path / "redis").start()
     endpoint = f"ipc://{tmp_path}/d.sock"
-    sizing = PoolSizing(4 * BLOCK_BYTES, 8 * BLOCK_BYTES, remote_url=redis.url, remote_secret=rs.SECRET)
+    sizing = PoolSettings("p", gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=8 * BLOCK_BYTES, remote_url=redis.url)
     stop = StopFlag()
-    srv = Server(ServeOptions(endpoint=endpoint, sizing_for=lambda _name, _reusable_bytes: sizing, poll_interval_s=0.01), stop,
+    srv = Server(ServeOptions(endpoint=endpoint, sizing_for=lambda _name, _reusable_bytes=0: sizing,
+                                    poll_interval_s=0.01, remote_secret=rs.SECRET), stop,
                  kv_import=lambda desc: (None, None))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
