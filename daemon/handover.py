@@ -225,7 +225,8 @@ class Successor:
             return None
         log.warning("hand-over: kvtierd pid %d died before it released; adopting what it left, as after a crash",
                     self.predecessor_pid)
-        return Released(stuck=False, owns_file=True, orphaned=True)
+        # Whose socket file it is went with it: left in place (a later start removes a stale one).
+        return Released(stuck=False, owns_file=False, orphaned=True)
 
     def _wait_gone(self, stop: StopRequested, timeout_s: float) -> bool:
         """Wait until the predecessor has exited (it was our parent: we are re-parented then)."""

@@ -14,9 +14,13 @@ Contract:
   socket activation, systemd owns the socket file) and ``owns_file``
   (whether the daemon that stops for good removes the ipc socket file:
   never for systemd's). ``for_zmq()`` returns a new duplicate for libzmq,
-  which closes it with the ROUTER socket. ``close(remove_file=)`` closes
-  this process's descriptor (and removes the socket file when asked and
-  owned); other processes' descriptors keep the socket listening.
+  which closes it with the ROUTER socket. ``remove_file()`` removes an
+  owned ipc socket file, and only while the path still names the file this
+  socket was bound to (a daemon started meanwhile may have bound a new
+  one there): a draining daemon removes it first thing, so that clients
+  reconnect to its successor rather than to it. ``close(remove_file=)``
+  closes this process's descriptor (and removes the file as above);
+  other processes' descriptors keep the socket listening.
 - ``bind_listener(endpoint, socket_mode)``: a new listening socket.
   ``ipc:///path``: the directory is created (0700, or 0710 when the group
   may connect) and checked (``security.check_socket_dir``), the file is
@@ -70,8 +74,14 @@ class Listener:
 
     fd: int
     endpoint: str
-    origin: str  # "bound" | "systemd"
+    origin: str  # "bound" | "systemd" | "predecessor"
     owns_file: bool
+    file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file this socket was bound to
+
+    def own_file(self) -> None:
+        """The ipc socket file is kvtierd's to remove (a predecessor made it): the one at the path now."""
+        self.owns_file = True
+        self.file_id = _file_id(self.ipc_path)
 
     def for_zmq(self) -> int:
         """A duplicate of the socket for ``ZMQ_USE_FD``: libzmq owns (and closes) it."""
@@ -81,16 +91,32 @@ class Listener:
     def ipc_path(self) -> str | None:
         return _ipc_path(self.endpoint)
 
+    def remove_file(self) -> None:
+        path = self.ipc_path
+        if not self.owns_file or path is None or self.file_id is None or _file_id(path) != self.file_id:
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        self.file_id = None
+
     def close(self, *, remove_file: bool) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        path = self.ipc_path
-        if remove_file and self.owns_file and path is not None:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        if remove_file:
+            self.remove_file()
+
+
+def _file_id(path: str | None) -> tuple[int, int] | None:
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _ipc_path(endpoint: str) -> str | None:
@@ -147,7 +173,7 @@ def bind_listener(endpoint: str, socket_mode: int) -> Listener:
         except BaseException:
             sock.close()
             raise
-        return Listener(sock.detach(), endpoint, "bound", owns_file=True)
+        return Listener(sock.detach(), endpoint, "bound", owns_file=True, file_id=_file_id(path))
     if endpoint.startswith("ipc://@"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         address: object = "\0" + endpoint[len("ipc://@"):]

@@ -388,8 +388,8 @@ class Server:
             if released is None:
                 successor.close()
                 return 0 if self.stop.requested else 1
-            if self.listener is not None:
-                self.listener.owns_file = released.owns_file
+            if self.listener is not None and released.owns_file:
+                self.listener.own_file()
         self.bind()
         # Everything built so far (torch and the other modules: ~170k objects)
         # lives as long as the process. Left to the cyclic GC, each full
@@ -744,6 +744,10 @@ class Server:
 
     def _drain(self) -> int:
         self.ctx.draining = True
+        # Clients told SHUTTING_DOWN reconnect: to the next daemon's socket file, not to this one's (a socket
+        # systemd holds stays: its next daemon serves that very socket).
+        if self.listener is not None:
+            self.listener.remove_file()
         self._holding = False
         self.answer_held(shutting_down=True)
         self.notifier.stopping(f"draining {len(self._parked)} requests")

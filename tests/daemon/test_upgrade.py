@@ -209,8 +209,12 @@ def test_an_upgrade_whose_successor_cannot_start_leaves_the_daemon_serving(tmp_p
     daemons.append(d)
     d.spawn()
     pid = d.pid
+    path = Path(d.endpoint[len("ipc://"):])
+    inode = path.stat().st_ino
     with CountingClient(d.endpoint, "p", LAYOUT, timeout_s=CALL_TIMEOUT_S) as c:
         store_all(c)
+        before = d.stats()["pools"]["p"]
+        sid = c._session.sid
         with Restorer(c, seed=2) as r:
             config.write_text("lease_s = -1\n")  # the new start refuses this: exit 2
             d.send_signal(signal.SIGUSR2)
@@ -222,6 +226,14 @@ def test_an_upgrade_whose_successor_cannot_start_leaves_the_daemon_serving(tmp_p
         assert r.errors == [] and r.wrong == 0 and r.retried == [], (r.errors, r.retried)
         assert probe_health(d.endpoint)["pid"] == pid
         assert "exit status 2" in d.log()
+        # Nothing changed: the same socket file, the same CPU tier (nothing released, nothing adopted), the same
+        # session (no call was answered SHUTTING_DOWN), every block there.
+        assert path.stat().st_ino == inode
+        after = d.stats()["pools"]["p"]
+        assert after["cpu_used_blocks"] == before["cpu_used_blocks"] == N_BLOCKS, (before, after)
+        assert after["cpu_adopted_blocks"] == before["cpu_adopted_blocks"] == 0
+        assert c._session.sid == sid
+        all_served(c)
         # Fixed, the next upgrade goes through, the cache with it.
         config.write_text("lease_s = 10\n")
         assert d.upgrade() == 0
@@ -295,6 +307,44 @@ def test_a_predecessor_killed_during_the_upgrade_leaves_its_successor_to_adopt(t
         all_served(c)
         assert "died before it released" in d.log()
         assert d.stats()["pools"]["p"]["cpu_adopted_blocks"] == N_BLOCKS
+
+
+def test_a_restart_that_binds_the_socket_anew_costs_the_client_no_failed_call(tmp_path: Path,
+                                                                             daemons: list[KvtierDaemon]) -> None:
+    # systemctl restart without the socket unit: the stopping daemon removes its socket file as it starts to drain,
+    # so the client's new connection waits for the next daemon's rather than reaching the old one again.
+    d = KvtierDaemon(tmp_path / "d", flags=FLAGS, start_timeout_s=START_TIMEOUT_S)
+    daemons.append(d)
+    d.spawn()
+    path = Path(d.endpoint[len("ipc://"):])
+    with CountingClient(d.endpoint, "p", LAYOUT, timeout_s=CALL_TIMEOUT_S) as c:
+        store_all(c)
+        with Restorer(c, seed=5) as r:
+            r.wait_calls(20)
+            assert d.stop() == 0
+            assert not path.exists()
+            d.spawn()
+            r.wait_calls(20)
+        assert r.errors == [] and r.wrong == 0, (r.errors, d.log_tail(30))
+        assert len(r.retried) <= 1, r.retried
+        all_served(c)
+        assert d.stats()["pools"]["p"]["cpu_adopted_blocks"] == N_BLOCKS
+
+
+def test_a_stopping_daemon_removes_its_own_socket_file_and_never_a_newer_one(tmp_path: Path) -> None:
+    from kvtier.daemon.listener import bind_listener
+
+    path = tmp_path / "s" / "kvtierd.sock"
+    old = bind_listener(f"ipc://{path}", 0o600)
+    os.unlink(path)  # (as a draining daemon does first) ...
+    new = bind_listener(f"ipc://{path}", 0o600)  # ... and a new daemon binds the path meanwhile
+    inode = path.stat().st_ino
+    try:
+        old.close(remove_file=True)
+        assert path.exists() and path.stat().st_ino == inode, "the old daemon removed the new one's socket file"
+    finally:
+        new.close(remove_file=True)
+    assert not path.exists()
 
 
 # ---- socket activation: the test holds the socket, as systemd does for kvtierd@.socket ---------------------
