@@ -38,13 +38,22 @@ subclass may wrap it, and recovery's requests must go through that too).
   a new one), the call raises
   ``SessionLost`` listing them instead, once; the new session is ready for
   the next call. A failure half-way leaves ``gone`` set, so the next call
-  starts over with a new hello rather than use half a session. Otherwise
-  raises what ``Transport`` raises.
+  starts over with a new hello rather than use half a session (the pins and
+  requests the old session held are still reported, by the call that
+  completes the new one). When the daemon answers SHUTTING_DOWN (it is
+  stopping, or handing its socket to a successor: ``systemctl reload``) it
+  did not run the request either: the socket is dropped, the session
+  counts as gone (a successor does not know it), and the request is sent
+  again on a new connection, at once the first time, then after a pause
+  that doubles from ``SHUTDOWN_PAUSE_S`` (at most ``MAX_SHUTDOWN_PAUSE_S``),
+  until the call's deadline; past it the SHUTTING_DOWN error is raised.
+  Otherwise raises what ``Transport`` raises.
 - ``call_many(op, fields_list, deadline_s) -> reply headers``: the same for
   ``Client._call_many`` (pipelined): every request's reply header, error
   replies included, in order (one refused request fails only itself). No
   resend after a timeout (the socket is dropped and the timeout raised); a
-  reply of UNKNOWN_SESSION means the daemon forgot the session: it is
+  reply of UNKNOWN_SESSION means the daemon forgot the session, and one of
+  SHUTTING_DOWN that it is leaving (the socket is dropped): the session is
   reopened and the batch sent again once (what ran in the old session went
   with it).
 - ``recover_in_background(sid, timeout_s)``: the heartbeat thread's way to
@@ -100,6 +109,10 @@ log = logging.getLogger(__name__)
 
 
 DEADLINE_ROUNDING_NS = 1_000
+# After a SHUTTING_DOWN the request goes again at once on a new connection (a successor that took the socket over
+# accepts it); if the daemon still says so (a stop with nobody after it yet), after this pause, doubling.
+SHUTDOWN_PAUSE_S = 0.02
+MAX_SHUTDOWN_PAUSE_S = 0.5
 
 
 class SessionLost(DaemonError):
@@ -209,6 +222,7 @@ class Session:
             window_ns[1] = time.monotonic_ns()
             return reply
 
+        resends = 0
         while True:
             try:
                 # hello changes nothing the daemon holds for us: safe to resend.
@@ -217,6 +231,10 @@ class Session:
             except KvtierTimeout:
                 raise KvtierTimeout(f"no kvtierd answering at {self._transport.endpoint}") from None
             except DaemonError as exc:
+                if exc.code == ErrorCode.SHUTTING_DOWN:
+                    self._after_shutting_down("hello", exc, deadline_s, resends)
+                    resends += 1
+                    continue
                 # A daemon from before hello's "features" refuses the field: it has no disk tier to
                 # name either, so the same hello without it loses nothing.
                 if not (self._send_features and exc.code == ErrorCode.INVALID_FIELD and "'features'" in str(exc)):
@@ -243,17 +261,36 @@ class Session:
         ``idempotent`` overrides the verb's (a pinned lookup is not: resent, it would pin twice)."""
         self._raise_pending_loss()
         idempotent = OPS[op].idempotent if idempotent is None else idempotent
+        resends = 0
         while True:
-            self._ensure(deadline_s)
             try:
+                self._ensure(deadline_s)
                 return self._transport.retry(op, deadline_s,
                                              lambda d: self._send(op, self._stamped(op, fields, deadline_s), frames, d),
                                              idempotent=idempotent)
+            except SessionLost:
+                raise
             except DaemonError as exc:
-                if exc.code != ErrorCode.UNKNOWN_SESSION:
+                if exc.code == ErrorCode.SHUTTING_DOWN:
+                    # Not run either; the daemon that serves next does not know this session.
+                    self._after_shutting_down(op, exc, deadline_s, resends)
+                    resends += 1
+                elif exc.code != ErrorCode.UNKNOWN_SESSION or time.monotonic() >= deadline_s:
                     raise
                 # Rejected before it ran: safe to resend, whatever the verb.
                 self.gone = True
+
+    def _after_shutting_down(self, op: str, exc: DaemonError, deadline_s: float, resends: int) -> None:
+        """The daemon said SHUTTING_DOWN (the module docstring): drop the socket, pause, or raise at the deadline."""
+        self._transport.reset()
+        left_s = deadline_s - time.monotonic()
+        if left_s <= 0:
+            raise exc
+        if resends:
+            time.sleep(min(SHUTDOWN_PAUSE_S * 2 ** (resends - 1), MAX_SHUTDOWN_PAUSE_S, left_s))
+        else:
+            log.info("kvtier %s: the daemon at %s is shutting down or handing over; resending on a new connection",
+                     op, self._transport.endpoint)
 
     def _stamped(self, op: str, fields: Mapping[str, Any], deadline_s: float) -> Mapping[str, Any]:
         """The request as sent now: with the call's deadline where the daemon works on this process's memory.
@@ -279,13 +316,16 @@ class Session:
             except KvtierTimeout:
                 self._transport.reset()
                 raise
-            lost = next((rh for rh in replies if _error_code(rh) == ErrorCode.UNKNOWN_SESSION), None)
+            lost = next((rh for rh in replies
+                         if _error_code(rh) in (ErrorCode.UNKNOWN_SESSION, ErrorCode.SHUTTING_DOWN)), None)
             if lost is None:
                 return replies
             if attempt:
                 raise error_of(lost, op)
-            # The daemon forgot the session: what it ran before it did (pins)
-            # went with it, and it ran nothing after. Open a new one, send all again.
+            # The daemon forgot the session (or is leaving: its successor will not know it): what it ran
+            # before (pins) went with it, and it ran nothing after. Open a new one, send all again.
+            if _error_code(lost) == ErrorCode.SHUTTING_DOWN:
+                self._transport.reset()
             self.gone = True
         raise AssertionError("unreachable")
 
@@ -308,18 +348,21 @@ class Session:
         """New session after the daemon forgot ours; raise SessionLost if state was lost."""
         lost_pins = sorted(self.pins.elements())
         lost_requests = sorted(self.requests)
+        held = (Counter(self.pins), dict(self.tag_pins), set(self.requests), dict(self.tokens))
         self.pins.clear()
         self.tag_pins.clear()
         self.requests.clear()
         self.tokens.clear()
         old_sid = self.sid
         self.sid = None
-        self.hello(deadline_s)
         try:
+            self.hello(deadline_s)
             lost_arena = self._restore_state(deadline_s)
         except BaseException:
             # Half a session (no arena or registrations) must not pass for a
-            # whole one: the next call starts over with a new hello.
+            # whole one: the next call starts over with a new hello, and
+            # reports what the old session held then.
+            self.pins, self.tag_pins, self.requests, self.tokens = held
             self.gone = True
             raise
         log.warning("kvtier session %s lost; new session %s", (old_sid or "")[:8], (self.sid or "")[:8])
@@ -416,6 +459,8 @@ class Heartbeat:
                     err = rh.get("error") if rh.get("ok") is False else None
                     if isinstance(err, dict) and err.get("code") == int(ErrorCode.UNKNOWN_SESSION):
                         self._recover(sid)
+                    elif isinstance(err, dict) and err.get("code") == int(ErrorCode.SHUTTING_DOWN):
+                        answered = False  # the next heartbeat goes on a new connection (a successor's)
                     break
                 if not answered:
                     sock.close(linger=0)  # start clean against a restarted daemon

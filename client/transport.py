@@ -35,6 +35,16 @@ repeat across the two).
 - ``reset()`` drops the main socket (the next request opens a fresh one);
   ``close()`` drops it and terminates the context, which ends the heartbeat
   socket's wait too.
+- A daemon that stops (or hands its socket to a successor) closes its
+  connections; a request that reached it in its last instant goes
+  unanswered. The main socket is watched (a libzmq monitor of its
+  disconnections, read only when a reply is ``WATCH_SLICE_MS`` late): a
+  connection that closes while a request waits for its reply, with no
+  reply there, raises ``ConnectionLost`` (a ``KvtierTimeout``) at once
+  instead of at the attempt's deadline, so ``retry`` resends an idempotent
+  request on a new socket (a successor's, or the backlog of a socket
+  systemd holds) and a non-idempotent one fails now rather than later.
+  Disconnections from before a request was sent do not count.
 - ``probe_health(endpoint, timeout_s=, curve=)``: one session-less
   ``health`` request on a socket of its own (readiness probes, scripts);
   returns the reply's fields, raises ``KvtierTimeout`` or ``ProtocolError``.
@@ -54,6 +64,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvtier.client.curve import CurveKeys
 from kvtier.client.protocol import (
@@ -67,7 +78,7 @@ from kvtier.client.protocol import (
     request_header,
 )
 
-__all__ = ["DaemonError", "KvtierTimeout", "Transport", "error_of", "probe_health", "reply_fields"]
+__all__ = ["ConnectionLost", "DaemonError", "KvtierTimeout", "Transport", "error_of", "probe_health", "reply_fields"]
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +86,19 @@ log = logging.getLogger(__name__)
 # request lost with a dying daemon leaves time for one on the new daemon.
 ATTEMPT_SHARE = 0.5
 MIN_ATTEMPT_S = 0.2
+# A reply later than this makes the wait look at the socket's disconnections (then again as often): a request
+# lost with a closing connection is resent within this, and a prompt reply costs no more than before.
+WATCH_SLICE_MS = 50
 
 T = TypeVar("T")
 
 
 class KvtierTimeout(KvtierError, TimeoutError):
     """No reply before the call's deadline."""
+
+
+class ConnectionLost(KvtierTimeout):
+    """The connection a request went out on closed before its reply (see the module docstring)."""
 
 
 class DaemonError(KvtierError):
@@ -121,6 +139,7 @@ class Transport:
         self._zctx = zmq.Context()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None  # the main socket's disconnections
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -137,11 +156,24 @@ class Transport:
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             self._sock = self.new_socket()
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         return self._sock
+
+    def _disconnected(self) -> bool:
+        """Whether the main socket's connection closed since the last look (the events are consumed)."""
+        found = False
+        while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
+            found |= recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return found
 
     def reset(self) -> None:
         # A fresh DEALER: replies to abandoned requests cannot reach it, and it
         # reconnects to a restarted daemon from scratch.
+        if self._monitor is not None:
+            if self._sock is not None:
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -156,6 +188,7 @@ class Transport:
         rid = self.next_id()
         header = request_header(op, rid, sid, packed_hashes=packed_hashes, **fields)
         sock = self._socket()
+        self._disconnected()  # a connection that closed before this request is none of its business
         try:
             sock.send_multipart([encode(header), *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -172,6 +205,7 @@ class Transport:
                        sid: str | None, packed_hashes: bool) -> list[dict[str, Any]]:
         """Send every request, then collect every reply (error replies too): one round trip for all of them."""
         sock = self._socket()
+        self._disconnected()
         rids: list[int] = []
         for fields in fields_list:
             rid = self.next_id()
@@ -195,7 +229,7 @@ class Transport:
     def _next_reply(self, sock: zmq.Socket, op: str, deadline_s: float) -> tuple[dict[str, Any], list[zmq.Frame]]:
         """The next well-formed reply on ``sock``, whatever request it answers."""
         remaining_ms = int((deadline_s - time.monotonic()) * 1000)
-        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+        if remaining_ms <= 0 or not self._poll(sock, remaining_ms):
             raise KvtierTimeout(f"{op}: no reply from {self.endpoint} in time")
         reply = sock.recv_multipart(copy=False)
         try:
@@ -205,6 +239,22 @@ class Transport:
         if not isinstance(rh, dict) or rh.get("v") != PROTOCOL_VERSION or "ok" not in rh:
             raise ProtocolError(ErrorCode.MALFORMED, f"reply to {op} is not a v{PROTOCOL_VERSION} reply: {rh!r:.200}")
         return rh, reply[1:]
+
+    def _poll(self, sock: zmq.Socket, timeout_ms: int) -> bool:
+        """Wait up to ``timeout_ms`` for a reply on the main socket; ``ConnectionLost`` if its connection
+        closes first with no reply there (see the module docstring)."""
+        deadline_s = time.monotonic() + timeout_ms / 1000
+        while True:
+            left_ms = int((deadline_s - time.monotonic()) * 1000)
+            if sock.poll(max(0, min(left_ms, WATCH_SLICE_MS)), zmq.POLLIN):
+                return True
+            if self._disconnected():
+                if sock.poll(0, zmq.POLLIN):  # the reply came in before the connection closed
+                    return True
+                raise ConnectionLost(f"the connection to {self.endpoint} closed before the reply came (the daemon "
+                                     "there stopped or handed over)")
+            if left_ms <= WATCH_SLICE_MS:
+                return False
 
     def retry(self, op: str, deadline_s: float, attempt: Callable[[float], T], *, idempotent: bool) -> T:
         """``attempt(attempt_deadline_s)``, resent on a new socket after a timeout while ``idempotent`` and in time."""

@@ -10,6 +10,13 @@ in the foreground until SIGTERM/SIGINT; returns 0 after a clean drain, or
 when stopped before it served (the start-up checks the flag between its
 slow steps), 1 when the daemon cannot start (socket taken, device missing).
 
+The listening socket: inherited from the predecessor that started this
+process (``KVTIER_HANDOVER_FDS``: a zero-downtime upgrade,
+``kvtier.daemon.handover``), else from systemd (socket activation:
+``LISTEN_FDS``), else bound here once no live daemon answers on it
+(``lifecycle.refuse_if_served``). SIGUSR2 later starts a successor with
+this very command line (``sys.orig_argv``).
+
 This is the composition root: the only place that turns configuration into
 the objects the server uses.
 """
@@ -20,7 +27,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.daemon.lifecycle import StopFlag
@@ -29,6 +36,9 @@ from kvtier.daemon.lifecycle import StopFlag
 if TYPE_CHECKING:
     from kvtier.daemon.config import DaemonConfig
     from kvtier.daemon.faults import FaultPlan
+    from kvtier.daemon.handover import Successor
+    from kvtier.daemon.prometheus import StatsSnapshot
+    from kvtier.daemon.listener import Listener
     from kvtier.daemon.security import CurveOptions
     from kvtier.daemon.server import ServeOptions
     from kvtier.daemon.sessions import Closeable
@@ -99,7 +109,8 @@ def remote_secret_from_config(cfg: DaemonConfig) -> bytes | None:
 
 def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None,
                         curve: CurveOptions | None = None, remote_secret: bytes | None = None,
-                        arenas: ArenaDirectory | None = None) -> ServeOptions:
+                        arenas: ArenaDirectory | None = None, listener: Listener | None = None,
+                        successor: Successor | None = None) -> ServeOptions:
     import psutil
 
     from kvtier.daemon.config import PoolSettings, resolve_cpu_budget_bytes
@@ -143,7 +154,22 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         curve=curve,
         tenants=TenantRegistry(cfg.tenants),
         arenas=arenas,
+        listener=listener,
+        successor=successor,
+        upgrade_argv=tuple(sys.orig_argv),
+        upgrade_timeout_s=cfg.upgrade_timeout_s,
+        start_metrics=_metrics_starter(cfg),
     )
+
+
+def _metrics_starter(cfg: DaemonConfig) -> Callable[[StatsSnapshot], Closeable] | None:
+    """The Prometheus endpoint's start, for the server to call once it serves (None without metrics_port)."""
+    if cfg.metrics_port is None:
+        return None
+    from kvtier.daemon.metrics_endpoint import start_exporter
+
+    host, port = cfg.metrics_host, cfg.metrics_port
+    return lambda snapshot: start_exporter(host, port, snapshot)
 
 
 def _arena_directory(cfg: DaemonConfig) -> ArenaDirectory | None:
@@ -200,13 +226,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from kvtier.daemon.config import ConfigError, exit_on_config_error, load_config_or_exit
     from kvtier.daemon.faults import FAULTS_ENV, parse_faults
+    from kvtier.daemon.handover import HANDOVER_ENV, Successor
     from kvtier.daemon.lifecycle import refuse_if_served
+    from kvtier.daemon.listener import ListenerMismatch, inherited_listener, systemd_listener
     from kvtier.daemon.sd_notify import Notifier
 
     # KVTIER_TEST_FAULTS is test-only fault injection (kvtier.daemon.faults),
-    # not configuration: the config loader would reject it as unknown.
+    # and KVTIER_HANDOVER_FDS a predecessor's hand-over (kvtier.daemon.handover),
+    # not configuration: the config loader would reject them as unknown.
     environ = dict(os.environ)
     faults_spec = environ.pop(FAULTS_ENV, "")
+    try:
+        successor = Successor.from_environ(environ)
+    except RuntimeError as exc:
+        exit_on_config_error(ConfigError(HANDOVER_ENV, str(exc)))
     cfg = load_config_or_exit(argv, environ)
     try:
         fault_plan = parse_faults(faults_spec)
@@ -237,7 +270,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if _stopped_early(stop):
             return 0
-        refuse_if_served(cfg.socket)
+        try:
+            if successor is not None:
+                listener = inherited_listener(successor.listen_fd, cfg.socket, origin="predecessor", owns_file=False)
+                log.info("taking over from kvtierd pid %d: its socket %s, then its CPU tiers", successor.predecessor_pid,
+                         cfg.socket)
+            else:
+                listener = systemd_listener(cfg.socket, os.environ)
+        except ListenerMismatch as exc:
+            log.error("cannot serve %s: %s", cfg.socket, exc)
+            return 1
+        if listener is None:
+            refuse_if_served(cfg.socket)
         # torch (through the tiers) takes seconds to import: config errors,
         # --help and a taken socket must not wait for it.
         from kvtier.daemon.config.host import check_gpu_bytes
@@ -246,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _stopped_early(stop):
             return 0
 
-        notifier = Notifier.from_environ()
+        notifier = Notifier.from_environ(predecessor_pid=successor.predecessor_pid if successor else None)
         notifier.status("starting: checking devices and host memory")
         device = _resolve_device(cfg.device)
         try:
@@ -276,18 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _stopped_early(stop):
             return 0
         server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve,
-                                            remote_secret=remote_secret, arenas=arenas), stop,
+                                            remote_secret=remote_secret, arenas=arenas, listener=listener,
+                                            successor=successor), stop,
                         kv_import=_import_kv_tensor, notifier=notifier)
-        exporter = None
-        if cfg.metrics_port is not None:
-            from kvtier.daemon.metrics_endpoint import start_exporter
-
-            exporter = start_exporter(cfg.metrics_host, cfg.metrics_port, server.stats_snapshot)
-        try:
-            return server.run()
-        finally:
-            if exporter is not None:
-                exporter.close()
+        return server.run()
     except (RuntimeError, OSError, zmq.ZMQError) as exc:
         log.error("cannot serve: %s", exc)
         return 1

@@ -34,6 +34,8 @@ Contract:
   ``MAX_HELD_REFUSALS`` are held at once; the others are shut down at once,
   so their clients see only their own timeout. A client's DEALER
   reconnects by itself, and is admitted once the daemon is under its caps.
+- ``open_connections``: the connections libzmq holds now (admitted and
+  refused ones not shut yet).
 - ``publish(metrics)`` (loop thread): the gauges ``connections`` (admitted),
   ``connections_busiest_peer`` (the most any one peer holds) and the
   counter ``connections_refused_total{reason}``.
@@ -145,6 +147,10 @@ class ConnectionGuard:
         if live is None or live.refused_until_s is None or live.conn != conn:
             return None
         return live.refusal
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._live)
 
     def publish(self, metrics: Counters) -> None:
         metrics.set("connections", self._admitted)

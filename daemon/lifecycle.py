@@ -11,6 +11,12 @@ Contract:
   host), so a SIGTERM at any point of the start-up is a clean stop (exit 0);
   this module imports only the standard library until ``refuse_if_served``
   runs.
+- SIGUSR2 sets ``StopFlag.upgrade_requested`` and nothing else: the event
+  loop then starts a successor and hands it the socket and the CPU tiers
+  (``kvtier.daemon.upgrade``), and clears the flag. Installed with the
+  others, so that a SIGUSR2 during the start-up (the default disposition
+  would end the process) is only a flag, which the loop ignores once it
+  serves (``Server.run``).
 - ``StopFlag.requested`` is read by the event loop, which then drains
   (``kvtier.daemon.server``): stop taking requests, finish or fail in-flight
   copies, reply to everything pending, exit 0 within ``drain_timeout_s``.
@@ -44,10 +50,15 @@ class StopFlag:
     def __init__(self) -> None:
         self.requested = False
         self.signal_name = ""
+        self.upgrade_requested = False
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGUSR2, self._on_upgrade)
+
+    def _on_upgrade(self, _signum: int, _frame: FrameType | None) -> None:
+        self.upgrade_requested = True
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.requested = True

@@ -437,9 +437,11 @@ class PoolRegistry:
         return sorted((e for e in self._pools.values() if not e.sessions and e.idle_since_s is not None),
                       key=lambda e: e.idle_since_s or 0.0)
 
-    def close_all(self, timeout_s: float) -> None:
+    def close_all(self, timeout_s: float) -> bool:
         """The daemon stops: persistent pools first demote what only their GPU tier holds, then every pool
-        closes; arenas are kept for the next daemon (see the module docstring)."""
+        closes; arenas are kept for the next daemon (see the module docstring). Returns False when a pool's
+        copies, or its disk tier's writer, were still running at its close (abandoned: they may still write
+        its CPU tier or disk directory; a hand-over's successor then adopts only after this process exits)."""
         deadline_s = time.monotonic() + timeout_s
         persistent = [e for e in self._pools.values() if e.arena is not None and e.pool.gpu_blocks]
         for i, entry in enumerate(persistent):
@@ -451,9 +453,11 @@ class PoolRegistry:
                 continue
             if n:
                 log.info("pool %r: %d blocks only the GPU tier held demoted into the persistent CPU tier", entry.name, n)
+        finished = True
         for entry in self._pools.values():
-            _close_entry(entry, max(0.5, deadline_s - time.monotonic()), keep_arena=True)
+            finished &= _close_entry(entry, max(0.5, deadline_s - time.monotonic()), keep_arena=True)
         self._pools.clear()
+        return finished
 
     # ---- adoption at start-up ------------------------------------------------------------
 
@@ -519,9 +523,12 @@ def _disk_tier(sizing: PoolSettings, key: str, spec: PoolSpec) -> DiskTier | Non
     return DiskTier(sizing.disk_dir, key, identity, block_bytes=spec.block_bytes, capacity_blocks=blocks)
 
 
-def _close_entry(entry: PoolEntry, timeout_s: float, *, keep_arena: bool = False) -> None:
+def _close_entry(entry: PoolEntry, timeout_s: float, *, keep_arena: bool = False) -> bool:
+    """Close one pool; False if its copies (or its disk tier's writes) were still running when it gave up."""
+    finished = False
     try:
         entry.pool.close(timeout_s)
+        finished = not entry.pool.busy
         if entry.arena is not None:
             entry.arena.close(remove=not keep_arena)
     finally:
@@ -529,4 +536,6 @@ def _close_entry(entry: PoolEntry, timeout_s: float, *, keep_arena: bool = False
         if entry.pool.remote is not None:
             entry.pool.remote.close(timeout_s)
         if entry.pool.disk is not None:
-            entry.pool.disk.close(timeout_s)  # what is queued is written; the directory stays for the next start
+            # What is queued is written; the directory stays for the next start.
+            finished = entry.pool.disk.close(timeout_s) and finished
+    return finished

@@ -45,7 +45,11 @@ Contract (the event loop's thread only):
   ``unread_connections_shut_total`` per connection, a log line per session.
 - ``abandon()`` at shutdown: gives every lent buffer back (libzmq drops the
   replies when the socket closes).
-- ``busy``: anything still unsent; ``sessions_to_shut``: ended sessions waiting.
+- ``shut_lent()`` (a hand-over: the successor will own the tier memory):
+  shuts down every connection that still queues a lent reply; returns how
+  many.
+- ``busy``: anything still unsent; ``lending``: a lent reply still unsent;
+  ``sessions_to_shut``: ended sessions waiting.
 """
 
 from __future__ import annotations
@@ -112,6 +116,10 @@ class ReplyQueue:
     @property
     def busy(self) -> bool:
         return bool(self._sending)
+
+    @property
+    def lending(self) -> bool:
+        return any(u.on_sent is not None for u in self._items())
 
     @property
     def sessions_to_shut(self) -> bool:
@@ -203,6 +211,14 @@ class ReplyQueue:
         if queue is not None and not queue:
             del self._sending[identity]
         return time.monotonic() - t0_s
+
+    def shut_lent(self) -> int:
+        """See the module docstring."""
+        conns = {u.conn for u in self._items() if u.on_sent is not None and not u.tracker.done and u.conn is not None}
+        shut = sum(shut_down(conn) for conn in conns)
+        if shut:
+            self.metrics.inc("unread_connections_shut_total", shut)
+        return shut
 
     def session_ended(self, sid: str, reason: str, lease_s: float) -> None:
         """See the module docstring."""

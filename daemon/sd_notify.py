@@ -2,10 +2,14 @@
 
 Contract:
 
-- ``Notifier.from_environ(environ)`` reads ``$NOTIFY_SOCKET`` (a filesystem
-  path, or an abstract socket written with a leading ``@``) and
-  ``$WATCHDOG_USEC`` / ``$WATCHDOG_PID``. Without ``$NOTIFY_SOCKET`` every
-  call is a no-op, so the daemon runs the same outside systemd.
+- ``Notifier.from_environ(environ, predecessor_pid=None)`` reads
+  ``$NOTIFY_SOCKET`` (a filesystem path, or an abstract socket written with
+  a leading ``@``) and ``$WATCHDOG_USEC`` / ``$WATCHDOG_PID``. Without
+  ``$NOTIFY_SOCKET`` every call is a no-op, so the daemon runs the same
+  outside systemd. A successor started by a hand-over inherits its
+  predecessor's environment, whose ``WATCHDOG_PID`` names the predecessor
+  (``predecessor_pid``): the watchdog is then this process's to feed, once
+  the predecessor made it the main process (``MAINPID=``).
 - ``notify(**fields)`` sends one datagram ``KEY=value\\n...``; failures are
   logged once and never raised (a lost status line must not stop a daemon).
 - ``ready(status)``, ``status(text)``, ``stopping(status)``,
@@ -36,13 +40,14 @@ class Notifier:
         self.last_status = ""
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Notifier:
+    def from_environ(cls, environ: Mapping[str, str] | None = None, *, predecessor_pid: int | None = None) -> Notifier:
         env = os.environ if environ is None else environ
         address = env.get("NOTIFY_SOCKET") or None
         interval_s = None
         usec = env.get("WATCHDOG_USEC")
         pid = env.get("WATCHDOG_PID")
-        if usec and (pid is None or pid == str(os.getpid())):
+        ours = {str(os.getpid())} | ({str(predecessor_pid)} if predecessor_pid is not None else set())
+        if usec and (pid is None or pid in ours):
             try:
                 interval_s = int(usec) / 1e6 / 2
             except ValueError:

@@ -54,6 +54,21 @@ Contract:
   With persistent CPU tiers (``ServeOptions.arenas``), ``run()`` re-creates
   the pools the previous daemon left, adopting their blocks, before it reads
   the first request (``daemon.pools``).
+- The listening socket (``daemon.listener``): bound here, or inherited
+  (``ServeOptions.listener``: systemd socket activation, or a
+  predecessor's hand-over); libzmq gets a duplicate (``ZMQ_USE_FD``), so
+  the daemon keeps a descriptor it can hand to a successor, and an
+  inherited socket file is never removed.
+- Hand-over (``daemon.upgrade``, ``daemon.handover``): SIGUSR2 starts a
+  successor; once it is ready, new requests are held unanswered (health
+  and stats still answer) while copies finish, the pools close (arenas
+  kept), the sessions end; the successor adopts and serves; the held
+  requests get SHUTTING_DOWN (they did not run: the client resends them,
+  and the successor accepts the new connection) and ``run()`` returns 0
+  without removing the socket file. With ``ServeOptions.successor`` this
+  daemon is the successor: ``run()`` first waits for the predecessor to
+  release (``Successor.take_over``), then adopts and binds the inherited
+  socket.
 - systemd: READY=1 once the socket is bound, WATCHDOG=1 from the loop at
   half of WatchdogSec (and between pinned chunks of a CPU tier being
   allocated), STATUS= lines (allocation progress; a summary at most once a
@@ -62,7 +77,8 @@ Contract:
   ``stats`` still answer), parked requests get their replies as their copies
   finish, and whatever is still parked at ``drain_timeout_s`` gets a
   SHUTTING_DOWN error. Then sessions are released, pools closed, the socket
-  closed with a bounded linger, and the ipc socket file removed.
+  closed with a bounded linger, and the ipc socket file removed (one this
+  daemon, or a kvtierd before it, made: not systemd's).
 """
 
 from __future__ import annotations
@@ -72,7 +88,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +113,9 @@ from kvtier.daemon.replies import ReplyQueue
 from kvtier.daemon.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
 from kvtier.daemon.heap_trim import HeapTrimmer
 from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Reply, stats_fields
+from kvtier.daemon.handover import Successor
 from kvtier.daemon.lifecycle import StopFlag
+from kvtier.daemon.listener import Listener, bind_listener
 from kvtier.daemon.log_limit import RateLimitedLog
 from kvtier.daemon.memory import gib
 from kvtier.daemon.metrics import Counters
@@ -107,9 +125,10 @@ from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.prometheus import StatsSnapshot
 from kvtier.daemon.release import release_session
 from kvtier.daemon.sd_notify import Notifier
-from kvtier.daemon.security import CurveGuard, CurveOptions, check_socket_dir, peer_uid, peer_user_id
-from kvtier.daemon.sessions import Session, SessionTable
+from kvtier.daemon.security import CurveGuard, CurveOptions, peer_uid, peer_user_id
+from kvtier.daemon.sessions import Closeable, Session, SessionTable
 from kvtier.daemon.tenants import TenantRegistry
+from kvtier.daemon.upgrade import Upgrade
 from kvtier.tiers.persistent_arena import ArenaDirectory
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
 from kvtier.tiers.copy_types import DeadlinePassed
@@ -168,7 +187,13 @@ class ServeOptions:
     max_connections: int | None = None  # client connections at once; None: a quarter of the descriptors (FdBudget)
     max_connections_per_peer: int | None = None  # of one uid (ipc) or IP address (tcp); None: auto_per_peer
     arenas: ArenaDirectory | None = None  # persistent CPU tiers (daemon.pools); None: private memory
-
+    listener: Listener | None = None  # the listening socket, inherited (systemd, a predecessor); None: bind one
+    successor: Successor | None = None  # this daemon takes over from the predecessor that started it
+    upgrade_argv: Sequence[str] = ()  # what SIGUSR2 starts to take over (sys.orig_argv); empty: no upgrades
+    upgrade_timeout_s: float = 300.0  # for a successor to get ready, and to serve after the release
+    # The Prometheus endpoint (daemon.metrics_endpoint), started once the daemon serves, closed when it stops
+    # serving (a successor opens the port again).
+    start_metrics: Callable[[StatsSnapshot], Closeable] | None = None
 
 
 def _error_code_for(exc: BaseException) -> ErrorCode:
@@ -269,7 +294,18 @@ class Server:
         self._zctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
-        self._ipc_path: str | None = None
+        self.listener = options.listener
+        self._metrics_endpoint: Closeable | None = None
+        # A hand-over: requests held unanswered while it releases the tiers (identity, id, op, frames), then
+        # every request redirected (SHUTTING_DOWN) until this daemon closes.
+        self._holding = False
+        self._redirecting = False
+        self._held: list[tuple[bytes, int, str, list[Any]]] = []
+        self.upgrade = Upgrade(self, argv=options.upgrade_argv, environ=lambda: os.environ,
+                               listener=lambda: self.listener, notifier=self.notifier,
+                               timeout_s=options.upgrade_timeout_s,
+                               drain_timeout_s=options.drain_timeout_s) if options.upgrade_argv else None
+        self._upgrade_fd: int | None = None  # the hand-over's control channel, while the poller watches it
         self._curve_guard: CurveGuard | None = None
         self._connection_guard: ConnectionGuard | None = None
         self._ipc = options.endpoint.startswith("ipc://")  # peers have a uid (SO_PEERCRED)
@@ -314,28 +350,28 @@ class Server:
                         self.fds.limit_fds, self.fds.connections, self.fds.shm_files, self.fds.flood_room_fds,
                         FLOOD_ROOM_GUARANTEED_FDS)
         endpoint = self.options.endpoint
-        if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
-            self._ipc_path = endpoint[len("ipc://"):]
-            socket_dir = os.path.dirname(os.path.abspath(self._ipc_path))
-            # A group that may use the socket must be able to reach it (x only).
-            os.makedirs(socket_dir, mode=0o710 if self.options.socket_mode & 0o060 else 0o700, exist_ok=True)
-            check_socket_dir(socket_dir)
-            # The socket file is born 0600: no window where others can connect.
-            old_umask = os.umask(0o177)
-            try:
-                sock.bind(endpoint)
-            finally:
-                os.umask(old_umask)
-            os.chmod(self._ipc_path, self.options.socket_mode)
-        else:
+        if self.listener is None:
+            self.listener = bind_listener(endpoint, self.options.socket_mode)
+        if endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        # libzmq takes a duplicate: it neither binds nor unlinks the endpoint, and closes only its own copy.
+        zmq_fd = self.listener.for_zmq()
+        try:
+            sock.setsockopt(zmq.USE_FD, zmq_fd)
             sock.bind(endpoint)
+        except BaseException:
+            os.close(zmq_fd)
+            raise
         self._sock = sock
         self.replies.attach(sock)
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
 
-    def close(self, linger_s: float) -> None:
+    def close(self, linger_s: float, *, remove_file: bool = True) -> None:
+        """Close the socket (replies flush for ``linger_s``); ``remove_file``: the ipc socket file too, when a
+        kvtierd made it (not after a hand-over, never systemd's)."""
+        self._stop_metrics()
         if self._connection_guard is not None:
             self._connection_guard.stop()
             self._connection_guard = None
@@ -348,17 +384,23 @@ class Server:
         if self._zctx is not None:
             self._zctx.term()
             self._zctx = None
-        if self._ipc_path is not None:
-            try:
-                os.unlink(self._ipc_path)
-            except FileNotFoundError:
-                pass
+        if self.listener is not None:
+            self.listener.close(remove_file=remove_file)
         self._wake_r.close()
         self._wake_w.close()
 
     # ---- the loop ------------------------------------------------------------
 
     def run(self) -> int:
+        successor = self.options.successor
+        if successor is not None:
+            # Everything is ready but the socket and the CPU tiers, which the predecessor still serves.
+            released = successor.take_over(self.stop, self.options.upgrade_timeout_s)
+            if released is None:
+                successor.close()
+                return 0 if self.stop.requested else 1
+            if self.listener is not None and released.owns_file:
+                self.listener.own_file()
         self.bind()
         # Everything built so far (torch and the other modules: ~170k objects)
         # lives as long as the process. Left to the cyclic GC, each full
@@ -368,13 +410,112 @@ class Server:
         gc.freeze()
         # After the freeze (a pool adopted here is collected, its memory unmapped, when it closes) and before
         # the first request is read: no hello may create a pool whose arena is still to be adopted.
+        self._adopt_arenas()
+        self._start_metrics()
+        log.info("kvtierd serving on %s (device %s, protocol v1)", self.options.endpoint, self.options.device)
+        if successor is not None:
+            # The predecessor makes us systemd's main process (MAINPID=, READY=1) and exits.
+            successor.serving()
+        else:
+            self.notifier.ready(f"serving on {self.options.endpoint}")
+        if self.stop.upgrade_requested:
+            log.warning("SIGUSR2 came during the start-up; ignored (send it again to upgrade)")
+            self.stop.upgrade_requested = False
+        while not self.stop.requested or (self.upgrade is not None and self.upgrade.releasing):
+            self._turn()
+            if self.upgrade is not None and self.upgrade.done:
+                return self._handed_over()
+        return self._drain()
+
+    def _adopt_arenas(self) -> None:
         tenants = self.options.tenants
         self.pools.adopt_arenas(lambda t: t in set(tenants) if tenants.enabled else t == "")
-        log.info("kvtierd serving on %s (device %s, protocol v1)", self.options.endpoint, self.options.device)
-        self.notifier.ready(f"serving on {self.options.endpoint}")
-        while not self.stop.requested:
-            self._turn()
-        return self._drain()
+
+    def _start_metrics(self) -> None:
+        if self.options.start_metrics is not None and self._metrics_endpoint is None:
+            self._metrics_endpoint = self.options.start_metrics(self.stats_snapshot)
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.close()
+            self._metrics_endpoint = None
+
+    def _upgrade_turn(self, now_s: float) -> None:
+        """SIGUSR2 and the hand-over's next step (daemon.upgrade); the poller watches its control channel."""
+        upgrade = self.upgrade
+        if self.stop.upgrade_requested:
+            self.stop.upgrade_requested = False
+            if upgrade is None:
+                log.warning("SIGUSR2: this daemon was started without a command to start a successor with; ignored")
+            elif self.stop.requested or self.ctx.draining:
+                log.warning("SIGUSR2 while stopping; ignored")
+            else:
+                upgrade.begin()
+        if upgrade is None:
+            return
+        if self.stop.requested and not upgrade.releasing:
+            upgrade.stop()
+        upgrade.turn(now_s)
+        fd = upgrade.fileno
+        if fd != self._upgrade_fd:
+            assert self._poller is not None
+            if self._upgrade_fd is not None:
+                self._poller.unregister(self._upgrade_fd)
+            if fd is not None:
+                self._poller.register(fd, zmq.POLLIN)
+            self._upgrade_fd = fd
+
+    # ---- the hand-over's hooks (daemon.upgrade.UpgradeHost) ------------------------
+
+    def quiet(self) -> bool:
+        return not self._parked and not self.replies.lending
+
+    def shut_lent(self) -> None:
+        n = self.replies.shut_lent()
+        log.info("hand-over: shut down %d connections whose replies lent tier memory", n)
+
+    def hold(self, on: bool) -> None:
+        self._holding = on
+
+    def redirect(self) -> None:
+        self._holding = False
+        self._redirecting = True
+        self.ctx.draining = True
+
+    def connections(self) -> int:
+        return self._connection_guard.open_connections if self._connection_guard is not None else 0
+
+    def release(self, deadline_s: float) -> bool:
+        self.replies.release_sent()
+        finished = self.pools.close_all(max(0.5, deadline_s - time.monotonic()))
+        self.sessions.end_all("handed over")
+        self.replies.release_sent()
+        self._stop_metrics()
+        # A reply still lending tier memory could be read from it after the successor wrote there.
+        return not finished or self.replies.lending
+
+    def readopt(self) -> None:
+        self._adopt_arenas()
+        self._start_metrics()
+
+    def answer_held(self, shutting_down: bool) -> int:
+        held, self._held = self._held, []
+        for identity, rid, op, frames in held:
+            if shutting_down:
+                self._send_error(identity, rid, ErrorCode.SHUTTING_DOWN,
+                                 "kvtierd handed its socket to a successor before this ran: resend it on a new "
+                                 "connection", op=op)
+            else:
+                self._handle(frames)
+        return len(held)
+
+    def _handed_over(self) -> int:
+        """The successor serves: flush the held requests' replies, close without removing the socket file."""
+        self.replies.abandon()
+        self.close(linger_s=1.0, remove_file=False)
+        self.notifier.close()
+        log.info("stopped: handed over to kvtierd pid %s", self.upgrade.handed_over_to if self.upgrade else "?")
+        return 0
 
     def _turn(self, timeout_ms: int | None = None) -> int:
         """One poll and what follows it; returns the number of messages handled."""
@@ -407,6 +548,8 @@ class Server:
         self.pools.poll()
         self._deliver_done()
         self.replies.release_sent()
+        if self.upgrade is not None or self.stop.upgrade_requested:
+            self._upgrade_turn(time.monotonic())
         self._heap.note(self.replies.copied_bytes + self._parked.reply_bytes_total, time.monotonic())
         # Policy bookkeeping off the reply path: it stops for a waiting request
         # or a client waiting on copies (whose threads need the GIL to finish),
@@ -475,6 +618,14 @@ class Server:
         if refusal is not None:
             # Past a connection cap: this connection is closed in a moment; say why first.
             self._send_error(identity, req.id, ErrorCode.TOO_MANY_CONNECTIONS, refusal, op=req.op)
+            return
+        if (self._holding or self._redirecting) and req.op not in ("health", "stats"):
+            if self._redirecting:
+                self._send_error(identity, req.id, ErrorCode.SHUTTING_DOWN,
+                                 "kvtierd handed its socket to a successor: resend this on a new connection", op=req.op)
+            else:
+                # A hand-over is releasing the tiers: this runs nowhere yet; answered when the successor serves.
+                self._held.append((identity, req.id, req.op, frames))
             return
         unread_refusal = self._unread_refusal(identity, req.op)
         if unread_refusal is not None:
@@ -620,6 +771,12 @@ class Server:
 
     def _drain(self) -> int:
         self.ctx.draining = True
+        # Clients told SHUTTING_DOWN reconnect: to the next daemon's socket file, not to this one's (a socket
+        # systemd holds stays: its next daemon serves that very socket).
+        if self.listener is not None:
+            self.listener.remove_file()
+        self._holding = False
+        self.answer_held(shutting_down=True)
         self.notifier.stopping(f"draining {len(self._parked)} requests")
         deadline_s = time.monotonic() + self.options.drain_timeout_s
         log.info("stopping (%s): %d requests in flight", self.stop.signal_name or "requested", len(self._parked))
@@ -639,7 +796,7 @@ class Server:
         remaining_s = max(0.5, deadline_s - time.monotonic())
         self.pools.close_all(remaining_s)
         self.sessions.end_all("shutdown")
-        self.close(linger_s=min(1.0, remaining_s))
+        self.close(linger_s=min(1.0, remaining_s), remove_file=True)
         self.notifier.close()
         log.info("stopped")
         return 0

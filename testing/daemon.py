@@ -42,6 +42,19 @@ Contract
   ``start_timeout_s`` (it is killed then). Records ``starts`` and, per
   start, ``ready_s`` (seconds from spawn to the first answer).
 - ``restart()``: ``kill()`` then ``spawn()``, same socket, same log.
+- Socket activation (``listen_fd``): a listening socket the caller made (as
+  systemd does for ``kvtierd@.socket``) is given to every start as
+  ``LISTEN_FDS=1`` on descriptor 3, with ``LISTEN_PID`` the daemon's own
+  (a launcher sets it, then execs kvtierd in the same process): kvtierd
+  serves that socket instead of binding one, and never removes its file.
+- ``upgrade(timeout_s)``: SIGUSR2, the zero-downtime upgrade: the daemon
+  starts its successor (same command line) and hands it the socket and the
+  CPU tiers. Returns once the successor answers ``health`` and the old
+  process exited (its exit code is returned); from then on this object is
+  the successor (``pid``, ``stop()``, ``kill()``...). The calling process
+  becomes a child subreaper (``PR_SET_CHILD_SUBREAPER``, once): the
+  successor, orphaned when its predecessor exits, is re-parented here, so
+  it is waited for and its exit code read like a child's.
 - ``kill()``: SIGKILL and reap. ``send_signal(signum)``: any signal.
 - ``stop(signum=SIGTERM, timeout_s=30)``: signal, wait; SIGKILL when it
   has not exited in time. Returns the exit code (0 after a clean drain;
@@ -58,8 +71,9 @@ request to run after its client gave up and closed its socket (on ipc://
 the daemon asks that closed connection for its peer's uid, and refuses):
 what a daemon too slow for a client's deadline does.
 
-Only the process this object started is ever signalled, through its own
-``Popen`` (its pid), never by name.
+Only the process this object started (or, after ``upgrade()``, the
+successor that one started, by the pid it reported) is ever signalled,
+never by name.
 """
 
 from __future__ import annotations
@@ -132,7 +146,8 @@ class KvtierDaemon:
                  env: Mapping[str, str] | None = None, endpoint: str | None = None,
                  omp_threads: int | None = None, keep_kvtier_env: bool = False, dir_mode: int = 0o700,
                  cwd: Path | None = None, start_timeout_s: float = START_TIMEOUT_S,
-                 health_curve: CurveKeys | None = None, command: Sequence[str] = DEFAULT_COMMAND) -> None:
+                 health_curve: CurveKeys | None = None, command: Sequence[str] = DEFAULT_COMMAND,
+                 listen_fd: int | None = None) -> None:
         self._owns_workdir = workdir is None
         if workdir is None:
             workdir = Path(tempfile.mkdtemp(prefix="kvtierd-"))  # mode 0700 already
@@ -161,7 +176,8 @@ class KvtierDaemon:
         self.cwd = cwd
         self.start_timeout_s = start_timeout_s
         self.health_curve = health_curve  # the probe's keys, for a tcp:// daemon with CURVE
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.listen_fd = listen_fd
+        self.proc: subprocess.Popen[bytes] | ReparentedProcess | None = None
         self.starts = 0
         self.ready_s: list[float] = []  # seconds from spawn to the first health answer, per start
 
@@ -175,10 +191,19 @@ class KvtierDaemon:
     def spawn(self) -> None:
         """Start the process (again) and wait until it answers health."""
         t0_s = time.monotonic()
+        argv, pass_fds, env = self.argv, (), self.env
+        if self.listen_fd is not None:
+            argv = [sys.executable, "-c", SOCKET_ACTIVATION_LAUNCHER, str(self.listen_fd), *self.argv]
+            pass_fds = (self.listen_fd,)
         with open(self.log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                                         stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                         env=env, cwd=self.cwd, pass_fds=pass_fds)
         self.starts += 1
+        self._wait_answering(t0_s)
+
+    def _wait_answering(self, t0_s: float) -> None:
+        """Until this very process (``self.proc``) answers health; see ``spawn``."""
+        assert self.proc is not None
         deadline_s = t0_s + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -221,6 +246,35 @@ class KvtierDaemon:
         """SIGKILL, then the same daemon again on the same socket."""
         self.kill()
         self.spawn()
+
+    def upgrade(self, timeout_s: float | None = None) -> int:
+        """SIGUSR2 and the hand-over to the successor (see the module docstring); the old process's exit code."""
+        assert self.proc is not None and self.proc.poll() is None, "not running"
+        become_subreaper()
+        old = self.proc
+        t0_s = time.monotonic()
+        deadline_s = t0_s + (self.start_timeout_s if timeout_s is None else timeout_s)
+        old.send_signal(signal.SIGUSR2)
+        new_pid = None
+        while new_pid is None:
+            if time.monotonic() > deadline_s:
+                raise RuntimeError(f"no successor answered within {deadline_s - t0_s:.0f} s:\n"
+                                   f"{self.log_tail(ERROR_LOG_LINES)}")
+            try:
+                pid = probe_health(self.endpoint, timeout_s=PROBE_TIMEOUT_S, curve=self.health_curve).get("pid")
+                if isinstance(pid, int) and pid != old.pid:
+                    new_pid = pid
+            except KvtierTimeout:
+                pass
+            if old.poll() not in (None, 0) and new_pid is None:
+                raise RuntimeError(f"kvtierd exited with {old.returncode} during the upgrade:\n"
+                                   f"{self.log_tail(ERROR_LOG_LINES)}")
+            time.sleep(0.05)
+        rc = old.wait(max(1.0, deadline_s - time.monotonic()))
+        self.proc = ReparentedProcess(new_pid)
+        self.starts += 1
+        self.ready_s.append(time.monotonic() - t0_s)
+        return rc
 
     def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
         """``signum`` and wait; SIGKILL if it has not exited in ``timeout_s``. The exit code."""
@@ -269,6 +323,69 @@ class KvtierDaemon:
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
 
+
+# Socket activation without systemd: ``python -c LAUNCHER FD kvtierd-argv...`` moves FD to descriptor 3, says so in
+# LISTEN_FDS / LISTEN_FDNAMES with LISTEN_PID = its own pid, and execs kvtierd in the same process (same pid).
+SOCKET_ACTIVATION_LAUNCHER = (
+    "import os, sys\n"
+    "fd = int(sys.argv[1])\n"
+    "if fd != 3:\n"
+    "    os.dup2(fd, 3)\n"
+    "    os.close(fd)\n"
+    "os.set_inheritable(3, True)\n"
+    "os.environ.update(LISTEN_FDS='1', LISTEN_FDNAMES='kvtierd', LISTEN_PID=str(os.getpid()))\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Make this process the reaper of its orphaned descendants (Linux), so that a kvtierd started by another
+    kvtierd (an upgrade's successor) is waited for here once its parent exits."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+class ReparentedProcess:
+    """A kvtierd this process did not start but reaps (``become_subreaper``): ``Popen``'s methods the launcher
+    and the tests use, by pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not re-parented to us (yet): it runs while the pid does
+                return None if psutil.pid_exists(self.pid) else -1
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline_s = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline_s is not None and time.monotonic() > deadline_s:
+                raise subprocess.TimeoutExpired(f"kvtierd pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
 
 
 def loopback_tcp_daemon(workdir: Path, flags: Mapping[str, object] | None = None, **kwargs: Any) -> KvtierDaemon:

@@ -780,6 +780,11 @@ class DaemonConfig:
         f"(0..{MAX_DRAIN_TIMEOUT_S:g})", "SECONDS",
         group=SERVER, rank=6, check=partial(_check_duration, allow_zero=True, maximum=MAX_DRAIN_TIMEOUT_S,
                                             why="an hour; systemd's stop timeout is far shorter")))
+    upgrade_timeout_s: float = field(default=300.0, metadata=key(
+        _as_float, f"on SIGUSR2 (an upgrade), how long the successor may take to get ready, and to serve once the "
+        f"CPU tiers are released, before it is stopped and this daemon keeps serving (1..{MAX_DRAIN_TIMEOUT_S:g})",
+        "SECONDS", group=SERVER, rank=6, check=partial(_check_duration, minimum=1.0, maximum=MAX_DRAIN_TIMEOUT_S,
+                                                         why="a start-up: importing torch and CUDA take seconds")))
     max_message_bytes: int = field(default=256 * MiB, metadata=key(
         _as_size,
         "largest payload (block bytes: a request's frames, an inline restore's reply) accepted; "

@@ -84,15 +84,28 @@ def test_unreachable_socket_does_not_raise(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-@pytest.mark.parametrize("name", ["kvtierd@.service", "kvtierd@0.service"])
+@pytest.mark.parametrize("name", ["kvtierd@.service", "kvtierd@0.service", "kvtierd@.socket", "kvtierd@0.socket"])
 def test_unit_file_verifies(tmp_path: Path, name: str) -> None:
-    shutil.copy(REPO / "systemd" / "kvtierd@.service", tmp_path / name)
+    # A socket unit is verified with the service it activates beside it.
+    instance = name.rsplit(".", 1)[0]
+    for suffix in ("service", "socket"):
+        shutil.copy(REPO / "systemd" / f"kvtierd@.{suffix}", tmp_path / f"{instance}.{suffix}")
     proc = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", str(tmp_path / name)],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert "kvtierd" not in proc.stderr, proc.stderr
+
+
+def test_socket_unit_listens_where_the_service_points_its_daemon() -> None:
+    """kvtierd refuses an inherited socket that is not its configured one: the two units must agree."""
+    service = (REPO / "systemd" / "kvtierd@.service").read_text()
+    socket_unit = (REPO / "systemd" / "kvtierd@.socket").read_text()
+    listen = next(line.split("=", 1)[1] for line in socket_unit.splitlines() if line.startswith("ListenStream="))
+    assert f"Environment=KVTIER_SOCKET=ipc://{listen}" in service
+    assert "FileDescriptorName=kvtierd" in socket_unit
+    assert "ExecReload=/bin/kill -USR2 $MAINPID" in service and "RuntimeDirectoryPreserve=yes" in service
 
 
 # ---- a real kvtierd -------------------------------------------------------------------------

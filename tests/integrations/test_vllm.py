@@ -349,3 +349,47 @@ def test_daemon_killed_mid_run_engine_recomputes_then_reconnects(lab: dict[str, 
     (ref,), _ = base.generate([p])
     assert again == out == ref
     assert cached > 0 and kvtier_hits(daemon.endpoint) > hits_before
+
+
+def test_kvtierd_upgraded_while_the_engine_serves_fails_no_request_and_keeps_its_hits(lab: dict[str, Any]) -> None:
+    # Issue 34 item 3: SIGUSR2 (systemctl reload) hands kvtierd's socket and CPU tier to a successor while the
+    # engine keeps asking. Each prompt is asked with vLLM's own cache emptied first: what it finds cached came
+    # from kvtierd (the old daemon, the held-and-resent request, or the successor's adopted tier).
+    daemon = lab["daemon"]
+    base = lab.get("baseline") or lab["start"](("baseline", None))[0]  # (alone, with -k, the engines start here)
+    c = lab.get("c") or lab["start"](("c", daemon.endpoint))[0]
+    prompts = [Conversations(40 + i, 1).prompt(0) for i in range(6)]  # 4 full blocks each
+    ref = [base.generate([p])[0][0] for p in prompts]
+    full_hit = 4 * BLOCK_SIZE
+
+    def ask(i: int) -> tuple[list[int], int]:
+        assert c.call(op="reset", connector=False)["reset"] is True
+        (out,), (cached,) = c.generate([prompts[i]])
+        return out, cached
+
+    for p in prompts[:4]:
+        c.generate([p])  # stored in kvtierd
+    assert [ask(i) for i in range(4)] == [(ref[i], full_hit) for i in range(4)]
+    log_from = len(c.log_text())
+    old_pid = daemon.pid
+    upgraded: list[int] = []
+    swap = threading.Thread(target=lambda: upgraded.append(daemon.upgrade(START_TIMEOUT_S)), daemon=True)
+    swap.start()
+    # Across the swap, one request at a time: the four stored prompts (loads) and two new ones (stores).
+    across = []
+    while swap.is_alive() or len(across) < len(prompts):
+        i = len(across) % len(prompts)
+        across.append((i, *ask(i)))
+        assert len(across) < 500, "the upgrade did not end"
+    swap.join()
+    assert upgraded == [0] and daemon.pid != old_pid, daemon.log_tail(30)
+    # Every request answered, each as the engine without kvtier answers it.
+    assert [out for _, out, _ in across] == [ref[i] for i, _, _ in across]
+    # After it, every prompt hits in full: the four stored before (adopted) and the two stored across it.
+    assert [ask(i) for i in range(6)] == [(ref[i], full_hit) for i in range(6)]
+    s = pool_stats(daemon.endpoint)
+    assert s["cpu_adopted_blocks"] > 0 and s["hit_blocks_gpu"] + s["hit_blocks_cpu"] > 0, s
+    assert s["copy_failures"] == 0 and s["stores_failed"] == 0, s
+    assert "unavailable" not in c.log_text()[log_from:], "the connector counted kvtierd as down across the upgrade"
+    print(f"\nkvtierd upgraded under vLLM: pid {old_pid} -> {daemon.pid}, {len(across)} requests across the swap "
+          f"(cached tokens {[h for _, _, h in across]}), all answered as without kvtier")
