@@ -44,8 +44,9 @@ scheduler never waits on a round trip:
   A request without hints sends none.
 - Pins of a load are dropped when the worker reports it ran
   (``update_connector_output``), or when the request finishes or is aborted
-  (``request_finished``). A daemon that is down answers every lookup with 0:
-  vLLM computes, nothing waits.
+  (``request_finished``). A daemon that is down or missing answers every
+  lookup with 0 at once: vLLM computes, nothing waits (``link.py``
+  reconnects in the background).
 - With vLLM's KV cache events on (``--kv-events-config``), the blocks this
   engine stores or loads are announced to vLLM's publisher as held in
   kvtierd's tier (medium ``CPU``) while kvtierd's journal says they are
@@ -129,6 +130,7 @@ class SchedulerSide:
         self._hasher = BlockHasher(pool.block_size, settings.hash_algo)
         self._link = DaemonLink(settings.socket, pool.name, pool.layout, retry_s=settings.retry_s,
                                 client_kwargs=settings.client_kwargs())
+        self._link.wait_first_attempt(settings.timeout_s)  # start-up: the first requests may hit
         self._jobs = Background("kvtier-scheduler")
         # vLLM publishes KV cache events: kvtierd's go with them (kv_events.py).
         self._events = KvEvents(self._link, self._jobs, self._bs, interval_s=settings.events_interval_s,

@@ -8,8 +8,10 @@ session on the rank's pool.
 
 - ``register_kv_caches``: describes vLLM's KV tensors (whatever the attention
   backend's shape; the block dimension is found, not assumed), picks a data
-  plane (``planes.py``) and connects. A daemon that is not up yet is not
-  fatal: the link connects on first use.
+  plane (``planes.py``) and connects (``link.py``: in the background; start-up
+  waits for the first attempt). A daemon that is not up is not fatal: every
+  load and store is skipped at once (vLLM computes) until the link's
+  background thread reaches it.
 - ``start_load_kv``: restores this step's loads before the forward reads
   them; a ``background`` load is queued instead, on a thread of its own,
   and ``get_finished`` reports its request once it ran (done or failed):
@@ -102,7 +104,9 @@ class WorkerSide:
                                 on_connect=plane.connect)
         log.info("kvtier: %d KV tensors (block dim %s, %d blocks) on the %s plane, pool %s",
                  len(tensors), sorted(set(dims)), self._num_blocks, plane.name, self._pool.name)
-        self._link.call(lambda _c: None)  # connect now if kvtierd is up
+        # Start-up, not a request: a daemon that answers is connected before the first step (milliseconds);
+        # one that is missing costs nothing here when its socket file is absent, at most timeout_s otherwise.
+        self._link.wait_first_attempt(self._settings.timeout_s)
 
     # ---- loads -------------------------------------------------------------------------
 
