@@ -27,7 +27,8 @@ session on the rank's pool.
   ``handle_preemptions``, which vLLM calls at the start of the next step
   before any KV block is zeroed, copied or written, waits for those stores:
   a block is never reused while kvtierd reads it. A store that fails is a
-  future miss, nothing else.
+  future miss, nothing else; while kvtierd is unavailable a step's stores
+  are dropped at once, without a job for the store thread.
 - ``take_loaded``: the requests whose loads ran, so the scheduler half
   drops their pins; ``take_load_timing``: the blocks restored and the
   seconds it took, for the scheduler half's ``load_mode`` (the connector
@@ -211,6 +212,10 @@ class WorkerSide:
 
     def wait_for_save(self, meta: StepTransfers) -> None:
         if not meta.stores or self._plane is None or self._link is None:
+            return
+        if not self._link.is_up():
+            # Skipped here, not on the store thread: a job per step would cost the next step's
+            # handle_preemptions a thread hand-off for nothing while kvtierd is unavailable.
             return
         plane, link = self._plane, self._link
         for st in meta.stores:
