@@ -32,7 +32,10 @@ section 1). The load average is recorded around each engine's requests.
 Reported: per engine, the median (p10, p90) per-request time over all
 rounds; the ratio of the medians and the median of the per-round ratios
 (kvtier / none; target <= 1.05); whether both engines generated the same
-tokens for every prompt; the connector's unavailable log lines. JSON:
+tokens for every prompt; the time spent inside KvtierConnector's methods
+per request (both halves, wrapped at the class after start-up: what the
+connector itself costs, independent of how loaded the machine is); the
+connector's unavailable log lines. JSON:
 ``bench/results/vllm-nodaemon-cpu.json``.
 """
 
@@ -88,6 +91,44 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
 # the engine child
 # ---------------------------------------------------------------------------
 
+# Seconds spent inside KvtierConnector's methods, both halves (on vLLM's CPU backend the worker runs in
+# the engine-core process, beside the scheduler), by method: installed by collective_rpc after start-up.
+# The totals live on the worker object: these functions are shipped by value to the engine-core process,
+# globals included, so a module-level dict would be a new copy in every call.
+ACC = "_bench_connector_s"
+
+
+def _time_connector(worker: Any) -> int:
+    """Wrap every public method of KvtierConnector (the class: both halves' instances) with a clock."""
+    import functools
+
+    from kvtier.integrations.vllm.connector import KvtierConnector
+
+    acc: dict[str, float] = worker.__dict__.setdefault(ACC, {})
+    wrapped = 0
+    for name, fn in list(vars(KvtierConnector).items()):
+        if name.startswith("_") or not callable(fn) or isinstance(fn, (classmethod, staticmethod)):
+            continue
+
+        def timed(*a: Any, _fn: Any = fn, _name: str = name, _acc: dict[str, float] = acc, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _acc[_name] = _acc.get(_name, 0.0) + time.perf_counter() - t0
+
+        setattr(KvtierConnector, name, functools.wraps(fn)(timed))
+        wrapped += 1
+    return wrapped
+
+
+def _take_connector_s(worker: Any) -> dict[str, float]:
+    acc: dict[str, float] = worker.__dict__.get(ACC, {})
+    out = dict(acc)
+    acc.clear()
+    return out
+
+
 def child_main(spec: dict[str, Any]) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
@@ -109,6 +150,9 @@ def child_main(spec: dict[str, Any]) -> int:
     llm = LLM(**kw)
     startup_s = time.perf_counter() - t0
     llm.collective_rpc(context_sensitive_weights, args=(WEIGHT_SEED,))
+    connector = spec["engine"] == "kvtier"
+    if connector:
+        llm.collective_rpc(_time_connector)
     sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, detokenize=False, ignore_eos=True)
 
     def reply(obj: dict[str, Any]) -> None:
@@ -121,10 +165,14 @@ def child_main(spec: dict[str, Any]) -> int:
         if cmd["op"] == "exit":
             break
         prompt = TokensPrompt(prompt_token_ids=cmd["tokens"])
+        if connector:
+            llm.collective_rpc(_take_connector_s)
         t0 = time.perf_counter()
         (out,) = llm.generate([prompt], sp, use_tqdm=False)
         wall_s = time.perf_counter() - t0
-        reply({"wall_ms": round(wall_s * 1e3, 3), "tokens": list(out.outputs[0].token_ids)})
+        inside = llm.collective_rpc(_take_connector_s)[0] if connector else {}
+        reply({"wall_ms": round(wall_s * 1e3, 3), "tokens": list(out.outputs[0].token_ids),
+               "connector_us": {k: round(v * 1e6, 1) for k, v in inside.items()}})
     return 0
 
 
@@ -217,6 +265,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     per_engine: dict[str, list[float]] = {e: [] for e in ENGINES}
     tokens: dict[str, dict[int, list[int]]] = {e: {} for e in ENGINES}
     unavailable: list[str] = []
+    inside_us: list[dict[str, float]] = []  # per kvtier request: microseconds inside the connector, by method
     for r in range(args.rounds):
         order = ENGINES if r % 2 == 0 else ENGINES[::-1]
         rnd: dict[str, Any] = {"order": list(order), "engines": {}}
@@ -233,6 +282,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     res = eng.call(600, op="gen", tokens=prompts[k])
                     walls.append(res["wall_ms"])
                     tokens[name][k] = res["tokens"]
+                    if name == "kvtier":
+                        inside_us.append(res["connector_us"])
                 rnd["engines"][name] = {"startup_s": ready["startup_s"], "wall_ms": walls,
                                         "median_ms": statistics.median(walls), "loadavg_before": load_before,
                                         "loadavg_after": loadavg()}
@@ -250,6 +301,15 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     out["target_vs_none"] = TARGET_VS_NONE
     out["met"] = out["ratio_of_medians"] <= TARGET_VS_NONE
     out["same_tokens"] = tokens["none"] == tokens["kvtier"]
+    totals = [sum(d.values()) for d in inside_us]
+    methods = sorted({m for d in inside_us for m in d})
+    out["connector_us_per_request"] = {"median": statistics.median(totals) if totals else None,
+                                       "max": max(totals) if totals else None,
+                                       "by_method_median": {m: statistics.median(d.get(m, 0.0) for d in inside_us)
+                                                            for m in methods}}
+    if totals:
+        out["connector_share_of_request"] = statistics.median(
+            t / 1e3 / w for t, w in zip(totals, per_engine["kvtier"]))
     out["unavailable_log_lines"] = unavailable
     return out
 
@@ -270,6 +330,12 @@ def report(res: dict[str, Any]) -> str:
                         ["median of the per-round ratios (info)", f"{res['median_round_ratio']:.3f}x", "-"],
                         ["same tokens for every prompt", str(res["same_tokens"]), yes(res["same_tokens"])]],
                        "\nTarget (issue 35)"))
+    cu = res["connector_us_per_request"]
+    if cu["median"] is not None:
+        top = sorted(cu["by_method_median"].items(), key=lambda kv: -kv[1])[:4]
+        parts.append(f"\nTime inside KvtierConnector's methods (both halves), per request: median {cu['median']:.0f} us, "
+                     f"max {cu['max']:.0f} us ({100 * res['connector_share_of_request']:.3f}% of the request); "
+                     "largest: " + ", ".join(f"{m} {us:.0f} us" for m, us in top))
     if res["unavailable_log_lines"]:
         parts.append("\nThe connector's unavailable lines (first engine run):\n  "
                      + "\n  ".join(res["unavailable_log_lines"][:2]))

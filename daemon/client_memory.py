@@ -10,12 +10,23 @@ every other client's pools.
 
 How: the daemon never lets its copy engines (``tiers``) touch a client's
 host memory. A store first copies the named slots into a daemon-owned
-staging buffer; a restore lands in a staging buffer and is then copied out
-to the client's slots. Those two copies are ``process_vm_readv`` /
-``process_vm_writev`` on the daemon's own pid: the kernel walks the pages
-(get_user_pages), and a page that is gone or cannot be backed makes the
-call return a short count or ``EFAULT`` instead of raising a signal. There
-is no check-then-copy window: the copy itself is the check.
+staging buffer; a restore is copied out to the client's slots from the
+tier memory the pool lends (or from a staging buffer). Those copies are
+``process_vm_readv`` / ``process_vm_writev`` on the daemon's own pid, with
+the client's memory always on the *local* side and the daemon's own on the
+*remote* side: the kernel pins the remote pages (get_user_pages) and moves
+the bytes to or from the local ones with ``copy_to_user`` /
+``copy_from_user``, and a local page that is gone or cannot be backed makes
+the call return a short count or ``EFAULT`` instead of raising a signal.
+There is no check-then-copy window: the copy itself is the check.
+
+Why that way round: pinning costs per 4 KiB page, and a client's
+``/dev/shm`` file is mapped in 4 KiB pages (tmpfs gives no huge pages
+unless mounted with ``huge=``), while the daemon's tiers are huge pages
+where it allocates them (``BlockLayout.contiguous(hugepages=True)``).
+Pinning the client's side made a 32 MiB restore 2.5x slower than a
+memcpy on the 2-core VM; pinning the tier's side runs at memcpy speed
+(``bench/protocol.py``, ``bench/vllm_restore.py``).
 
 Contract:
 
@@ -148,18 +159,14 @@ def block_runs(layout: Any, slot: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _move(fn: Any, what: str, local_ptr: int, runs: Sequence[tuple[int, int]]) -> None:
-    _move_runs(fn, what, [(local_ptr, sum(n for _, n in runs))], runs)
-
-
-def _pieces(local_runs: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(local address, client address, length): both run lists cut at each other's boundaries."""
+def _pieces(own_runs: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(daemon address, client address, length): both run lists cut at each other's boundaries."""
     out: list[tuple[int, int, int]] = []
     li, loff = 0, 0
     for addr, n in runs:
         off = 0
         while off < n:
-            laddr, ln = local_runs[li]
+            laddr, ln = own_runs[li]
             take = min(ln - loff, n - off)
             out.append((laddr + loff, addr + off, take))
             off += take
@@ -169,28 +176,47 @@ def _pieces(local_runs: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int
     return out
 
 
-def _move_runs(fn: Any, what: str, local_runs: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int]]) -> None:
-    """Move the bytes of ``local_runs`` (daemon memory, in order) to or from ``runs`` (client memory), equal in total.
+def _merged(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Adjacent pieces that continue each other on both sides as one (fewer iovecs, fewer calls)."""
+    out: list[tuple[int, int, int]] = []
+    for own, client, n in pieces:
+        if out and out[-1][0] + out[-1][2] == own and out[-1][1] + out[-1][2] == client:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((own, client, n))
+    return out
 
-    A large move is split in two halves, the second on a helper thread:
-    process_vm_writev pins and maps every page it copies, which makes one
-    call ~2.5x slower than memcpy, and the engine waiting on a restore is
-    idle (32 MiB: 7.4 ms on one thread, 5.0 ms on two, 2-core VM).
+
+def _move_runs(to_client: bool, what: str, own_runs: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int]]) -> None:
+    """Move the bytes of ``own_runs`` (daemon memory, in order) to (``to_client``) or from ``runs``
+    (client memory), equal in total.
+
+    A large move is split in two halves, the second on a helper thread: the
+    engine waiting on a restore is idle, and where memory bandwidth allows
+    two copies at once the restore takes less than one memcpy.
     """
-    pieces = _pieces(local_runs, runs)
+    pieces = _merged(_pieces(own_runs, runs))
     total = sum(n for _, _, n in pieces)
+    if total >= PARALLEL_MIN_BYTES and len(pieces) < 2:
+        pieces = _split(pieces[0])
     if total < PARALLEL_MIN_BYTES or len(pieces) < 2:
-        _move_pieces(fn, what, pieces)
+        _move_pieces(to_client, what, pieces)
         return
     half, acc = 0, 0
     while acc < total // 2 and half < len(pieces) - 1:
         acc += pieces[half][2]
         half += 1
-    second = _helper().submit(_move_pieces, fn, what, pieces[half:])
+    second = _helper().submit(_move_pieces, to_client, what, pieces[half:])
     try:
-        _move_pieces(fn, what, pieces[:half])
+        _move_pieces(to_client, what, pieces[:half])
     finally:
         second.result()  # waited for even when the first half failed: no copy outlives the call
+
+
+def _split(piece: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    own, client, n = piece
+    half = n // 2 // 4096 * 4096 or n // 2
+    return [(own, client, half), (own + half, client + half, n - half)]
 
 
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
@@ -204,14 +230,17 @@ def _helper() -> concurrent.futures.ThreadPoolExecutor:
     return _HELPER
 
 
-def _move_pieces(fn: Any, what: str, pieces: Sequence[tuple[int, int, int]]) -> None:
+def _move_pieces(to_client: bool, what: str, pieces: Sequence[tuple[int, int, int]]) -> None:
+    # The client's memory is the local side (copy_to_user / copy_from_user: a fault is a short
+    # count), the daemon's the remote side (pinned): readv moves remote -> local, writev local -> remote.
+    fn = _readv if to_client else _writev
     pid = os.getpid()
     for i in range(0, len(pieces), IOV_MAX):
         part = pieces[i : i + IOV_MAX]
         total = sum(n for _, _, n in part)
-        remote_iov = (_IoVec * len(part))(*[(c, n) for _, c, n in part])
-        local_iov = (_IoVec * len(part))(*[(lo, n) for lo, _, n in part])
-        got = fn(pid, local_iov, len(part), remote_iov, len(part), 0)
+        client_iov = (_IoVec * len(part))(*[(c, n) for _, c, n in part])
+        own_iov = (_IoVec * len(part))(*[(o, n) for o, _, n in part])
+        got = fn(pid, client_iov, len(part), own_iov, len(part), 0)
         if got != total:
             err = ctypes.get_errno() if got < 0 else 0
             why = os.strerror(err) if err else f"{got} of {total} bytes moved"
@@ -228,7 +257,7 @@ def read_blocks(layout: Any, slots: Sequence[int], staging: Any) -> None:
         dst[: len(slots)].copy_(layout.gather(list(slots)))
         return
     runs = [r for s in slots for r in block_runs(layout, s)]
-    _move(_readv, "reading", dst.data_ptr(), runs)
+    _move_runs(False, "reading", [(dst.data_ptr(), sum(n for _, n in runs))], runs)
 
 
 def write_blocks(staging: Any, count: int, layout: Any, slots: Sequence[int]) -> None:
@@ -238,7 +267,7 @@ def write_blocks(staging: Any, count: int, layout: Any, slots: Sequence[int]) ->
         layout.scatter(list(slots[:count]), src[:count])
         return
     runs = [r for s in slots[:count] for r in block_runs(layout, s)]
-    _move(_writev, "writing", src.data_ptr(), runs)
+    _move_runs(True, "writing", [(src.data_ptr(), sum(n for _, n in runs))], runs)
 
 
 def write_views(views: Sequence[Any], layout: Any, slots: Sequence[int]) -> None:
@@ -251,4 +280,4 @@ def write_views(views: Sequence[Any], layout: Any, slots: Sequence[int]) -> None
         return
     local = [(v.ctypes.data, v.nbytes) for v in views]
     runs = [r for s in slots for r in block_runs(layout, s)]
-    _move_runs(_writev, "writing", local, runs)
+    _move_runs(True, "writing", local, runs)

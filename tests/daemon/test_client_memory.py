@@ -214,3 +214,50 @@ def test_a_large_move_split_over_two_threads_lands_byte_exact() -> None:
     staging = BlockLayout.contiguous(n, dst.block_bytes)
     client_memory.read_blocks(dst, slots, staging)
     assert torch.equal(staging.slab(), tier.slab())
+
+
+_TRUNCATED_COPIES = r'''
+import mmap, os, sys, torch
+from kvtier.daemon import client_memory
+from kvtier.tiers.layout import BlockLayout
+assert client_memory.available()
+bb, n = 64 << 10, 64  # 4 MiB of client memory in a /dev/shm file, 2 MiB left after the truncation
+path = f"/dev/shm/kvtier-test-trunc-{os.getpid()}"
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+try:
+    os.posix_fallocate(fd, 0, n * bb)
+    client = BlockLayout.from_buffer(mmap.mmap(fd, n * bb), n, bb)
+    tier = BlockLayout.contiguous(n, bb, hugepages=True)  # the daemon's side: huge pages where it can
+    os.ftruncate(fd, n * bb // 2)
+    outcomes = []
+    for name, copy in (("write_views", lambda: client_memory.write_views([tier.slab().numpy()], client, list(range(n)))),
+                       ("write_blocks", lambda: client_memory.write_blocks(tier, n, client, list(range(n)))),
+                       ("read_blocks", lambda: client_memory.read_blocks(client, list(range(n)), tier))):
+        try:
+            copy()
+            outcomes.append(f"{name}: no error")
+        except client_memory.ClientMemoryFault:
+            outcomes.append(f"{name}: fault")
+    # The half still there is still written: the copy stops at the hole, it does not crash.
+    client_memory.write_views([tier.slab()[: n // 2].numpy()], client, list(range(n // 2)))
+    print(";".join(outcomes))
+finally:
+    os.close(fd)
+    os.unlink(path)
+'''
+
+
+def test_copies_into_a_truncated_file_fail_with_a_fault_not_a_signal() -> None:
+    """The client's memory is the side the kernel copies with fault handling (not the pinned side), in
+    both directions: a file truncated under the mapping makes each copy raise ClientMemoryFault.
+    Run in a child: a SIGBUS there fails this test instead of killing pytest."""
+    import subprocess
+    import sys
+
+    from kvtier.daemon import client_memory
+
+    if not client_memory.available():
+        pytest.skip("process_vm_readv is not permitted here")
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATED_COPIES], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by that signal)\n{proc.stderr[-2000:]}"
+    assert proc.stdout.strip() == "write_views: fault;write_blocks: fault;read_blocks: fault", proc.stdout
