@@ -261,3 +261,44 @@ def test_copies_into_a_truncated_file_fail_with_a_fault_not_a_signal() -> None:
     proc = subprocess.run([sys.executable, "-c", _TRUNCATED_COPIES], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by that signal)\n{proc.stderr[-2000:]}"
     assert proc.stdout.strip() == "write_views: fault;write_blocks: fault;read_blocks: fault", proc.stdout
+
+
+def test_runs_and_pieces_match_a_block_by_block_model() -> None:
+    """client_runs and the cutting of the daemon's runs against them (numpy, whatever the fragments)
+    move exactly the bytes a per-block gather/scatter would, for lent views split anywhere."""
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvtier.daemon import client_memory
+    from kvtier.tiers.layout import BlockLayout
+
+    shapes = [((2, 9, 4, 3, 8), 1), ((9, 2, 4, 8), 0), ((5, 9, 6), 1), ((9, 64), 0)]
+
+    @settings(max_examples=60, deadline=None)
+    @given(which=st.integers(0, len(shapes) - 1), data=st.data())
+    def check(which: int, data: st.DataObject) -> None:
+        shape, block_dim = shapes[which]
+        tensors = 1 if len(shape) == 2 else 3
+        dst = BlockLayout([torch.zeros(shape).to(torch.bfloat16) for _ in range(tensors)], [block_dim] * tensors)
+        slots = data.draw(st.lists(st.integers(0, 8), min_size=1, max_size=9, unique=True))
+        n = len(slots)
+        tier = BlockLayout.contiguous(n, dst.block_bytes)
+        tier.slab().copy_(torch.randint(0, 256, tier.slab().shape, dtype=torch.uint8))
+        flat = tier.slab().view(-1).numpy()
+        # The daemon's side as several views, cut at arbitrary byte offsets (borrow lends runs of slots;
+        # the cutting must not care where they end).
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, flat.size - 1), max_size=6))))
+        views = [flat[a:b] for a, b in zip([0, *cuts], [*cuts, flat.size])]
+        client_memory.write_views(views, dst, slots)
+        assert torch.equal(dst.gather(slots), tier.slab())
+        untouched = [s for s in range(9) if s not in slots]
+        if untouched:
+            assert not dst.gather(untouched).any()
+        back = BlockLayout.contiguous(n, dst.block_bytes)
+        client_memory.read_blocks(dst, slots, back)
+        assert torch.equal(back.slab(), tier.slab())
+
+    if not client_memory.available():
+        pytest.skip("process_vm_readv is not permitted here")
+    check()
