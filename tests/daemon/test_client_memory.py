@@ -195,8 +195,8 @@ def test_moves_split_at_the_iovec_limit() -> None:
     assert torch.equal(dst.gather(order), tier.slab())
 
 
-def test_a_large_move_split_over_two_threads_lands_byte_exact() -> None:
-    """Past PARALLEL_MIN_BYTES the pieces go in two halves, one on a helper thread: every byte still lands."""
+def test_a_large_move_from_a_hugepage_tier_lands_byte_exact() -> None:
+    """A restore's worth (~11 MiB) from a huge-page tier in two lent views into scattered slots and back."""
     import torch
 
     from kvtier.daemon import client_memory
@@ -205,8 +205,8 @@ def test_a_large_move_split_over_two_threads_lands_byte_exact() -> None:
     if not client_memory.available():
         pytest.skip("process_vm_writev is not permitted here")
     dst = BlockLayout([torch.zeros(2, 32, 64, 1024, dtype=torch.uint8) for _ in range(3)], [1] * 3)  # 384 KiB a block
-    n = client_memory.PARALLEL_MIN_BYTES // dst.block_bytes + 8
-    tier = BlockLayout.contiguous(n, dst.block_bytes)
+    n = 30
+    tier = BlockLayout.contiguous(n, dst.block_bytes, hugepages=True)
     tier.slab().copy_(torch.randint(0, 256, tier.slab().shape, dtype=torch.uint8))
     slots = list(range(n - 1, -1, -1))
     client_memory.write_views([tier.slab()[: n // 2].numpy(), tier.slab()[n // 2:].numpy()], dst, slots)
