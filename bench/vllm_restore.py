@@ -38,7 +38,10 @@ repetition in a fresh random order (``bench/protocol_common.interleaved``):
 Every variant's bytes are checked against what was stored (untimed, after
 each timed call). Reported: median ms, GB/s, and ``vs memcpy`` = median
 over repetitions of memcpy time / variant time. Target (issue 35): the
-contiguous restore >= 0.7x memcpy, both tiers. Beside it, the daemon's own
+contiguous restore >= 0.7x memcpy, both tiers. ``--baseline-pythonpath``
+runs the same daemons from another checkout beside them (before/after in
+one run: ``(baseline daemon)`` variants; the client side is this
+checkout's). Beside it, the daemon's own
 seconds per restore (``request_seconds_total``: receipt to reply handed to
 ZMQ) split the time between the daemon and the rest (client, transport,
 worker). JSON: ``bench/results/vllm-restore-cpu.json``.
@@ -117,6 +120,15 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     dg.spawn()
     dc = env["daemons"]["cpu"] = bench_daemon(workdir, "cpu", gpu_bytes=0, cpu_bytes=tier_bytes)
     dc.spawn()
+    daemons = [("gpu", dg, ""), ("cpu", dc, "")]
+    if args.baseline_pythonpath:
+        # The same daemons running other code (an older checkout), side by side in this run.
+        for tier, gpu in (("gpu", tier_bytes), ("cpu", 0)):
+            d = env["daemons"][f"{tier}-baseline"] = bench_daemon(workdir, f"{tier}-baseline", gpu_bytes=gpu,
+                                                                   cpu_bytes=tier_bytes)
+            d.env["PYTHONPATH"] = args.baseline_pythonpath
+            d.spawn()
+            daemons.append((tier, d, " (baseline daemon)"))
 
     keys = hash_token_blocks(list(range(n * BLOCK_TOKENS)), BLOCK_TOKENS)
     src_slots = list(range(n))
@@ -125,11 +137,13 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     scattered = rng.sample(range(n, NUM_BLOCKS), n)
     fns: dict[str, Any] = {}
     check: dict[str, Any] = {}
+    by_daemon: dict[str, Any] = {}  # daemon label -> its registered-plane worker
     want_by_tier: dict[str, Any] = {}
-    for tier, d in (("gpu", dg), ("cpu", dc)):
+    for tier, d, which in daemons:
         kv = kv_tensors(seed=1 if tier == "gpu" else 2)
         w = worker(d.endpoint, f"restore-{tier}", "registered", kv)
         env["workers"].append(w)
+        by_daemon[f"{tier} tier{which}"] = w
         w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys, src_slots, "store")]))
         w.wait_for_stores()
         layout = BlockLayout(list(kv.values()), [0] * LAYERS)
@@ -138,7 +152,9 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
         tiers = w._link.client.lookup(keys)
         assert list(tiers) == [tier] * n, f"{tier} daemon holds the blocks in {set(tiers)}"
         for label, slots in (("contiguous", contiguous), ("scattered", scattered)):
-            name = f"kvtier {tier}-tier, {label} slots"
+            if which and label == "scattered":
+                continue
+            name = f"kvtier {tier}-tier, {label} slots{which}"
             fns[name] = lambda w=w, slots=slots: w.start_load_kv(
                 StepTransfers(loads=[BlockTransfer(keys, slots, "r")]))
 
@@ -153,7 +169,7 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
 
             check[name] = verify
             verify(fns[name]())  # once untimed: bytes checked, pages mapped
-        if tier == "gpu":
+        if tier == "gpu" and not which:
             fns["round trip (heartbeat, info)"] = lambda c=w._link.client: c.heartbeat()
             env["rt_client"] = w._link.client
     # The staged plane, for information: the worker copies from its arena into vLLM's tensors.
@@ -199,12 +215,12 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     rows.slab().copy_(want_by_tier["gpu"])
     fns["in-process copy into vLLM's slots (info)"] = lambda: copy_host_blocks(rows, src_slots, local_layout, contiguous)
 
-    before = {t: request_counters(w._link.client, "restore") for t, w in zip(("gpu", "cpu"), env["workers"][:2])}
+    before = {t: request_counters(w._link.client, "restore") for t, w in by_daemon.items()}
     warm = max(2, args.reps // 10)
     load_start = loadavg()
     times = interleaved(fns, args.reps, warm, label="restore", check=check)
     load_end = loadavg()
-    after = {t: request_counters(w._link.client, "restore") for t, w in zip(("gpu", "cpu"), env["workers"][:2])}
+    after = {t: request_counters(w._link.client, "restore") for t, w in by_daemon.items()}
 
     memcpy_ref = min(("memcpy torch", "memcpy numpy"), key=lambda k: statistics.median(times[k]))
     out: dict[str, Any] = {"blocks": n, "block_bytes": block_bytes, "bytes": nbytes, "reps": args.reps, "warmup": warm,
@@ -233,7 +249,7 @@ def report(r: dict[str, Any]) -> str:
                    f"Restore of {r['blocks']} blocks ({r['bytes'] >> 20} MiB) into vLLM-shaped KV, {r['reps']} reps, "
                    f"interleaved; vs memcpy = median over reps of memcpy time / variant time ({r['memcpy_reference']})")]
     parts.append("\nkvtierd's own time per restore (receipt to reply handed to ZMQ): "
-                 + ", ".join(f"{t} tier {ms:.2f} ms" for t, ms in r["daemon_ms_per_restore"].items()))
+                 + ", ".join(f"{t} {ms:.2f} ms" for t, ms in r["daemon_ms_per_restore"].items()))
     parts.append(table(["target", "measured", "met"],
                        [[f"contiguous restore >= {TARGET_VS_MEMCPY}x memcpy, {t} tier", f"{v['vs_memcpy']:.2f}x",
                          yes(v["met"])] for t, v in r["targets"].items()], "\nTarget (issue 35)"))
@@ -250,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None,
                    help="results (default bench/results/vllm-restore-cpu.json; --quick writes only with --json)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")
+    p.add_argument("--baseline-pythonpath", default=None, metavar="PATH",
+                   help="also run the daemons with this PYTHONPATH (an older kvtier), side by side: before/after")
     args = p.parse_args(argv)
     args.reps = args.reps if args.reps is not None else (8 if args.quick else 60)
     if not 1 <= args.blocks <= NUM_BLOCKS // 2:
