@@ -177,9 +177,9 @@ class DaemonLink:
                 client.heartbeat(timeout_s=self._timeout_s)
         except SessionLost as exc:
             log.warning("kvtier: kvtierd at %s restarted; %d pins of the old session are gone", self.endpoint, len(exc.lost_pins))
-        except (KvtierError, OSError, ValueError) as exc:
+        except Exception as exc:  # a refusal, a timeout, a registration that failed: this thread must go on
             with self._lock:
-                self._log_outage(str(exc))
+                self._log_outage(str(exc) if isinstance(exc, (KvtierError, OSError)) else f"{type(exc).__name__}: {exc}")
             return
         with self._lock:
             if self._closed:

@@ -199,3 +199,31 @@ def test_a_daemon_killed_mid_run_costs_one_call_then_nothing_until_it_is_back(tm
     finally:
         w.shutdown()
         daemon.cleanup()
+
+
+def test_a_registration_failing_with_any_error_leaves_the_link_retrying(tmp_path: Path) -> None:
+    """``on_connect`` may fail with an error of its own (torch, the kernel, a layout check), not a kvtier one:
+    the background thread must outlive it and try again, or the link would stay down until vLLM restarts."""
+    from kvtier.integrations.vllm.link import DaemonLink
+
+    daemon = KvtierDaemon(tmp_path / "d", flags=FLAGS)
+    daemon.spawn()
+    pool = _pool("failing-registration")
+    tries: list[int] = []
+
+    def on_connect(client: Client) -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("registration failed once")
+
+    link = DaemonLink(daemon.endpoint, pool.name, pool.layout, retry_s=0.1,
+                      client_kwargs={"timeout_s": TIMEOUT_S}, on_connect=on_connect)
+    try:
+        assert not link.wait_first_attempt(TIMEOUT_S + FAST_S)  # the first registration failed: down, not dead
+        assert link.call(lambda c: (c.heartbeat(), True)[1]) is None  # and no call waits meanwhile
+        _wait_up(link.is_up)
+        assert len(tries) == 2 and link.attempts == 2
+        assert link.call(lambda c: (c.heartbeat(), True)[1]) is True
+    finally:
+        link.close()
+        daemon.cleanup()
