@@ -325,7 +325,7 @@ class PoolRegistry:
         gpu_layout = None
         if layout["mode"] == "store" and gpu_blocks:
             try:
-                gpu_layout = BlockLayout.contiguous(gpu_blocks, block_bytes, self.device)
+                gpu_layout = BlockLayout.contiguous(gpu_blocks, block_bytes, self.device, hugepages=True)
             except (RuntimeError, MemoryError) as exc:  # torch reports device OOM as RuntimeError
                 raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: cannot allocate the GPU tier: {exc}") from None
         transfer = make_transfer_engine(self.device)

@@ -105,7 +105,7 @@ def allocate_host_slab(
     check_host_capacity(num_blocks * block_bytes, pin=pin)
     if not pin:
         started = time.monotonic()
-        layout = BlockLayout.contiguous(num_blocks, block_bytes, "cpu", pin=False)
+        layout = BlockLayout.contiguous(num_blocks, block_bytes, "cpu", pin=False, hugepages=True)
         _pre_touch(layout, progress)
         layout.host_info = {"pinned": False, "numa_node": None, "chunks": 0,
                             "seconds": time.monotonic() - started}

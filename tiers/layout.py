@@ -27,10 +27,14 @@ allocated itself (``contiguous``).
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+HUGE_PAGE_BYTES = 2 << 20  # x86-64's and arm64's (4 KiB granule) transparent huge page
 
 
 def _as_index(slots: Sequence[int] | torch.Tensor, num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -89,10 +93,26 @@ class BlockLayout:
 
     @classmethod
     def contiguous(
-        cls, num_blocks: int, block_bytes: int, device: str | torch.device = "cpu", *, pin: bool = False
+        cls, num_blocks: int, block_bytes: int, device: str | torch.device = "cpu", *, pin: bool = False,
+        hugepages: bool = False,
     ) -> BlockLayout:
+        """A new ``[num_blocks, block_bytes]`` slab. ``hugepages``: on the CPU, unpinned, a
+        mapping of its own advised for transparent huge pages (long-lived tier memory: the
+        kernel pins a 2 MiB page per step where it pins 512 small ones, which is what makes
+        ``kvtier.daemon.client_memory``'s copies run at memcpy speed). Best effort: where the
+        kernel gives no huge pages the slab is the same memory in small pages."""
         if num_blocks < 0 or block_bytes < 1:
             raise ValueError(f"need num_blocks >= 0 and block_bytes >= 1, got {num_blocks}, {block_bytes}")
+        nbytes = num_blocks * block_bytes
+        if hugepages and not pin and torch.device(device).type == "cpu" and nbytes >= HUGE_PAGE_BYTES:
+            buf = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                with contextlib.suppress(OSError):
+                    buf.madvise(mmap.MADV_HUGEPAGE)
+            # torch.frombuffer keeps a reference to the mapping for the tensor's lifetime.
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+            skip = -flat.data_ptr() % HUGE_PAGE_BYTES  # huge pages need 2 MiB-aligned ranges
+            return cls([flat[skip: skip + nbytes].view(num_blocks, block_bytes)], [0])
         slab = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
         return cls([slab], [0])
 

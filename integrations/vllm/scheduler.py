@@ -69,9 +69,10 @@ scheduler never waits on a round trip:
   the connector never heard of does not outlive its request. A release the
   daemon could not take (it was down) is retried by the next call that
   reaches it, unless the session it was taken in is gone (with its pins).
-  A daemon that is down answers every lookup with 0: vLLM computes,
-  nothing waits. A lookup the daemon refuses (``TOO_MANY_PINS``, ...) is
-  that request's 0 only: ``lookup_many`` answers each request on its own.
+  A daemon that is down or missing answers every lookup with 0 at once:
+  vLLM computes, nothing waits (``link.py`` reconnects in the background).
+  A lookup the daemon refuses (``TOO_MANY_PINS``, ...) is that request's 0
+  only: ``lookup_many`` answers each request on its own.
 - With vLLM's KV cache events on (``--kv-events-config``), the blocks this
   engine stores or loads are announced to vLLM's publisher as held in
   kvtierd's tier (medium ``CPU``) while kvtierd's journal says they are
@@ -185,6 +186,7 @@ class SchedulerSide:
         self._hasher = BlockHasher(pool.block_size, settings.hash_algo)
         self._link = DaemonLink(settings.socket, pool.name, pool.layout, retry_s=settings.retry_s,
                                 client_kwargs=settings.client_kwargs())
+        self._link.wait_first_attempt(settings.timeout_s)  # start-up: the first requests may hit
         self._jobs = Background("kvtier-scheduler")
         # vLLM publishes KV cache events: kvtierd's go with them (kv_events.py).
         self._events = KvEvents(self._link, self._jobs, self._bs, interval_s=settings.events_interval_s,

@@ -10,8 +10,10 @@ session on the rank's pool.
   backend's shape; the block dimension is found, not assumed), group by
   group (``PoolChoice.groups``: each KV-cache group's layers; a layer the
   pool names that vLLM did not hand over is a start-up error), picks a data
-  plane (``planes.py``) and connects. A daemon that is not up yet is not
-  fatal: the link connects on first use.
+  plane (``planes.py``) and connects (``link.py``: in the background;
+  start-up waits for the first attempt). A daemon that is not up is not
+  fatal: every load and store is skipped at once (vLLM computes) until the
+  link's background thread reaches it.
 - ``start_load_kv``: restores this step's loads before the forward reads
   them; a ``background`` load is queued instead, on a thread of its own,
   and ``get_finished`` reports its request once it ran (done or failed):
@@ -37,7 +39,8 @@ session on the rank's pool.
   ``handle_preemptions``, which vLLM calls at the start of the next step
   before any KV block is zeroed, copied or written, waits for those stores:
   a block is never reused while kvtierd reads it. A store that fails is a
-  future miss, nothing else.
+  future miss, nothing else; while kvtierd is unavailable a step's stores
+  are dropped at once, without a job for the store thread.
 - ``take_loaded``: the requests whose loads ran, so the scheduler half
   drops their pins; ``take_load_timing``: the blocks restored and the
   seconds it took, for the scheduler half's ``load_mode`` (the connector
@@ -125,7 +128,9 @@ class WorkerSide:
         log.info("kvtier: %d KV tensors in %d KV-cache groups (block dim %s, %d blocks) on the %s plane, pool %s%s",
                  len(tensors), len(by_group), sorted(set(dims)), self._num_blocks, plane.name, self._pool.name,
                  "" if self._pool.stores else f" (the KV of {self._pool.replicas} ranks: another rank stores it)")
-        self._link.call(lambda _c: None)  # connect now if kvtierd is up
+        # Start-up, not a request: a daemon that answers is connected before the first step (milliseconds);
+        # one that is missing costs nothing here when its socket file is absent, at most timeout_s otherwise.
+        self._link.wait_first_attempt(self._settings.timeout_s)
 
     # ---- loads -------------------------------------------------------------------------
 
@@ -254,6 +259,10 @@ class WorkerSide:
 
     def wait_for_save(self, meta: StepTransfers) -> None:
         if not meta.stores or self._plane is None or self._link is None or not self._pool.stores:
+            return
+        if not self._link.is_up():
+            # Skipped here, not on the store thread: a job per step would cost the next step's
+            # handle_preemptions a thread hand-off for nothing while kvtierd is unavailable.
             return
         plane, link = self._plane, self._link
         for st in meta.stores:

@@ -195,8 +195,8 @@ def test_moves_split_at_the_iovec_limit() -> None:
     assert torch.equal(dst.gather(order), tier.slab())
 
 
-def test_a_large_move_split_over_two_threads_lands_byte_exact() -> None:
-    """Past PARALLEL_MIN_BYTES the pieces go in two halves, one on a helper thread: every byte still lands."""
+def test_a_large_move_from_a_hugepage_tier_lands_byte_exact() -> None:
+    """A restore's worth (~11 MiB) from a huge-page tier in two lent views into scattered slots and back."""
     import torch
 
     from kvtier.daemon import client_memory
@@ -205,8 +205,8 @@ def test_a_large_move_split_over_two_threads_lands_byte_exact() -> None:
     if not client_memory.available():
         pytest.skip("process_vm_writev is not permitted here")
     dst = BlockLayout([torch.zeros(2, 32, 64, 1024, dtype=torch.uint8) for _ in range(3)], [1] * 3)  # 384 KiB a block
-    n = client_memory.PARALLEL_MIN_BYTES // dst.block_bytes + 8
-    tier = BlockLayout.contiguous(n, dst.block_bytes)
+    n = 30
+    tier = BlockLayout.contiguous(n, dst.block_bytes, hugepages=True)
     tier.slab().copy_(torch.randint(0, 256, tier.slab().shape, dtype=torch.uint8))
     slots = list(range(n - 1, -1, -1))
     client_memory.write_views([tier.slab()[: n // 2].numpy(), tier.slab()[n // 2:].numpy()], dst, slots)
@@ -214,3 +214,91 @@ def test_a_large_move_split_over_two_threads_lands_byte_exact() -> None:
     staging = BlockLayout.contiguous(n, dst.block_bytes)
     client_memory.read_blocks(dst, slots, staging)
     assert torch.equal(staging.slab(), tier.slab())
+
+
+_TRUNCATED_COPIES = r'''
+import mmap, os, sys, torch
+from kvtier.daemon import client_memory
+from kvtier.tiers.layout import BlockLayout
+assert client_memory.available()
+bb, n = 64 << 10, 64  # 4 MiB of client memory in a /dev/shm file, 2 MiB left after the truncation
+path = f"/dev/shm/kvtier-test-trunc-{os.getpid()}"
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+try:
+    os.posix_fallocate(fd, 0, n * bb)
+    client = BlockLayout.from_buffer(mmap.mmap(fd, n * bb), n, bb)
+    tier = BlockLayout.contiguous(n, bb, hugepages=True)  # the daemon's side: huge pages where it can
+    os.ftruncate(fd, n * bb // 2)
+    outcomes = []
+    for name, copy in (("write_views", lambda: client_memory.write_views([tier.slab().numpy()], client, list(range(n)))),
+                       ("write_blocks", lambda: client_memory.write_blocks(tier, n, client, list(range(n)))),
+                       ("read_blocks", lambda: client_memory.read_blocks(client, list(range(n)), tier))):
+        try:
+            copy()
+            outcomes.append(f"{name}: no error")
+        except client_memory.ClientMemoryFault:
+            outcomes.append(f"{name}: fault")
+    # The half still there is still written: the copy stops at the hole, it does not crash.
+    client_memory.write_views([tier.slab()[: n // 2].numpy()], client, list(range(n // 2)))
+    print(";".join(outcomes))
+finally:
+    os.close(fd)
+    os.unlink(path)
+'''
+
+
+def test_copies_into_a_truncated_file_fail_with_a_fault_not_a_signal() -> None:
+    """The client's memory is the side the kernel copies with fault handling (not the pinned side), in
+    both directions: a file truncated under the mapping makes each copy raise ClientMemoryFault.
+    Run in a child: a SIGBUS there fails this test instead of killing pytest."""
+    import subprocess
+    import sys
+
+    from kvtier.daemon import client_memory
+
+    if not client_memory.available():
+        pytest.skip("process_vm_readv is not permitted here")
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATED_COPIES], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by that signal)\n{proc.stderr[-2000:]}"
+    assert proc.stdout.strip() == "write_views: fault;write_blocks: fault;read_blocks: fault", proc.stdout
+
+
+def test_runs_and_pieces_match_a_block_by_block_model() -> None:
+    """client_runs and the cutting of the daemon's runs against them (numpy, whatever the fragments)
+    move exactly the bytes a per-block gather/scatter would, for lent views split anywhere."""
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvtier.daemon import client_memory
+    from kvtier.tiers.layout import BlockLayout
+
+    shapes = [((2, 9, 4, 3, 8), 1), ((9, 2, 4, 8), 0), ((5, 9, 6), 1), ((9, 64), 0)]
+
+    @settings(max_examples=60, deadline=None)
+    @given(which=st.integers(0, len(shapes) - 1), data=st.data())
+    def check(which: int, data: st.DataObject) -> None:
+        shape, block_dim = shapes[which]
+        tensors = 1 if len(shape) == 2 else 3
+        dst = BlockLayout([torch.zeros(shape).to(torch.bfloat16) for _ in range(tensors)], [block_dim] * tensors)
+        slots = data.draw(st.lists(st.integers(0, 8), min_size=1, max_size=9, unique=True))
+        n = len(slots)
+        tier = BlockLayout.contiguous(n, dst.block_bytes)
+        tier.slab().copy_(torch.randint(0, 256, tier.slab().shape, dtype=torch.uint8))
+        flat = tier.slab().view(-1).numpy()
+        # The daemon's side as several views, cut at arbitrary byte offsets (borrow lends runs of slots;
+        # the cutting must not care where they end).
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, flat.size - 1), max_size=6))))
+        views = [flat[a:b] for a, b in zip([0, *cuts], [*cuts, flat.size])]
+        client_memory.write_views(views, dst, slots)
+        assert torch.equal(dst.gather(slots), tier.slab())
+        untouched = [s for s in range(9) if s not in slots]
+        if untouched:
+            assert not dst.gather(untouched).any()
+        back = BlockLayout.contiguous(n, dst.block_bytes)
+        client_memory.read_blocks(dst, slots, back)
+        assert torch.equal(back.slab(), tier.slab())
+
+    if not client_memory.available():
+        pytest.skip("process_vm_readv is not permitted here")
+    check()

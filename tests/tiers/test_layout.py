@@ -238,3 +238,18 @@ def test_from_buffer_writes_through_to_the_buffer() -> None:
     assert bytes(buf[BLOCK_BYTES : 2 * BLOCK_BYTES]) == bytes(data[0].tolist())
     assert bytes(buf[:BLOCK_BYTES]) == bytes([POISON]) * BLOCK_BYTES
     assert bytes(buf[2 * BLOCK_BYTES :]) == bytes([POISON]) * BLOCK_BYTES
+
+
+def test_a_hugepage_slab_is_aligned_sized_and_usable_like_any_other() -> None:
+    from kvtier.tiers.layout import HUGE_PAGE_BYTES
+
+    n, bb = 3, HUGE_PAGE_BYTES + 4096  # not a multiple of the huge page: the tail is in small pages
+    layout = BlockLayout.contiguous(n, bb, hugepages=True)
+    assert layout.is_slab and tuple(layout.slab().shape) == (n, bb) and layout.block_bytes == bb
+    assert layout.slab().data_ptr() % HUGE_PAGE_BYTES == 0  # huge pages back only aligned 2 MiB ranges
+    data = rand_bytes(n, bb)
+    layout.scatter([2, 0, 1], data)
+    assert torch.equal(layout.gather([2, 0, 1]), data)
+    # Small slabs, pinned ones and other devices are allocated as before.
+    small = BlockLayout.contiguous(2, 4096, hugepages=True)
+    assert tuple(small.slab().shape) == (2, 4096)
