@@ -194,6 +194,7 @@ def test_a_hit_is_a_prefix_every_group_can_serve(hits_daemon: Any, data: st.Data
             if have:
                 client.store(have, bytes(len(have) * BLOCK_BYTES))
         link = DaemonLink(hits_daemon.endpoint, "hits", layout, retry_s=1.0, client_kwargs={})
+        assert link.wait_first_attempt(10.0), "the link did not reach kvtierd"  # it connects in the background
         try:
             (hit,) = find_hits(link.call, groups, [HitQuery(keys.of_group, n_blocks, None, tag)])
             pinned_blocks = client.stats()["pools"]["hits"]["pinned_blocks"]

@@ -42,7 +42,7 @@ FLAGS = {"log_level": "debug", "gpu_bytes": 64 * BLOCK_BYTES, "cpu_bytes": 64 * 
 def _pool(name: str) -> PoolChoice:
     layout = PoolLayout(model=name, block_size=BS, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=LAYERS,
                         kv_heads=HEADS, head_dim=HEAD_DIM, mode="store")
-    return PoolChoice(f"test/{name}", layout, tuple(f"layer.{i}" for i in range(LAYERS)), BS)
+    return PoolChoice.single(f"test/{name}", layout, tuple(f"layer.{i}" for i in range(LAYERS)), BS)
 
 
 def _settings(endpoint: str, **extra: Any) -> ConnectorSettings:
