@@ -85,7 +85,7 @@ def pool_choice(name: str) -> Any:
     block_bytes = LAYERS * 2 * KV_HEADS * BLOCK_TOKENS * HEAD_DIM * 4
     layout = PoolLayout(model=f"bench/{name}", block_size=BLOCK_TOKENS, block_bytes=block_bytes, dtype="float32",
                         num_layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, mode="store")
-    return PoolChoice(f"vllm/bench/{name}", layout, tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)),
+    return PoolChoice.single(f"vllm/bench/{name}", layout, tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)),
                       BLOCK_TOKENS)
 
 
