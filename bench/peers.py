@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "peers-cpu.json", help="JSON report path")
     p.add_argument("--log", type=Path, default=None,
                    help="vLLM's own output (default: kvtier-bench-peers.log in the temp directory)")
+    p.add_argument("--report-only", type=Path, default=None, metavar="JSON",
+                   help="run nothing: summarize the records of an earlier run's JSON again, print its tables and "
+                        "rewrite that file")
     return p
 
 
@@ -461,10 +464,20 @@ def summarize(records: list[dict[str, Any]], phase_log: list[dict[str, Any]], sy
     return out
 
 
+def turn_of(pid: str) -> int:
+    """The turn of a conversation prompt's id (``multi/c2/t3`` -> 3); 0 for other prompts."""
+    last = pid.rsplit("/", 1)[-1]
+    return int(last[1:]) if last.startswith("t") and last[1:].isdigit() else 0
+
+
 def phase_summary(rs: list[dict[str, Any]], phase_log: list[dict[str, Any]], system: str, phase: str) -> dict[str, Any]:
     ttft = [1e3 * r["ttft_s"] for r in rs]
     rounds = sorted({r["round"] for r in rs})
     totals = [sum(r["e2e_s"] for r in rs if r["round"] == k) for k in rounds]
+    # Turn 1 of a conversation is a miss everywhere: its prefill, at whatever load the machine had then,
+    # dominates the total. The later turns are what a cache serves.
+    later = [r for r in rs if turn_of(r["pid"]) > 1]
+    later_totals = [sum(r["e2e_s"] for r in later if r["round"] == k) for k in rounds]
     same = [r["same_answer"] for r in rs if r["same_answer"] is not None]
     first = [r["same_first_token"] for r in rs if r["same_first_token"] is not None]
     hits = [r for r in rs if r["cached_tokens"] > 0]
@@ -473,6 +486,9 @@ def phase_summary(rs: list[dict[str, Any]], phase_log: list[dict[str, Any]], sys
         "ttft_ms_median": round(statistics.median(ttft), 2), "ttft_ms_min": round(min(ttft), 2),
         "ttft_ms_max": round(max(ttft), 2), "ttft_ms_p90": round(report.percentile(ttft, 0.9), 2),
         "total_s_per_round": [round(x, 3) for x in totals], "total_s_median": round(statistics.median(totals), 3),
+        "later_turns_total_s_median": round(statistics.median(later_totals), 3) if later else None,
+        "later_turns_ttft_ms_p90": round(report.percentile([1e3 * r["ttft_s"] for r in later], 0.9), 2)
+        if later else None,
         "hit_rate": round(sum(r["cached_tokens"] for r in rs) / sum(r["prompt_tokens"] for r in rs), 4),
         "cached_tokens": sorted({r["cached_tokens"] for r in rs}),
         "same_answer": f"{sum(same)}/{len(same)}" if same else None,
@@ -521,6 +537,11 @@ def targets(summary: dict[str, Any]) -> dict[str, Any]:
                 out["multi_total_le_every_other"] = {
                     "kvtier_s": k[phase]["total_s_median"], "others_s": {s: v["total_s_median"] for s, v in o.items()},
                     "met": all(k[phase]["total_s_median"] <= v["total_s_median"] for v in o.values())}
+                later = {s: v["later_turns_total_s_median"] for s, v in o.items()}
+                if k[phase]["later_turns_total_s_median"] is not None and None not in later.values():
+                    out["multi_later_turns_total_le_every_other (info)"] = {
+                        "kvtier_s": k[phase]["later_turns_total_s_median"], "others_s": later,
+                        "met": all(k[phase]["later_turns_total_s_median"] <= v for v in later.values())}
                 out["multi_ttft_p90_le_every_other"] = {
                     "kvtier_ms": k[phase]["ttft_ms_p90"], "others_ms": {s: v["ttft_ms_p90"] for s, v in o.items()},
                     "met": all(k[phase]["ttft_ms_p90"] <= v["ttft_ms_p90"] for v in o.values())}
@@ -553,14 +574,15 @@ def print_tables(res: dict[str, Any], markdown: bool) -> None:
                      fmt(si.get("ttft_ms_median"), ".1f"),
                      fmt(si["ttft_ms_median"] / pc if si and pc else None, ".2f"),
                      fmt(si["ttft_ms_median"] / sh["ttft_ms_median"] if si and sh else None, ".2f"),
-                     fmt(mu.get("total_s_median"), ".1f"), fmt(mu.get("ttft_ms_p90"), ".0f"),
+                     fmt(mu.get("total_s_median"), ".1f"), fmt(mu.get("later_turns_total_s_median"), ".1f"),
+                     fmt(mu.get("ttft_ms_p90"), ".0f"),
                      fmt(mu.get("hit_rate"), ".2f"),
                      fmt(pa.get("hit_rate"), ".2f"), fmt(pa.get("total_s_median"), ".1f"),
                      fmt(rs.get("hit_rate"), ".2f"), fmt(rs.get("ttft_ms_median"), ".0f"),
                      "-" if not sa else ("yes" if sa["isolated"] else f"NO ({max(sa['other_salt_cached_tokens'])})"),
                      same_total(si, mu, pa, rs),
                      fmt((v.get("load1_min_median_max") or [None] * 3)[1], ".1f")])
-    head = ["system", "single TTFT ms", "/ prefix cache", "/ own hit", "multi total s", "multi TTFT p90 ms", "multi hit",
+    head = ["system", "single TTFT ms", "/ prefix cache", "/ own hit", "multi total s", "turns 2+ s", "multi TTFT p90 ms", "multi hit",
             "pair hit", "pair total s", "restart hit", "restart TTFT ms", "salt isolated", "answers = recompute",
             "load"]
     print()
@@ -587,15 +609,24 @@ def print_tables(res: dict[str, Any], markdown: bool) -> None:
                            "the connector's loads, the forward step less the loads in it, the model alone, stores "
                            "inside the step, output"))
     if markdown:
-        print("\n| system | single-prefix TTFT | / vLLM prefix hit | multi-turn total | multi-turn TTFT p90 | "
+        print("\n| system | single-prefix TTFT | / vLLM prefix hit | multi-turn total (turns 2+) | multi-turn TTFT p90 | "
               "two-engine hit rate | restart hit rate | salt isolated | answers = recompute |")
         print("|---|---:|---:|---:|---:|---:|---:|---|---|")
         for r in rows:
-            print(f"| {r[0]} | {r[1]} ms | {r[2]} | {r[4]} s | {r[5]} ms | {r[7]} | {r[9]} | {r[11]} | {r[12]} |")
+            print(f"| {r[0]} | {r[1]} ms | {r[2]} | {r[4]} s ({r[5]} s) | {r[6]} ms | {r[8]} | {r[10]} | {r[12]} | "
+                  f"{r[13]} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report_only is not None:
+        old = json.loads(args.report_only.read_text())
+        systems = list(old["systems"])
+        old["summary"] = summarize(old["records"], old["phases"], systems)
+        old["targets"] = targets(old["summary"])
+        report.write_json(old, args.report_only)
+        print_tables(old, args.markdown)
+        return 0
     if args.quick:
         apply_quick(args)
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]

@@ -99,7 +99,8 @@ def summary_with(single: dict[str, float], multi_total: dict[str, float], multi_
     for system, total in multi_total.items():
         ttfts = multi_ttft[system]
         for i, t in enumerate(ttfts):
-            recs.append(record(system, "multi", f"multi/c{i}/t1", f"m{i}", [1], ttft_s=t / 1e3, e2e_s=total / len(ttfts)))
+            recs.append(record(system, "multi", f"multi/c{i}/t{1 + i % 2}", f"m{i}", [1], ttft_s=t / 1e3,
+                               e2e_s=total / len(ttfts)))
     for system, cached in pair_cached.items():
         recs.append(record(system, "pair", "pair/c0/t2", "p", [1], cached=cached, prompt=1000))
     systems = sorted(set(single) | set(multi_total) | set(pair_cached))
@@ -116,6 +117,7 @@ def test_targets_met_only_when_kvtier_is_on_the_right_side_of_every_other() -> N
     assert t["single_ttft_le_1.05x_prefix_cache"]["met"] is True  # 100 / 96 = 1.042
     assert t["multi_total_le_every_other"]["met"] is True
     assert t["multi_ttft_p90_le_every_other"]["met"] is True
+    assert t["multi_later_turns_total_le_every_other (info)"]["met"] is True
     assert t["pair_hit_rate_above_every_other"]["met"] is True
 
     s = summary_with(single={"kvtier": 100, "lmcache": 99, "prefix_cache": 95},
