@@ -5,7 +5,7 @@
 #
 # Usage (repository root of a plain checkout; no install needed):
 #     OUT=/tmp/gpu-out bash bench/gpu_check.sh [steps]
-# steps: any of env bench qos ttft cuda daemon (default: all, in that order:
+# steps: any of env bench qos ttft cuda daemon restart (default: all but restart, in that order:
 # the benchmarks first, on an idle host; xdist test workers left a load average
 # of 10-11 on 16 cores, which halved the copy kernel's fragment bandwidth).
 # Each step has its own time limit, so one that hangs costs only its share.
@@ -15,7 +15,7 @@
 set -uo pipefail
 OUT=${OUT:?set OUT to a folder for logs and results}
 PY=${PY:-python3}
-steps=${*:-env bench qos ttft cuda daemon}
+steps=${*:-env bench qos ttft cuda daemon}  # restart: bench/restart.py, asked for by name
 mkdir -p "$OUT"
 root=$(pwd)
 
@@ -68,7 +68,11 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
       timeout 60 $PY bench/ttft.py --model-size 1b --prefix-tokens "$prefix" --reps 3 --idle-s "$idle" \
         --json-out "$OUT/ttft-1b-daemon-cuda-$prefix-idle$idle.json" 2>&1 | tail -30 | tee -a "$log"
     done ;;
-  *) echo "unknown step $s: choose from env bench qos ttft cuda daemon" >&2; exit 2 ;;
+  restart)
+    # Issue 34: SIGKILL a daemon with a 4 GiB pinned CPU tier; the new one adopts it and pins it again.
+    step "bench/restart.py (4 GiB, pinned)"
+    timeout 240 $PY bench/restart.py --out "$OUT" 2>&1 | tail -20 | tee -a "$log" ;;
+  *) echo "unknown step $s: choose from env bench qos ttft cuda daemon restart" >&2; exit 2 ;;
   esac
 done
 step done

@@ -6,7 +6,7 @@ Usage:
 
 One run, on this machine, every system on the same random-weight Llama (the
 model of ``bench/vllm.py``: 62M parameters, float32, 8 KiB of KV a token,
-``vllm_engine.set_weights``, so an answer depends on the whole prefix's KV)
+``vllm_engine.write_model``'s checkpoint, so an answer depends on the whole prefix's KV)
 and the same prompts (``bench/peers_workloads.py``, seeded). Systems
 (``bench/peers_systems.py``): ``kvtier`` (KvtierConnector and a kvtierd),
 ``lmcache`` (LMCache 0.5.6), ``native`` (vLLM's OffloadingConnector),

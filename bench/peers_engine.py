@@ -2,8 +2,8 @@
 """One vLLM engine of bench/peers.py (a child process; ``python bench/peers_engine.py SPEC.json``).
 
 It starts one ``LLM`` from the spec's engine arguments (the system's KV
-connector, if any, is in them), gives it the run's weights
-(``vllm_engine.set_weights``: the next token depends on the whole prefix's
+connector, if any, is in them), loads the run's checkpoint
+(``vllm_engine.write_model``: the next token depends on the whole prefix's
 KV), installs the time stamps of
 ``bench/vllm_timing.py``, answers ``{"ready": ...}`` and then serves JSON
 commands, one a line on stdin, one tagged JSON line each on stdout
@@ -35,7 +35,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH] + [str(BENCH)]
 
 import vllm_timing  # noqa: E402
-from vllm_engine import progress, reply, set_weights  # noqa: E402
+from vllm_engine import progress, reply  # noqa: E402
 
 
 def main(spec: dict[str, Any]) -> int:
@@ -55,7 +55,6 @@ def main(spec: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     llm = LLM(**spec["engine_kwargs"])
     startup_s = time.perf_counter() - t0
-    set_weights(llm)
     cloudpickle.register_pickle_by_value(vllm_timing)  # the worker needs no import of bench/
     info = llm.collective_rpc(vllm_timing.install_trace, args=(trace,))[0]
     progress(f"{name}: LLM started in {startup_s:.1f} s")

@@ -10,8 +10,8 @@ the end (SIGTERM, exit status checked).
 
 1. TTFT (time of ``llm.generate`` with ``max_tokens=1``, one request at a time) of a prompt made of a
    long shared prefix (default 4,096 tokens) and a short unique suffix (32 tokens), on a random-weight
-   Llama (``load_format="dummy"``, then ``kvtier.testing.vllm_weights.context_sensitive_weights``, so
-   the next token depends on the whole prefix's KV; default hidden 1024, 8 heads of 128, 2 KV heads (GQA), 4 layers,
+   Llama (a checkpoint written by ``kvtier.testing.vllm_weights.write_model``, so the next token
+   depends on the whole prefix's KV; default hidden 1024, 8 heads of 128, 2 KV heads (GQA), 4 layers,
    float32: a 4,096-token prefill costs ~10 s on this CPU, so a restore has a lot to beat, while the KV is
    8 KiB a token, 32 MiB for the prefix, so the copy is not free either; bfloat16 runs 4-25x slower on a
    CPU without AVX-512 BF16, as this one: 72 s for the prefix, 7.5 s for a prefix-cache hit). Cases:
@@ -102,7 +102,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import vllm_timing  # noqa: E402
 from vllm_engine import (BLOCK_SIZE, WEIGHTS, EngineProc, engine_env, model_kwargs, parameters,  # noqa: E402
-                         progress, reply, set_weights)
+                         progress, reply, write_model)
 from vllm_engine import model_config as _model_config  # noqa: E402
 from vllm_timing import breakdown  # noqa: E402
 
@@ -241,7 +241,6 @@ def child_main(spec: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     startup_s = time.perf_counter() - t0
-    set_weights(llm)
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(vllm_timing)  # the worker needs no import of bench/
@@ -315,8 +314,7 @@ def start_engine(spec: dict[str, Any], log_path: Path) -> EngineProc:
 def ttft_section(args: argparse.Namespace, daemon: KvtierDaemon, workdir: Path, log_path: Path) -> dict[str, Any]:
     cfg = model_config(args)
     model_dir = workdir / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(cfg))
+    write_model(model_dir, cfg)  # answers that depend on the whole prefix's KV (vllm_engine.write_model)
     rng = random.Random(args.seed)
     vocab = args.vocab
 

@@ -19,7 +19,7 @@ One run, on this machine: the bench starts one kvtierd (``--device cpu``,
 store mode) and, per case and round, a fresh vLLM engine as its own child
 process (``--child``), one alive at a time, the case order reversed in odd
 rounds. Each engine: a random-weight Llama (the model of ``bench/vllm.py``:
-``load_format="dummy"``, then ``context_sensitive_weights``; float32,
+a checkpoint from ``kvtier.testing.vllm_weights.write_model``; float32,
 hidden 1024, 4 layers, 8 KiB of KV a token), vLLM's prefix caching off (the
 prefix is not in vLLM's own cache: it was evicted, or computed by another
 engine), ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``. The prefix is stored in kvtierd
@@ -71,7 +71,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent] + [
     str(Path(__file__).resolve().parent)]
 
-from vllm_engine import BLOCK_SIZE, RESULT_TAG, model_config, model_kwargs, progress, set_weights, write_model  # noqa: E402
+from vllm_engine import BLOCK_SIZE, RESULT_TAG, model_config, model_kwargs, progress, write_model  # noqa: E402
 
 from kvtier.testing.daemon import KvtierDaemon  # noqa: E402
 from kvtier.testing.vllm_trace import take_events as _take_events  # noqa: E402
@@ -155,7 +155,6 @@ def child_main(spec: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     startup_s = time.perf_counter() - t0
-    set_weights(llm)
     connector = llm.collective_rpc(_install_trace, args=(case != "recompute",))[0]
     progress(f"{case}: LLM started in {startup_s:.1f} s")
     one = SamplingParams(max_tokens=1, temperature=0, detokenize=False)

@@ -5,13 +5,12 @@ Shared by ``bench/vllm.py`` and ``bench/peers.py`` (the vLLM benches' one copy o
 Contract
 ========
 
-- ``model_config(...)``: the HuggingFace ``config.json`` of a random-weight Llama
-  (``load_format="dummy"``; the weights are set after start-up by
-  ``kvtier.testing.vllm_weights.context_sensitive_weights``). ``parameters(cfg)``
+- ``model_config(...)``: the HuggingFace ``config.json`` of a random-weight Llama.
+  ``parameters(cfg)``
   counts its parameters, ``kv_bytes_per_token(cfg)`` its KV bytes a token.
-- ``write_model(folder, cfg)``: the folder vLLM loads (its ``config.json`` only);
-  ``model_kwargs(folder)``: the ``LLM(...)`` arguments that load it; ``set_weights(llm)``:
-  the weights, set in the child after start-up. ``WEIGHTS`` says how, for the results.
+- ``write_model(folder, cfg)``: the folder vLLM loads, ``config.json`` and a checkpoint
+  (``kvtier.testing.vllm_weights``); ``model_kwargs(folder)``: the ``LLM(...)`` arguments
+  that load it. ``WEIGHTS`` says how, for the results.
 - ``engine_env(reserved_cpus, pythonpath_front, extra)``: the environment of a child
   engine. Every engine gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=reserved_cpus``: vLLM's CPU
   build reserves a core for its scheduler, and one more when a KV connector is
@@ -95,27 +94,23 @@ def kv_bytes_per_token(cfg: Mapping[str, Any]) -> int:
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * hd * elem
 
 
-def write_model(folder: Path, cfg: Mapping[str, Any]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
 # How every engine of a bench gets its weights: the two functions below are the one place.
-WEIGHTS = f"load_format=dummy, then context_sensitive_weights(seed={WEIGHT_SEED})"
+WEIGHTS = f"kvtier.testing.vllm_weights.write_model(seed={WEIGHT_SEED}), bfloat16 checkpoint"
+
+
+def write_model(folder: Path, cfg: Mapping[str, Any]) -> Path:
+    """The folder vLLM loads: ``config.json`` and a checkpoint under which the greedy answer depends on the
+    whole prefix's KV (``kvtier.testing.vllm_weights``; vLLM's dummy weights make it depend on the last
+    token only, and "same answer as the recompute" could not tell right KV from wrong). Every engine of a
+    run loads the same one."""
+    from kvtier.testing.vllm_weights import write_model as write_checkpoint
+
+    return write_checkpoint(folder, dict(cfg), WEIGHT_SEED)
 
 
 def model_kwargs(folder: Path) -> dict[str, Any]:
     """The ``LLM(...)`` arguments that load the model of ``write_model(folder, ...)``."""
-    return {"model": str(folder), "load_format": "dummy", "skip_tokenizer_init": True}
-
-
-def set_weights(llm: Any) -> None:
-    """In the child, after ``LLM(...)``: vLLM's dummy weights make the next token depend on the last token
-    only ("same answer as the recompute" would then hold for any KV); every engine gets the same weights."""
-    from kvtier.testing.vllm_weights import context_sensitive_weights
-
-    llm.collective_rpc(context_sensitive_weights, args=(WEIGHT_SEED,))
+    return {"model": str(folder), "skip_tokenizer_init": True}
 
 
 # ---------------------------------------------------------------------------

@@ -13,6 +13,12 @@ Contract
   explicit ``--socket`` value, else ``$KVTIER_SOCKET`` (the daemon reads the
   same variable), else ``default_socket``. A socket set only in a kvtierd
   config file must be passed with ``--socket``: tools read no daemon config.
+- ``endpoint_problem(endpoint)``: why a client could never reach a
+  kvtierd at ``endpoint`` (a string saying what is wrong and what is
+  expected), or None when it is a well-formed ``ipc://`` (an absolute path
+  of at most ``MAX_IPC_PATH_BYTES``, or an ``@name``) or ``tcp://HOST:PORT``
+  endpoint: the forms kvtierd binds (``kvtier.daemon.config``'s rule, less
+  what only the daemon decides: CURVE or ``insecure_tcp``).
 - ``request(endpoint, op, timeout_s=...)`` sends one session-less request
   (``health`` or ``stats``: the verbs whose ``sid`` is optional) on a
   throwaway DEALER socket and returns the reply's fields. It opens no
@@ -27,6 +33,7 @@ Importing this module imports no torch and nothing from ``kvtier.daemon``.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,10 +44,12 @@ from kvtier.client.curve import CurveKeys
 from kvtier.client.protocol import OPS, ErrorCode, ProtocolError, decode, encode, request_header
 from kvtier.client.transport import DaemonError, KvtierTimeout
 
-__all__ = ["DaemonUnavailable", "default_socket", "request", "resolve_endpoint"]
+__all__ = ["DaemonUnavailable", "default_socket", "endpoint_problem", "request", "resolve_endpoint"]
 
 SOCKET_ENV = "KVTIER_SOCKET"
 DEFAULT_ADMIN_TIMEOUT_S = 2.0
+MAX_IPC_PATH_BYTES = 107  # sun_path, less its terminating NUL (the daemon's limit too)
+_TCP_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9*._-]+):([0-9]{1,5})")
 
 
 class DaemonUnavailable(KvtierTimeout):
@@ -72,6 +81,30 @@ def resolve_endpoint(explicit: str | None = None, environ: Mapping[str, str] | N
     """``explicit``, else ``$KVTIER_SOCKET``, else ``default_socket()``."""
     environ = os.environ if environ is None else environ
     return explicit or environ.get(SOCKET_ENV) or default_socket(environ)
+
+
+def endpoint_problem(endpoint: object) -> str | None:
+    """What makes ``endpoint`` one no kvtierd can be at, or None; see the module docstring."""
+    expected = "an endpoint like ipc:///path/kvtierd.sock, ipc://@name or tcp://HOST:PORT"
+    if not isinstance(endpoint, str):
+        return f"expected {expected}, got {endpoint!r}"
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if path.startswith("@"):
+            return None if len(path) > 1 else "an abstract ipc socket needs a name after '@'"
+        if not os.path.isabs(path):
+            return f"an ipc:// endpoint needs an absolute path after ipc://, got {endpoint!r}"
+        if path.endswith("/"):
+            return f"the ipc:// path names a directory, not a socket: {endpoint!r}"
+        if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
+            return f"the ipc:// path is {len(os.fsencode(path))} bytes, at most {MAX_IPC_PATH_BYTES}: {endpoint!r}"
+        return None
+    if endpoint.startswith("tcp://"):
+        match = _TCP_RE.fullmatch(endpoint)
+        if not match or not 1 <= int(match.group(2)) <= 65535:
+            return f"a tcp:// endpoint is tcp://HOST:PORT with PORT in 1..65535, got {endpoint!r}"
+        return None
+    return f"expected {expected}, got {endpoint!r}"
 
 
 def _ipc_file(endpoint: str) -> str | None:

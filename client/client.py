@@ -40,6 +40,14 @@ Contract
 - Packed hashes (``kvtier.client.hash_wire``): hash lists go out packed to
   a daemon that lists ``"packed_hashes"``, as arrays to an older one; either
   way ``lookup``/``pin``/``allocate``/``restore`` return a ``Sequence[str]``.
+- Pins: ``lookup(pin=True)``, ``lookup_many(pin=True)`` and ``pin`` record
+  what they pinned (``SessionLost.lost_pins`` lists it). ``pin_tag`` (a
+  request's name) files pins under a tag, and ``unpin_tag(tag)`` drops
+  every pin of the tag in the daemon (feature ``"pin_tags"``), those whose
+  replies were lost to a timeout included: a pin this client never heard of
+  does not outlive the request that tagged it. ``lookup_many`` answers per
+  request: one refused request is an error in its own place, never its
+  batch-mates' failure.
 - ``events(since)`` reads the pool's key journal (feature ``"events"``):
   ``Events(stored_or_removed, next, lost)``; the vLLM connector turns it
   into vLLM's KV cache events for routers.
@@ -59,6 +67,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,7 +94,7 @@ from kvtier.client.session import Heartbeat, PoolLayout, Registration, Session, 
 from kvtier.client.shm_arena import ShmArena
 from kvtier.client.shm_orphans import remove_orphaned_arenas
 from kvtier.client.tokens import TokenChain
-from kvtier.client.transport import DaemonError, KvtierTimeout, Transport, probe_health, reply_fields
+from kvtier.client.transport import DaemonError, KvtierTimeout, Transport, error_of, probe_health, reply_fields
 
 __all__ = [
     "Allocation",
@@ -273,20 +282,22 @@ class Client:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
     def _call(self, op: str, fields: Mapping[str, Any] | None = None, frames: Sequence[Any] = (), *,
-              timeout_s: float | None = None) -> tuple[dict[str, Any], list[zmq.Frame]]:
+              timeout_s: float | None = None, idempotent: bool | None = None) -> tuple[dict[str, Any], list[zmq.Frame]]:
         """One request of a verb, in a live session, by the call's deadline (``Session.call``)."""
         deadline_s = self._begin(timeout_s)
         with self._lock:
-            return self._session.call(op, dict(fields or {}), frames, deadline_s)
+            return self._session.call(op, dict(fields or {}), frames, deadline_s, idempotent=idempotent)
 
     def _call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], *,
-                   timeout_s: float | None = None) -> list[dict[str, Any]]:
-        """``_call`` for many requests of one idempotent verb, pipelined; all or nothing (``Session.call_many``)."""
+                   timeout_s: float | None = None) -> list[dict[str, Any] | KvtierError]:
+        """``_call`` for many requests of one idempotent verb, pipelined (``Session.call_many``): each
+        request's reply fields, or the error it got (one refusal fails only its own request)."""
         if not OPS[op].idempotent:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"{op} is not idempotent: it cannot be pipelined")
         deadline_s = self._begin(timeout_s)
         with self._lock:
-            return self._session.call_many(op, fields_list, deadline_s)
+            replies = self._session.call_many(op, fields_list, deadline_s)
+        return [rh if rh["ok"] is True else error_of(rh, op) for rh in replies]
 
     def _wire_hashes(self, hashes: Sequence[bytes], *, keys: bool = False) -> tuple[list[bytes], Any]:
         """Checked hashes and their wire form: packed when the daemon takes it.
@@ -338,56 +349,156 @@ class Client:
     # ---- lookups and pins ------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], *, pin: bool = False, hints: Hints | None = None,
-               timeout_s: float | None = None) -> Sequence[str]:
+               pin_tag: str | None = None, timeout_s: float | None = None) -> Sequence[str]:
         """Tiers of the longest cached prefix of ``hashes`` ("gpu"/"cpu"/"remote" per block).
 
         ``hints`` (session, retain_s, priority) tell the daemon's eviction what
         the application knows; a daemon without the "hints" feature is sent
-        none (they are soft, so nothing fails for it).
+        none (they are soft, so nothing fails for it). ``pin``: also pin the
+        prefix found, under ``pin_tag`` when given (see ``unpin_tag``). A
+        pinned lookup is not resent after a timeout: the daemon may have
+        pinned already, and would pin twice.
         """
+        self._check_tag(pin_tag, pin)
         hashes, wire = self._wire_hashes(hashes, keys=pin)
-        rh, _ = self._call("lookup", self._with_hints({"hashes": wire, "pin": pin}, hints), timeout_s=timeout_s)
+        rh, _ = self._call("lookup", self._lookup_fields(wire, pin, hints, pin_tag), timeout_s=timeout_s,
+                           idempotent=not pin)
         tiers = tier_list(rh["tiers"])
         if pin:
-            self._session.pins.update(hashes[: rh.get("pinned", 0)])
+            self._note_pins(hashes[: rh.get("pinned", 0)], pin_tag)
         return tiers
 
     def lookup_many(self, requests: Sequence[Sequence[bytes]], *, pin: bool = False,
-                    hints: Sequence[Hints | None] | None = None, timeout_s: float | None = None) -> list[Sequence[str]]:
+                    hints: Sequence[Hints | None] | None = None, pin_tags: Sequence[str | None] | None = None,
+                    timeout_s: float | None = None) -> list[Sequence[str] | KvtierError]:
         """``lookup`` of each hash list, pipelined: all requests go out before any reply is read.
 
         One round trip for the batch instead of one each (a scheduler that
-        admits many requests at once); each answer is exactly what ``lookup``
-        would have returned, in order.
+        admits many requests at once). Each answer is what ``lookup`` would
+        have returned, in order, or the error it would have raised
+        (``DaemonError`` for a refusal, ``ProtocolError`` for a request this
+        library refused to send): one bad request never fails its batch-mates,
+        and their pins are recorded as ``lookup`` records them. Raises only
+        for the batch as a whole (``KvtierTimeout``: no reply was read, so
+        pins the daemon took are unknown here; tag them, ``pin_tags``, and
+        ``unpin_tag`` releases them. ``SessionLost``). Not resent after a timeout.
         """
-        wires = [self._wire_hashes(h, keys=pin) for h in requests]
-        if not wires:
-            return []
-        if hints is not None and len(hints) != len(wires):
-            raise ValueError(f"{len(wires)} requests but {len(hints)} hints")
-        per = hints if hints is not None else [None] * len(wires)
-        replies = self._call_many("lookup", [self._with_hints({"hashes": w, "pin": pin}, h)
-                                             for (_, w), h in zip(wires, per)], timeout_s=timeout_s)
-        out: list[Sequence[str]] = []
-        for (hashes, _), rh in zip(wires, replies):
+        n = len(requests)
+        if hints is not None and len(hints) != n:
+            raise ValueError(f"{n} requests but {len(hints)} hints")
+        if pin_tags is not None and len(pin_tags) != n:
+            raise ValueError(f"{n} requests but {len(pin_tags)} pin tags")
+        per_hints = hints if hints is not None else [None] * n
+        tags = pin_tags if pin_tags is not None else [None] * n
+        out: list[Sequence[str] | KvtierError] = []
+        sent: list[tuple[int, list[bytes]]] = []  # (index in out, checked hashes)
+        fields_list: list[dict[str, Any]] = []
+        for i, (h, hint, tag) in enumerate(zip(requests, per_hints, tags)):
+            try:
+                self._check_tag(tag, pin)
+                hashes, wire = self._wire_hashes(h, keys=pin)
+            except ProtocolError as exc:
+                out.append(exc)  # refused here, never sent
+                continue
+            out.append([])  # its answer, once read
+            sent.append((i, hashes))
+            fields_list.append(self._lookup_fields(wire, pin, hint, tag))
+        if not fields_list:
+            return out
+        replies = self._call_many("lookup", fields_list, timeout_s=timeout_s)
+        for (i, hashes), reply in zip(sent, replies):
+            if isinstance(reply, KvtierError):
+                out[i] = reply
+                continue
             if pin:
-                self._session.pins.update(hashes[: rh.get("pinned", 0)])
-            out.append(tier_list(rh["tiers"]))
+                self._note_pins(hashes[: reply.get("pinned", 0)], tags[i])
+            out[i] = tier_list(reply["tiers"])
         return out
 
-    def pin(self, hashes: Sequence[bytes], *, timeout_s: float | None = None) -> Sequence[str]:
+    def pin(self, hashes: Sequence[bytes], *, pin_tag: str | None = None,
+            timeout_s: float | None = None) -> Sequence[str]:
+        self._check_tag(pin_tag, True)
         hashes = check_hashes(hashes)
-        rh, _ = self._call("pin", {"hashes": hashes}, timeout_s=timeout_s)
+        fields: dict[str, Any] = {"hashes": hashes}
+        if pin_tag is not None and self._session.pin_tags:
+            fields["pin_tag"] = pin_tag
+        rh, _ = self._call("pin", fields, timeout_s=timeout_s)
         tiers = tier_list(rh["tiers"])
-        self._session.pins.update(hashes[: len(tiers)])
+        self._note_pins(hashes[: len(tiers)], pin_tag)
         return tiers
 
-    def unpin(self, hashes: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+    def unpin(self, hashes: Sequence[bytes], *, pin_tag: str | None = None,
+              timeout_s: float | None = None) -> int:
+        """Drop one pin per hash (of those taken under ``pin_tag``, when given); returns how many went."""
+        self._check_tag(pin_tag, True)
         hashes = check_hashes(hashes)
-        rh, _ = self._call("unpin", {"hashes": hashes}, timeout_s=timeout_s)
-        self._session.pins.subtract(h for h in hashes if self._session.pins[h] > 0)
-        self._session.pins = +self._session.pins
+        fields: dict[str, Any] = {"hashes": hashes}
+        if pin_tag is not None and self._session.pin_tags:
+            fields["pin_tag"] = pin_tag
+        rh, _ = self._call("unpin", fields, timeout_s=timeout_s)
+        self._forget_pins(hashes, pin_tag)
         return int(rh["unpinned"])
+
+    def unpin_tag(self, pin_tag: str, *, timeout_s: float | None = None) -> int:
+        """Drop every pin taken under ``pin_tag``, those whose replies never came back included
+        (a batch that timed out, a lookup lost with its socket); returns how many went.
+
+        A daemon without the feature ``"pin_tags"`` was never sent the tag:
+        the pins this client recorded under it are dropped by their hashes.
+        """
+        self._check_tag(pin_tag, True)
+        known = self._session.tag_pins.get(pin_tag)
+        if self._session.pin_tags:
+            rh, _ = self._call("unpin", {"pin_tag": pin_tag}, timeout_s=timeout_s)
+        elif known:
+            rh, _ = self._call("unpin", {"hashes": sorted(known.elements())}, timeout_s=timeout_s)
+        else:
+            return 0
+        known = self._session.tag_pins.pop(pin_tag, None)
+        if known:
+            self._session.pins.subtract(known)
+            self._session.pins = +self._session.pins
+        return int(rh["unpinned"])
+
+    def _lookup_fields(self, wire: Any, pin: bool, hints: Hints | None, pin_tag: str | None) -> dict[str, Any]:
+        fields = self._with_hints({"hashes": wire, "pin": pin}, hints)
+        if pin_tag is not None and self._session.pin_tags:
+            fields["pin_tag"] = pin_tag  # a daemon without the feature would refuse it: the pins are the session's
+        return fields
+
+    @staticmethod
+    def _check_tag(pin_tag: str | None, pin: bool) -> None:
+        if pin_tag is None:
+            return
+        if not pin:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "pin_tag names pins: it needs pin=True")
+        OPS["unpin"].fields["pin_tag"].type.check("pin_tag", pin_tag)
+
+    def _note_pins(self, hashes: Sequence[bytes], pin_tag: str | None) -> None:
+        if not hashes:
+            return
+        self._session.pins.update(hashes)
+        if pin_tag is not None:
+            self._session.tag_pins.setdefault(pin_tag, Counter()).update(hashes)
+
+    def _forget_pins(self, hashes: Sequence[bytes], pin_tag: str | None) -> None:
+        """What ``unpin(hashes, pin_tag)`` dropped: one recorded pin per hash, where one is recorded."""
+        pins = self._session.pins
+        tagged = self._session.tag_pins.get(pin_tag) if pin_tag is not None else None
+        for h in hashes:
+            if tagged is not None:
+                if tagged[h] <= 0:
+                    continue
+                tagged[h] -= 1
+            if pins[h] > 0:
+                pins[h] -= 1
+        self._session.pins = +pins
+        if tagged is not None:
+            tagged = +tagged
+            if tagged:
+                self._session.tag_pins[pin_tag] = tagged  # type: ignore[index]
+            else:
+                self._session.tag_pins.pop(pin_tag, None)  # type: ignore[arg-type]
 
     # ---- engine-managed mode ---------------------------------------------------
 

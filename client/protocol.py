@@ -26,7 +26,9 @@ Every field a request may carry is listed in ``OPS`` with its type; unknown
 fields, missing required fields, wrong types and out-of-range values are
 INVALID_FIELD errors. Block hashes are 16-byte MessagePack ``bin`` values in a
 list, in prefix order. Tiers in replies are the strings ``"gpu"`` / ``"cpu"`` /
-``"remote"``.
+``"remote"``, and ``"disk"`` to a session whose hello named feature
+``"disk_tier"`` (others get ``"remote"`` for a disk-tier block: below the CPU
+tier, fetched into it on restore).
 
 Packed hashes (feature ``"packed_hashes"``, advertised in hello's
 ``features``): every hash-list field also takes ONE ``bin`` of ``16 * n``
@@ -86,7 +88,7 @@ MAX_ID = 2**63 - 1
 # Per-block tier codes of packed tier lists: the one table of them. A code is
 # its tier's first letter, a letter found nowhere else in any tier name, which
 # is what lets pack_tiers work without a step per block (checked below).
-TIER_CODES: dict[str, bytes] = {"gpu": b"g", "cpu": b"c", "remote": b"r"}
+TIER_CODES: dict[str, bytes] = {"gpu": b"g", "cpu": b"c", "remote": b"r", "disk": b"d"}
 TIERS = tuple(TIER_CODES)
 MODES = ("store", "engine")
 HASH_ALGOS = ("xxh3_128", "sha256")
@@ -99,7 +101,14 @@ FEATURE_HINTS = "hints"  # lookup / allocate / store take "hints" (HINT_FIELDS)
 FEATURE_HINT_OUTPUT_TOKENS = "hint_output_tokens"  # "hints" take "output_tokens" (added within v1)
 FEATURE_DEADLINES = "deadlines"  # store / restore take "deadline_ns"; hello's reply gives "clock" (added within v1)
 FEATURE_EVENTS = "events"  # the "events" verb: keys the pool started and stopped holding (added within v1)
-FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS, FEATURE_DEADLINES, FEATURE_EVENTS)
+FEATURE_PIN_TAGS = "pin_tags"  # lookup / pin / unpin take "pin_tag"; unpin of a tag alone drops all its pins (within v1)
+# hello takes "features" (what the client reads in replies); a session naming "disk_tier" there gets
+# tier "disk" (code "d") for disk-tier blocks, others "remote" for them (added within v1).
+FEATURE_DISK_TIER = "disk_tier"
+FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS, FEATURE_DEADLINES, FEATURE_EVENTS,
+            FEATURE_PIN_TAGS, FEATURE_DISK_TIER)
+# What this client reads in replies: sent in hello's "features" to daemons that list FEATURE_DISK_TIER.
+CLIENT_FEATURES = (FEATURE_DISK_TIER,)
 
 # The "events" verb's event kinds, one byte each in its reply's "kinds".
 EVENT_STORED = b"s"  # the pool holds the key now (it did not before)
@@ -133,8 +142,10 @@ class ErrorCode(IntEnum):
     TOO_MANY_FILES = 302  # the session (or the daemon) maps as many shared-memory files as it may
     TOO_MANY_POOLS = 303  # the daemon holds max_pools pools; a hello may join one, not create another
     TOO_MANY_PINS = 304  # the session (or its tenant) holds max_pinned_share of the pool pinned
-    UNREAD_REPLIES = 305  # this connection's replies not yet read hold max_unread_reply_bytes
+    UNREAD_REPLIES = 305  # this connection's (or, with some, all connections') unread replies hold their cap
     TOO_MANY_CONNECTIONS = 306  # the daemon (or this peer) holds as many connections as it may; this one is closed
+    TOO_MANY_SESSIONS = 307  # the daemon holds max_sessions live sessions; hello again after some end
+    TOO_MANY_AUTH_FAILURES = 308  # this peer's wrong tenant tokens used up max_auth_failures_per_minute; wait
 
     TRANSFER_FAILED = 400  # a copy failed; nothing was committed
     SHUTTING_DOWN = 401  # the daemon is draining and takes no new work
@@ -234,6 +245,26 @@ class Enum(FieldType):
     def check(self, name: str, value: Any) -> str:
         if not isinstance(value, str) or value not in self.values:
             raise self._bad(name, f"expected one of {list(self.values)}, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class StrList(FieldType):
+    max_items: int = 64
+    max_len: int = 64
+
+    @property
+    def wire(self) -> str:  # type: ignore[override]
+        return f"array of str, at most {self.max_items}, each 1..{self.max_len} chars"
+
+    def check(self, name: str, value: Any) -> list[str]:
+        if not isinstance(value, list):
+            raise self._bad(name, f"expected an array of strings, got {type(value).__name__}")
+        if len(value) > self.max_items:
+            raise self._bad(name, f"{len(value)} items, at most {self.max_items}")
+        for item in value:
+            if not isinstance(item, str) or not 0 < len(item) <= self.max_len:
+                raise self._bad(name, f"items must be strings of 1..{self.max_len} chars, got {item!r}")
         return value
 
 
@@ -444,7 +475,7 @@ def pack_tiers(tiers: Sequence[str]) -> bytes:
 
 
 class TierList(Sequence[str]):
-    """A packed tier list read as a sequence of tier names ("gpu", "cpu", "remote").
+    """A packed tier list read as a sequence of tier names ("gpu", "cpu", "remote", "disk").
 
     Read-only and compares equal to lists and tuples of the same names, so
     callers written for lists keep working; ``codes`` is the packed bytes.
@@ -541,6 +572,9 @@ KV_TENSOR = Map(
 )
 
 HASHES = Spec(Hashes(), doc="block hashes, bin16 each, prefix order")
+# Feature "pin_tags", added within v1: a daemon without it refuses the key.
+PIN_TAG = Spec(Str(1, MAX_STR_LEN), required=False,
+               doc="the pins' tag (the request they serve): unpin of the tag alone drops every pin taken under it")
 REQ = Spec(Str(1, MAX_STR_LEN), doc="engine request id (unique within the session)")
 PLANE_FIELDS: dict[str, Spec] = {
     "plane": Spec(Enum(PLANES), required=False, default="inline", doc="where the block bytes are"),
@@ -618,6 +652,9 @@ OPS: dict[str, OpSpec] = {
             # Added within v1: a daemon that predates tenants refuses it with
             # INVALID_FIELD, which is right (it cannot honour the namespace).
             "token": Spec(Str(1, 256), required=False, doc="tenant token (daemons with [tenants]); CURVE keys need none"),
+            # Added within v1, like token: only to daemons that list feature "disk_tier" (others refuse it).
+            "features": Spec(StrList(), required=False, default=None,
+                             doc='reply features this client reads, e.g. ["disk_tier"]; unknown names are ignored'),
         },
         session="none",
         idempotent=True,
@@ -642,13 +679,18 @@ OPS: dict[str, OpSpec] = {
     ),
     "unregister_kv": OpSpec({"name": Spec(Str(1, 128))}, doc="drop a registration"),
     "lookup": OpSpec(
-        {"hashes": HASHES, "pin": Spec(Bool(), required=False, default=False), "hints": HINTS},
+        {"hashes": HASHES, "pin": Spec(Bool(), required=False, default=False), "hints": HINTS, "pin_tag": PIN_TAG},
         renews_lease=False,
+        # Without "pin": resent after a timeout. A pinned lookup resent pins twice: the Python client does not resend it.
         idempotent=True,
         doc="longest cached prefix and the tier of each block; optionally pin it atomically",
     ),
-    "pin": OpSpec({"hashes": HASHES}, doc="pin the longest available prefix (never evicted while pinned)"),
-    "unpin": OpSpec({"hashes": HASHES}, doc="drop this session's pins on these hashes"),
+    "pin": OpSpec({"hashes": HASHES, "pin_tag": PIN_TAG}, doc="pin the longest available prefix (never evicted while pinned)"),
+    "unpin": OpSpec(
+        {"hashes": Spec(Hashes(), required=False, doc="the hashes to drop a pin on; absent: every pin of 'pin_tag'"),
+         "pin_tag": PIN_TAG},
+        doc="drop this session's pins on these hashes (of the tag), or every pin of a tag",
+    ),
     "allocate": OpSpec(
         {"req": REQ, "hashes": HASHES, "num_tokens": Spec(UInt(0, 2**40)), "hints": HINTS},
         doc="engine mode: block table for a new request; CPU hits are restored into slots before the reply",

@@ -9,17 +9,20 @@ the client: ``send`` is the client's late-bound ``_roundtrip`` (a test or a
 subclass may wrap it, and recovery's requests must go through that too).
 
 - ``hello(deadline_s)`` opens a session: sends ``hello`` (pool, layout,
-  client name, requested lease, tenant token), resent on a new socket after
+  client name, requested lease, tenant token, and the reply features this
+  client reads, ``CLIENT_FEATURES``: again without them, once and for good,
+  when a daemon from before them refuses the field), resent on a new socket after
   each timeout until ``deadline_s``, then records what the reply granted:
   ``sid``, ``lease_s``, ``heartbeat_s``, ``pool_info``, ``limits``,
-  ``features`` and the ``packed_hashes`` / ``hints`` flags they imply, and
+  ``features`` and the ``packed_hashes`` / ``hints`` / ``pin_tags`` flags they imply, and
   ``deadlines``: the daemon takes deadlines and reads this process's clock
   (``shared_clock``; the hello's send and receive times bracket its reading).
   Raises ``KvtierTimeout("no kvtierd answering at ...")`` when none
   answered, ``DaemonError`` for a refusal (UNAUTHORIZED, a layout that does
   not match the pool, ...).
 - What the session holds, kept by the client's verbs: ``pins`` (a
-  ``Counter`` of hashes), ``requests`` (engine-mode request ids), ``tokens``
+  ``Counter`` of hashes, all of them), ``tag_pins`` (pin tag -> the
+  ``Counter`` of the pins taken under it), ``requests`` (engine-mode request ids), ``tokens``
   (their ``TokenChain``s), ``registrations`` (``register_kv`` wire form, with
   the tensors kept alive), ``arena``.
 - ``call(op, fields, frames, deadline_s) -> (reply header, frames)``: one
@@ -38,9 +41,12 @@ subclass may wrap it, and recovery's requests must go through that too).
   starts over with a new hello rather than use half a session. Otherwise
   raises what ``Transport`` raises.
 - ``call_many(op, fields_list, deadline_s) -> reply headers``: the same for
-  ``Client._call_many`` (pipelined, all or nothing): no resend after a
-  timeout (the socket is dropped and the timeout raised); a forgotten
-  session is reopened and the batch sent again once.
+  ``Client._call_many`` (pipelined): every request's reply header, error
+  replies included, in order (one refused request fails only itself). No
+  resend after a timeout (the socket is dropped and the timeout raised); a
+  reply of UNKNOWN_SESSION means the daemon forgot the session: it is
+  reopened and the batch sent again once (what ran in the old session went
+  with it).
 - ``recover_in_background(sid, timeout_s)``: the heartbeat thread's way to
   the same recovery, under the client's lock, so that an engine's
   registered KV tensors come back while it is idle; a ``SessionLost`` is
@@ -70,10 +76,12 @@ import zmq
 
 from kvtier.client.data_planes import arena_fields
 from kvtier.client.protocol import (
+    CLIENT_FEATURES,
     FEATURE_DEADLINES,
     FEATURE_HINT_OUTPUT_TOKENS,
     FEATURE_HINTS,
     FEATURE_PACKED_HASHES,
+    FEATURE_PIN_TAGS,
     OPS,
     ErrorCode,
     KvtierError,
@@ -84,7 +92,7 @@ from kvtier.client.protocol import (
 from kvtier.client.shared_clock import shares_clock
 from kvtier.client.shm_arena import ShmArena
 from kvtier.client.tokens import TokenChain
-from kvtier.client.transport import DaemonError, KvtierTimeout, Transport
+from kvtier.client.transport import DaemonError, KvtierTimeout, Transport, error_of
 
 __all__ = ["Heartbeat", "PoolLayout", "Registration", "Session", "SessionLost"]
 
@@ -138,6 +146,12 @@ class Registration:
     keep: list[Any]  # the exported tensors/handles, alive while registered
 
 
+def _error_code(rh: Mapping[str, Any]) -> int | None:
+    """The error code of reply header ``rh``; None for a success."""
+    err = rh.get("error") if rh.get("ok") is not True else None
+    return err.get("code") if isinstance(err, dict) else None
+
+
 class Send(Protocol):
     """The client's ``_roundtrip``: one request, its reply header and frames."""
 
@@ -168,12 +182,16 @@ class Session:
         self.packed_hashes = False  # the daemon listed FEATURE_PACKED_HASHES in its hello reply
         self.hints = False  # ... and FEATURE_HINTS
         self.hint_output_tokens = False  # ... and FEATURE_HINT_OUTPUT_TOKENS
+        self.pin_tags = False  # ... and FEATURE_PIN_TAGS
         self.deadlines = False  # ... and FEATURE_DEADLINES, and reads our clock (shared_clock)
         self.gone = False  # the daemon answered UNKNOWN_SESSION
+        # Send hello's "features" (CLIENT_FEATURES) until a daemon refuses the field (one from before it).
+        self._send_features = True
         self.pending_loss: SessionLost | None = None  # found by the heartbeat thread, raised by the next call
         self.closed = False  # the client closed: nothing may open a session again
         # What the session holds.
         self.pins: Counter[bytes] = Counter()
+        self.tag_pins: dict[str, Counter[bytes]] = {}
         self.requests: set[str] = set()
         self.tokens: dict[str, TokenChain] = {}
         self.registrations: dict[str, Registration] = {}
@@ -183,16 +201,27 @@ class Session:
         window_ns = [0, 0]  # the last attempt's send and receive: the daemon's clock reading lies between
 
         def attempt(attempt_deadline_s: float) -> tuple[dict[str, Any], list[Any]]:
+            fields = self._hello_fields
+            if self._send_features:
+                fields = {**fields, "features": list(CLIENT_FEATURES)}
             window_ns[0] = time.monotonic_ns()
-            reply = self._send("hello", self._hello_fields, (), attempt_deadline_s, with_sid=False)
+            reply = self._send("hello", fields, (), attempt_deadline_s, with_sid=False)
             window_ns[1] = time.monotonic_ns()
             return reply
 
-        try:
-            # hello changes nothing the daemon holds for us: safe to resend.
-            rh, _ = self._transport.retry("hello", deadline_s, attempt, idempotent=True)
-        except KvtierTimeout:
-            raise KvtierTimeout(f"no kvtierd answering at {self._transport.endpoint}") from None
+        while True:
+            try:
+                # hello changes nothing the daemon holds for us: safe to resend.
+                rh, _ = self._transport.retry("hello", deadline_s, attempt, idempotent=True)
+                break
+            except KvtierTimeout:
+                raise KvtierTimeout(f"no kvtierd answering at {self._transport.endpoint}") from None
+            except DaemonError as exc:
+                # A daemon from before hello's "features" refuses the field: it has no disk tier to
+                # name either, so the same hello without it loses nothing.
+                if not (self._send_features and exc.code == ErrorCode.INVALID_FIELD and "'features'" in str(exc)):
+                    raise
+                self._send_features = False
         self.sid = str(rh["sid"])
         self.lease_s = float(rh["lease_s"])
         self.heartbeat_s = float(rh["heartbeat_s"])
@@ -203,15 +232,17 @@ class Session:
         self.packed_hashes = isinstance(features, list) and FEATURE_PACKED_HASHES in features
         self.hints = isinstance(features, list) and FEATURE_HINTS in features
         self.hint_output_tokens = self.hints and FEATURE_HINT_OUTPUT_TOKENS in features
+        self.pin_tags = isinstance(features, list) and FEATURE_PIN_TAGS in features
         self.deadlines = (isinstance(features, list) and FEATURE_DEADLINES in features
                           and shares_clock(rh.get("clock"), window_ns[0], window_ns[1]))
         self.gone = False
 
-    def call(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any],
-             deadline_s: float) -> tuple[dict[str, Any], list[Any]]:
-        """One request in a live session: reopened first if the daemon forgot ours, resent if it forgets it now."""
+    def call(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any], deadline_s: float, *,
+             idempotent: bool | None = None) -> tuple[dict[str, Any], list[Any]]:
+        """One request in a live session: reopened first if the daemon forgot ours, resent if it forgets it now.
+        ``idempotent`` overrides the verb's (a pinned lookup is not: resent, it would pin twice)."""
         self._raise_pending_loss()
-        idempotent = OPS[op].idempotent
+        idempotent = OPS[op].idempotent if idempotent is None else idempotent
         while True:
             self._ensure(deadline_s)
             try:
@@ -238,22 +269,24 @@ class Session:
         return {**fields, "deadline_ns": int(deadline_s * 1e9) - DEADLINE_ROUNDING_NS}
 
     def call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], deadline_s: float) -> list[dict[str, Any]]:
-        """Many requests of one idempotent verb, pipelined; all or nothing, no resend after a timeout."""
+        """Many requests of one verb, pipelined: every reply header, errors included; no resend after a timeout."""
         self._raise_pending_loss()
         for attempt in range(2):
             self._ensure(deadline_s)
             try:
-                return self._transport.roundtrip_many(op, fields_list, deadline_s, sid=self.sid,
-                                                      packed_hashes=self.packed_hashes)
+                replies = self._transport.roundtrip_many(op, fields_list, deadline_s, sid=self.sid,
+                                                         packed_hashes=self.packed_hashes)
             except KvtierTimeout:
                 self._transport.reset()
                 raise
-            except DaemonError as exc:
-                if exc.code != ErrorCode.UNKNOWN_SESSION or attempt:
-                    raise
-                # The daemon forgot the session: it ran none of them (every
-                # request carried that session). Open a new one, send again.
-                self.gone = True
+            lost = next((rh for rh in replies if _error_code(rh) == ErrorCode.UNKNOWN_SESSION), None)
+            if lost is None:
+                return replies
+            if attempt:
+                raise error_of(lost, op)
+            # The daemon forgot the session: what it ran before it did (pins)
+            # went with it, and it ran nothing after. Open a new one, send all again.
+            self.gone = True
         raise AssertionError("unreachable")
 
     def _raise_pending_loss(self) -> None:
@@ -276,6 +309,7 @@ class Session:
         lost_pins = sorted(self.pins.elements())
         lost_requests = sorted(self.requests)
         self.pins.clear()
+        self.tag_pins.clear()
         self.requests.clear()
         self.tokens.clear()
         old_sid = self.sid

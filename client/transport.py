@@ -20,9 +20,10 @@ repeat across the two).
   error reply, ``ProtocolError`` for a reply that is not a v1 reply.
 - ``roundtrip_many(op, fields_list, deadline_s, sid=, packed_hashes=)``
   sends every request, then reads every reply (one round trip for all);
-  returns the reply headers in request order. After reading them all it
-  raises the first error reply's ``DaemonError``; an error the daemon could
-  not tie to a request raises at once.
+  returns the reply headers in request order, error replies among them
+  (``error_of`` makes one an exception): one refused request costs its
+  batch-mates nothing, and their replies (the pins they took) are never
+  dropped. An error the daemon could not tie to a request raises at once.
 - ``retry(op, deadline_s, attempt, idempotent=)`` runs ``attempt(attempt
   deadline)`` and returns what it returns. An idempotent request's attempt
   gets at most ``ATTEMPT_SHARE`` of the time left (at least
@@ -169,7 +170,7 @@ class Transport:
 
     def roundtrip_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], deadline_s: float, *,
                        sid: str | None, packed_hashes: bool) -> list[dict[str, Any]]:
-        """Send every request, then collect every reply: one round trip for all of them."""
+        """Send every request, then collect every reply (error replies too): one round trip for all of them."""
         sock = self._socket()
         rids: list[int] = []
         for fields in fields_list:
@@ -181,7 +182,6 @@ class Transport:
                 raise KvtierTimeout(f"{op}: cannot queue the request (daemon unreachable at {self.endpoint})") from None
             rids.append(rid)
         replies: dict[int, dict[str, Any]] = {}
-        error: KvtierError | None = None
         while len(replies) < len(rids):
             rh, _ = self._next_reply(sock, op, deadline_s)
             answered = rh.get("id")
@@ -190,10 +190,6 @@ class Transport:
             if answered not in rids or answered in replies:
                 continue  # a late reply to an earlier request on this socket
             replies[answered] = rh
-            if rh["ok"] is not True and error is None:
-                error = error_of(rh, op)
-        if error is not None:
-            raise error
         return [replies[rid] for rid in rids]
 
     def _next_reply(self, sock: zmq.Socket, op: str, deadline_s: float) -> tuple[dict[str, Any], list[zmq.Frame]]:

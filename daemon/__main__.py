@@ -1,10 +1,14 @@
 """kvtierd: the daemon's entry point (``kvtierd`` / ``python -m kvtier.daemon``).
 
-Contract: ``main(argv) -> int``. Loads the configuration (defaults < TOML <
-``KVTIER_*`` < flags; a bad value prints the key and exits 2), sets up
-logging to stderr, installs the stop-signal flag, and runs the server in the
-foreground until SIGTERM/SIGINT; returns 0 after a clean drain, 1 when the
-daemon cannot start (socket taken, device missing).
+Contract: ``main(argv) -> int``. Installs the stop-signal flag first (before
+any import that takes time: this module imports only the standard library
+and ``lifecycle`` at its top, so that a SIGTERM or SIGINT at any point of
+the start-up is a clean stop, exit 0, not death by the default disposition),
+loads the configuration (defaults < TOML < ``KVTIER_*`` < flags; a bad value
+prints the key and exits 2), sets up logging to stderr, and runs the server
+in the foreground until SIGTERM/SIGINT; returns 0 after a clean drain, or
+when stopped before it served (the start-up checks the flag between its
+slow steps), 1 when the daemon cannot start (socket taken, device missing).
 
 This is the composition root: the only place that turns configuration into
 the objects the server uses.
@@ -12,7 +16,6 @@ the objects the server uses.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import sys
@@ -20,19 +23,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import zmq
+from kvtier.daemon.lifecycle import StopFlag
 
-from kvtier.daemon.config import (ConfigError, DaemonConfig, exit_on_config_error, load_config_or_exit,
-                                  resolve_cpu_budget_bytes)
-from kvtier.daemon.config.host import check_gpu_bytes
-from kvtier.daemon.faults import FAULTS_ENV, FaultPlan, parse_faults
-from kvtier.daemon.lifecycle import StopFlag, refuse_if_served
-from kvtier.daemon.sd_notify import Notifier
-
+# Everything else is imported inside main(), after the stop flag is installed.
 if TYPE_CHECKING:
+    from kvtier.daemon.config import DaemonConfig
+    from kvtier.daemon.faults import FaultPlan
     from kvtier.daemon.security import CurveOptions
     from kvtier.daemon.server import ServeOptions
     from kvtier.daemon.sessions import Closeable
+    from kvtier.tiers.persistent_arena import ArenaDirectory
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -61,6 +61,7 @@ def _import_kv_tensor(desc: dict[str, Any]) -> tuple[Any, Closeable]:
 
 def curve_from_config(cfg: DaemonConfig) -> CurveOptions | None:
     """The CURVE server settings, or None; a bad key file is a config error (exit 2)."""
+    from kvtier.daemon.config import ConfigError, exit_on_config_error
     from kvtier.daemon.security import ClientKeys, CurveOptions, load_server_key
 
     if cfg.curve_secret_key_file is None or not cfg.is_tcp:
@@ -77,6 +78,8 @@ def curve_from_config(cfg: DaemonConfig) -> CurveOptions | None:
 
 def remote_secret_from_config(cfg: DaemonConfig) -> bytes | None:
     """The remote tier's secret, or None without a remote tier; a bad file or missing library exits 2."""
+    from kvtier.daemon.config import ConfigError, exit_on_config_error
+
     if not cfg.remote_url_keys:
         return None
     try:
@@ -95,22 +98,31 @@ def remote_secret_from_config(cfg: DaemonConfig) -> bytes | None:
 
 
 def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None,
-                        curve: CurveOptions | None = None, remote_secret: bytes | None = None) -> ServeOptions:
+                        curve: CurveOptions | None = None, remote_secret: bytes | None = None,
+                        arenas: ArenaDirectory | None = None) -> ServeOptions:
+    import psutil
+
+    from kvtier.daemon.config import resolve_cpu_budget_bytes
     from kvtier.daemon.pools import PoolSizing
     from kvtier.daemon.server import ServeOptions
     from kvtier.daemon.tenants import TenantRegistry
 
     on_cuda = device.startswith("cuda")
 
-    def sizing_for(name: str) -> PoolSizing:
+    def sizing_for(name: str, reusable_bytes: int = 0) -> PoolSizing:
         settings = cfg.pool_settings(name)
+        # Memory the pool's persistent CPU tier already holds counts as available: an "auto" or N%
+        # cpu_bytes comes to what it came to before the restart, not less.
+        available = int(psutil.virtual_memory().available) + reusable_bytes
         return PoolSizing(
             gpu_bytes=settings.resolve_gpu_bytes(on_cuda=on_cuda),
-            cpu_bytes=settings.resolve_cpu_bytes(),
+            cpu_bytes=settings.resolve_cpu_bytes(available),
             policy=settings.policy,
             clean_ahead_blocks=settings.clean_ahead_blocks,
             remote_url=settings.remote_url,
             remote_secret=remote_secret if settings.remote_url else None,
+            disk_dir=settings.disk_dir,
+            disk_bytes=settings.disk_bytes,
             fault_hook=fault_plan,
         )
 
@@ -126,17 +138,48 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         max_shm_files_per_session=cfg.max_shm_files_per_session,
         max_registrations_per_session=cfg.max_registrations_per_session,
         max_pinned_share=cfg.max_pinned_share,
-        cpu_budget_bytes=resolve_cpu_budget_bytes(cfg),
+        cpu_budget_bytes=resolve_cpu_budget_bytes(
+            cfg, int(psutil.virtual_memory().available) + (arenas.memory_bytes() if arenas is not None else 0)),
         pool_idle_ttl_s=cfg.pool_idle_ttl_s,
         max_unread_reply_bytes=cfg.max_unread_reply_bytes,
+        max_unread_reply_bytes_total=cfg.max_unread_reply_bytes_total,
         max_pools=cfg.max_pools,
+        max_sessions=cfg.max_sessions,
+        max_auth_failures_per_minute=cfg.max_auth_failures_per_minute,
         max_connections=cfg.max_connections,
         max_connections_per_peer=cfg.max_connections_per_peer,
         hash_algo=cfg.hash_algo,
         socket_mode=cfg.socket_mode,
         curve=curve,
         tenants=TenantRegistry(cfg.tenants),
+        arenas=arenas,
     )
+
+
+def _arena_directory(cfg: DaemonConfig) -> ArenaDirectory | None:
+    """Where the persistent CPU tiers live (None: persistence off); a missing directory is a config error."""
+    if not cfg.persist_cpu_tier:
+        return None
+    from kvtier.daemon.config import ConfigError, exit_on_config_error
+    from kvtier.tiers.arena_files import list_arenas
+    from kvtier.tiers.persistent_arena import ArenaDirectory
+    from kvtier.tiers.units import format_gib
+
+    if not cfg.arena_dir.is_dir() or not os.access(cfg.arena_dir, os.W_OK | os.X_OK):
+        exit_on_config_error(ConfigError("arena_dir", f"{cfg.arena_dir} is not a directory this user can write; "
+                                         "create it, choose another, or set persist_cpu_tier = false"))
+    arenas = ArenaDirectory(cfg.arena_dir, cfg.socket)
+    mine = arenas.instance_arenas()
+    if mine:
+        log.info("%d persistent CPU tiers from before this start (%s) in %s: adopting them", len(mine),
+                 format_gib(sum(a.memory_bytes for a in mine)), cfg.arena_dir)
+    stems = {a.stem for a in mine}
+    others = [a for a in list_arenas(cfg.arena_dir, uid=arenas.uid) if a.stem not in stems and not a.held]
+    if others:
+        log.warning("%s holds %d CPU tiers (%s) of other kvtierd instances that no running daemon holds; "
+                    "'kvtier arenas' lists them, 'kvtier arenas remove' frees them", cfg.arena_dir, len(others),
+                    format_gib(sum(a.memory_bytes for a in others)))
+    return arenas
 
 
 def _keep_large_buffers_mapped() -> None:
@@ -147,6 +190,8 @@ def _keep_large_buffers_mapped() -> None:
     MiB took 14 ms of a 34 ms round trip in bench/protocol.py. Raising the
     threshold keeps freed buffers in the heap for the next request.
     """
+    import ctypes
+
     try:
         libc = ctypes.CDLL(None)
         m_trim_threshold, m_mmap_threshold = -1, -3
@@ -157,6 +202,17 @@ def _keep_large_buffers_mapped() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First: the imports below take seconds on a loaded host, and a SIGTERM
+    # meanwhile must be a clean stop (exit 0), not the default disposition's 143.
+    stop = StopFlag()
+    stop.install()
+    import zmq
+
+    from kvtier.daemon.config import ConfigError, exit_on_config_error, load_config_or_exit
+    from kvtier.daemon.faults import FAULTS_ENV, parse_faults
+    from kvtier.daemon.lifecycle import refuse_if_served
+    from kvtier.daemon.sd_notify import Notifier
+
     # KVTIER_TEST_FAULTS is test-only fault injection (kvtier.daemon.faults),
     # not configuration: the config loader would reject it as unknown.
     environ = dict(os.environ)
@@ -188,14 +244,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fault_plan is not None:
         log.warning("TEST-ONLY fault injection is active (%s=%s): copies will fail or stall on purpose",
                     FAULTS_ENV, fault_plan.describe())
-    # Installed before the (possibly slow) start-up so an early SIGTERM is a clean stop.
-    stop = StopFlag()
-    stop.install()
     try:
+        if _stopped_early(stop):
+            return 0
         refuse_if_served(cfg.socket)
         # torch (through the tiers) takes seconds to import: config errors,
         # --help and a taken socket must not wait for it.
+        from kvtier.daemon.config.host import check_gpu_bytes
         from kvtier.daemon.server import Server
+
+        if _stopped_early(stop):
+            return 0
 
         notifier = Notifier.from_environ()
         notifier.status("starting: checking devices and host memory")
@@ -215,15 +274,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvtier.daemon.memory import check_startup, gib, pins_cpu_tiers
         from kvtier.tiers.host_memory import HostMemoryError
 
+        arenas = _arena_directory(cfg)
         try:
-            plan = check_startup(cfg, pin=pins_cpu_tiers())
+            plan = check_startup(cfg, pin=pins_cpu_tiers(),
+                                 reusable_bytes=arenas.memory_bytes() if arenas is not None else 0)
         except HostMemoryError as exc:
             notifier.status(f"refused to start: {exc}")
             exit_on_config_error(ConfigError("cpu_bytes", str(exc)))
         log.info("CPU tiers planned: %s (allocated when the first hello names each pool)",
                  ", ".join(f"{key} = {gib(n)}" for key, n in plan))
+        if _stopped_early(stop):
+            return 0
         server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve,
-                                            remote_secret=remote_secret), stop,
+                                            remote_secret=remote_secret, arenas=arenas), stop,
                         kv_import=_import_kv_tensor, notifier=notifier)
         exporter = None
         if cfg.metrics_port is not None:
@@ -238,6 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, OSError, zmq.ZMQError) as exc:
         log.error("cannot serve: %s", exc)
         return 1
+
+
+def _stopped_early(stop: StopFlag) -> bool:
+    """True (logged) when SIGTERM/SIGINT came during the start-up: nothing is served yet, nothing to drain."""
+    if stop.requested:
+        log.info("%s during start-up: stopping before serving", stop.signal_name)
+    return stop.requested
 
 
 if __name__ == "__main__":

@@ -12,7 +12,13 @@ Contract:
 - ``ConnectionGuard.start(zctx, sock, limits)``, before ``sock.bind``:
   monitors ``sock`` (``ZMQ_EVENT_ACCEPTED`` / ``ZMQ_EVENT_DISCONNECTED``,
   each carrying the connection's descriptor) on its own thread, so the
-  shedding does not wait for the event loop to finish a request.
+  shedding does not wait for the event loop to finish a request. Nor does
+  it wait on the loop for the GIL between its steps: it reads the events and
+  makes its system calls through ``daemon.gil_held``, which keeps the GIL, so
+  a woken guard takes the GIL once (at most a switch interval, 5 ms, behind
+  a busy loop) and sheds every connection queued by then in one go. Letting
+  go of the GIL at each call, it shed a few hundred connections a second
+  beside a busy loop, and a flood made libzmq abort the daemon.
 - A connection's **peer** is the uid of the process at the other end on
   ``ipc://`` (``SO_PEERCRED``: the kernel vouches for it) and the remote IP
   address on ``tcp://`` (CURVE keys are only known after the handshake; a
@@ -43,9 +49,6 @@ thread writes, each single operation atomic under the GIL.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import struct
 import threading
 import time
 from collections import Counter
@@ -53,7 +56,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvtier.daemon.connections import Connection, connection_of, shut_down_now
+from kvtier.daemon import gil_held
+from kvtier.daemon.connections import Connection, Peer, connection_of, shut_down_now
 from kvtier.daemon.metrics import Counters
 
 log = logging.getLogger(__name__)
@@ -62,7 +66,12 @@ REFUSAL_GRACE_S = 1.0
 MAX_HELD_REFUSALS = 64
 LOG_EVERY_S = 10.0
 _IDLE_POLL_MS = 200
-_EVENT = struct.Struct("=HI")
+# The inproc pipe's bound is the sum of both ends' high-water marks: libzmq's own monitor
+# socket's SNDHWM (the default 1000; libzmq offers no way to set it) and this.
+_MONITOR_RCVHWM = 1
+MONITOR_LAG_EVENTS = 1000 + _MONITOR_RCVHWM
+# Then the guard looks at its held refusals before it reads on (a flood never starves them).
+_EVENTS_PER_BATCH = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,33 +84,12 @@ class ConnectionLimits:
             raise ValueError(f"connection limits must be at least 1, got {self}")
 
 
-Peer = int | str | None  # uid on ipc, IP address on tcp, None when the kernel would not say
-
-
 @dataclass(slots=True)
 class _Live:
     conn: Connection
     peer: Peer
     refused_until_s: float | None = None  # a held refusal: shut down at this monotonic time
     refusal: str = ""
-
-
-def _peer_of(fd: int) -> Peer:
-    try:
-        # libzmq's I/O thread may close the descriptor at any moment (a client that connects and
-        # drops at once): then there is no peer to name, and its DISCONNECTED event follows.
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return None
-    try:
-        if sock.family == socket.AF_UNIX:
-            _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            return uid
-        return str(sock.getpeername()[0])
-    except OSError:
-        return None
-    finally:
-        sock.detach()  # the descriptor is libzmq's
 
 
 def _describe(peer: Peer) -> str:
@@ -116,6 +104,10 @@ class ConnectionGuard:
     def __init__(self, monitor: zmq.Socket, limits: ConnectionLimits) -> None:
         self.limits = limits
         self._monitor = monitor
+        self._events = gil_held.MonitorEvents(monitor)
+        if not self._events.gil_held:
+            log.warning("connection guard: libzmq not found among the loaded libraries; reading connection events "
+                        "through pyzmq, which lets go of the GIL: a flood beside a busy loop may outrun the guard")
         self._live: dict[int, _Live] = {}  # by descriptor: libzmq reuses a number only after its DISCONNECTED
         self._per_peer: Counter[Peer] = Counter()
         self._admitted = 0
@@ -131,9 +123,11 @@ class ConnectionGuard:
         address = f"inproc://kvtierd-connections-{id(sock):x}"
         sock.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         monitor = zctx.socket(zmq.PAIR)
-        # A lost DISCONNECTED event would count a connection forever: no high-water mark
-        # (with 0 on the receiving side libzmq makes the inproc pipe unbounded).
-        monitor.setsockopt(zmq.RCVHWM, 0)
+        # Backpressure: libzmq's I/O thread sends each event with a blocking send, so with a
+        # bounded pipe it stops (accepting too) while MONITOR_LAG_EVENTS events wait for this
+        # thread, whatever the scheduler does to it. No event is ever lost either: a lost
+        # DISCONNECTED would count a connection forever.
+        monitor.setsockopt(zmq.RCVHWM, _MONITOR_RCVHWM)
         monitor.setsockopt(zmq.LINGER, 0)
         monitor.connect(address)
         guard = cls(monitor, limits)
@@ -172,14 +166,13 @@ class ConnectionGuard:
             if self._held:
                 timeout_ms = 20  # refusals to shut down soon
             try:
+                # The only wait that lets go of the GIL; the events then come in without.
                 if self._monitor.poll(timeout_ms):
-                    while True:
-                        try:
-                            frames = self._monitor.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
+                    for _ in range(_EVENTS_PER_BATCH):
+                        ev = self._events.next()
+                        if ev is None:
                             break
-                        # ZMTP monitor event v1: uint16 event, uint32 value (the descriptor), then the endpoint.
-                        event, fd = _EVENT.unpack_from(frames[0])
+                        event, fd = ev
                         try:
                             self._on_event(event, fd)
                         except Exception:  # one bad event must not end the guard: it would admit all
@@ -209,12 +202,13 @@ class ConnectionGuard:
             return
         if event != zmq.EVENT_ACCEPTED:
             return
-        try:
-            st = os.fstat(fd)
-        except OSError:
+        cookie = gil_held.socket_cookie(fd)
+        if cookie is None:
             return  # closed already: its DISCONNECTED is queued behind this
-        conn = Connection(fd, st.st_dev, st.st_ino)
-        peer = _peer_of(fd)
+        conn = Connection(fd, cookie)
+        # libzmq's I/O thread may close the descriptor at any moment (a client that connects and
+        # drops at once): then there is no peer to name, and its DISCONNECTED event follows.
+        peer = gil_held.peer_of(fd)
         reason = ""
         if self._admitted >= self.limits.max_connections:
             reason = "total"

@@ -2,12 +2,16 @@
 
 Contract:
 
+- ``Connection(fd, cookie)``: the descriptor libzmq holds and the socket's
+  ``SO_COOKIE`` (``daemon.gil_held``): the cookie tells this socket apart
+  from a later one that reuses the number.
 - ``connection_of(frame) -> Connection | None``: the connection a received
   frame came on: libzmq says which descriptor it was read from
-  (ZMQ_SRCFD), and ``(st_dev, st_ino)`` of that descriptor tells this
-  socket apart from a later one that reuses the number (a socket's inode is
-  unique while it lives). None for a plain bytes frame or a socket without
+  (ZMQ_SRCFD). None for a plain bytes frame or a socket without
   descriptors (inproc).
+- ``peer_of_frame(frame) -> Peer``: who sent it: the uid of the process on
+  ``ipc://`` (``SO_PEERCRED``), the IP address on ``tcp://``, None when the
+  kernel would not say (``daemon.gil_held.peer_of``).
 - ``shut_down(conn) -> bool``: ``shutdown(SHUT_RDWR)`` of that connection's
   socket, if the descriptor still is that socket; True if it was shut down.
   libzmq gives no per-peer disconnect on a ROUTER, but it sees the
@@ -16,85 +20,74 @@ Contract:
   their trackers complete on the loop's next poll of the socket (the pipe's
   termination needs the socket's thread). The peer's DEALER reconnects on
   its own. Only the loop thread calls this; the descriptor itself stays
-  libzmq's (a duplicate is shut down and closed: shutdown acts on the
-  socket, not on the descriptor).
+  libzmq's (a duplicate is checked, shut down and closed: shutdown acts on
+  the socket, not on the descriptor).
 - ``shut_down_now(conn) -> bool``: the same without the duplicate, for a
   thread that must shed connections when no descriptor is left to dup
-  (the connection guard at the fd limit): the inode is checked and the
+  (the connection guard at the fd limit): the cookie is checked and the
   socket shut down through libzmq's descriptor itself. If libzmq closed the
   connection and reused the number for a new one in the microseconds
   between the two system calls, that new connection is shut down instead;
   its client reconnects.
+
+Every system call here keeps the GIL (``daemon.gil_held``): the connection
+guard's thread must not queue behind a busy event loop for each one.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from kvtier.daemon import gil_held
+
+Peer = int | str | None  # uid on ipc, IP address on tcp, None when the kernel would not say
+
 
 @dataclass(frozen=True, slots=True)
 class Connection:
     fd: int
-    dev: int
-    ino: int
+    cookie: int
 
 
 def connection_of(frame: Any) -> Connection | None:
     """See the module docstring."""
     try:
         fd = frame.get(zmq.SRCFD)
-        st = os.fstat(fd)
-    except (zmq.ZMQError, AttributeError, OSError, ValueError, TypeError):
+    except (zmq.ZMQError, AttributeError, ValueError, TypeError):
         return None
-    return Connection(fd, st.st_dev, st.st_ino)
+    cookie = gil_held.socket_cookie(fd)
+    return Connection(fd, cookie) if cookie is not None else None
+
+
+def peer_of_frame(frame: Any) -> Peer:
+    """See the module docstring."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError, ValueError, TypeError):
+        return None
+    return gil_held.peer_of(fd)
 
 
 def shut_down(conn: Connection) -> bool:
     """See the module docstring."""
-    try:
-        # The duplicate holds the socket open: the check and the shutdown act on
-        # the same socket even if libzmq closes its descriptor in between.
-        dup = os.dup(conn.fd)
-    except OSError:
+    # The duplicate holds the socket open: the check and the shutdown act on
+    # the same socket even if libzmq closes its descriptor in between.
+    dup = gil_held.dup(conn.fd)
+    if dup is None:
         return False  # closed already: libzmq dropped the connection itself
     try:
-        st = os.fstat(dup)
-        if (st.st_dev, st.st_ino) != (conn.dev, conn.ino):
-            return False  # the number now names another file: that connection is gone
-        sock = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        return False
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False  # not connected any more
+        if gil_held.socket_cookie(dup) != conn.cookie:
+            return False  # the number now names another socket: that connection is gone
+        return gil_held.shutdown(dup)
     finally:
-        sock.close()
+        gil_held.close(dup)
 
 
 def shut_down_now(conn: Connection) -> bool:
     """See the module docstring."""
-    try:
-        st = os.fstat(conn.fd)
-    except OSError:
+    if gil_held.socket_cookie(conn.fd) != conn.cookie:
         return False
-    if (st.st_dev, st.st_ino) != (conn.dev, conn.ino):
-        return False
-    try:
-        sock = socket.socket(fileno=conn.fd)
-    except OSError:
-        return False  # libzmq closed it since the fstat
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.detach()  # the descriptor stays libzmq's
+    return gil_held.shutdown(conn.fd)

@@ -15,7 +15,9 @@ Contract:
   the op failed, after calling ``on_error``). ``keep`` holds buffers the
   copy reads or writes (ZMQ frames, staging tensors) alive until then.
 - Tenants: ``hello`` resolves the session's tenant first (UNAUTHORIZED
-  creates nothing); every block hash a client sends reaches a pool only
+  creates nothing; a peer's wrong tokens are rate-limited, past the limit
+  TOO_MANY_AUTH_FAILURES without a look at the token: ``daemon.auth_limits``),
+  then checks ``max_sessions`` (TOO_MANY_SESSIONS); every block hash a client sends reaches a pool only
   through ``_keys`` (the tenant's namespace, ``daemon.tenants``), and no
   reply carries a pool key. ``clear`` and the ``tenants`` part of ``stats``
   are per tenant. ``events`` (which does reply with pool keys: the hashes
@@ -33,6 +35,10 @@ Contract:
   (``Request.packed``) gets its reply's ``tiers`` as packed codes
   (``protocol.pack_tiers``); lookup and pin pack the pool's tiers directly,
   allocate and restore through ``_packs_tiers``.
+- Tier names: a disk-tier block is ``"disk"`` only to a session whose hello
+  named feature ``"disk_tier"``; to others it is ``"remote"`` (a tier below
+  the CPU tier, as they know it), and allocate's ``num_disk_hits`` counts
+  in ``num_remote_hits`` (``_names_disk``).
 """
 
 from __future__ import annotations
@@ -49,10 +55,12 @@ from kvtier.client.protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     EVENT_REMOVED,
     EVENT_STORED,
+    FEATURE_DISK_TIER,
     FEATURES,
     MAX_HASHES,
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
+    TIER_CODES,
     ErrorCode,
     ProtocolError,
     Request,
@@ -62,6 +70,8 @@ from kvtier.client.protocol import (
 from kvtier.client.shared_clock import daemon_clock
 from kvtier.client.shm_arena import ShmAccessError, ShmArena, ShmArenaError, ShmSparseError
 from kvtier.daemon import client_memory, deadlines
+from kvtier.daemon.auth_limits import AuthFailureLimiter
+from kvtier.daemon.connections import Peer
 from kvtier.daemon.hints import request_hints
 from kvtier.daemon.kv_import import KvShareAccessError, KvShareSparseError
 from kvtier.daemon.metrics import Counters
@@ -124,6 +134,9 @@ class HandlerContext:
     peer: str | None = None
     # uid of the local (ipc) process the request came from (SO_PEERCRED); None over tcp.
     peer_uid: int | None = None
+    # hello only: the connection's peer (uid on ipc, IP address on tcp), whose wrong tokens are counted.
+    auth_peer: Peer = None
+    auth_failures: AuthFailureLimiter | None = None  # None: tokens may be tried without limit
     # Shared-memory files (arenas, KV tensors) mapped by sessions: (st_dev, st_ino)
     # -> the session that owns the file; only it may map it, only its end unlinks it.
     file_owner: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -169,17 +182,38 @@ def _done_or_pending(op: Op, finish: Callable[[Op], Reply], **kw: Any) -> Result
 # ---- session verbs -----------------------------------------------------------
 
 
+def _resolve_tenant(ctx: HandlerContext, token: str | None) -> str:
+    """``tenants.resolve``, with the peer's wrong tokens limited (``daemon.auth_limits``)."""
+    limiter = ctx.auth_failures
+    if token is None or limiter is None or not ctx.tenants.enabled:
+        return ctx.tenants.resolve(ctx.peer, token)
+    wait_s = limiter.wait_s(ctx.auth_peer)
+    if wait_s > 0:
+        # Refused untried: a guess made now can never be right.
+        raise ProtocolError(ErrorCode.TOO_MANY_AUTH_FAILURES,
+                            f"too many wrong tenant tokens from this peer (max_auth_failures_per_minute "
+                            f"{limiter.per_minute}); try again in {wait_s:.1f} s")
+    try:
+        return ctx.tenants.resolve(ctx.peer, token)
+    except ProtocolError as exc:
+        if exc.code == ErrorCode.UNAUTHORIZED:
+            limiter.failed(ctx.auth_peer)
+        raise
+
+
 def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     if ctx.draining:
         raise ProtocolError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
     f = req.fields
     # Who it is comes first: an unauthorised hello must not create a pool,
     # and the pool it opens is that tenant's of that name (no one else's).
-    tenant = ctx.tenants.resolve(ctx.peer, f["token"])
+    tenant = _resolve_tenant(ctx, f["token"])
+    ctx.sessions.check_room()  # before a pool is created for a session that cannot open
     entry = ctx.pools.get_or_create(f["pool"], f["layout"], tenant=tenant)
     lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
     # The session remembers the pool's key: every later verb reaches this very pool.
     new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer, uid=ctx.peer_uid)
+    new.reads_disk_tier = FEATURE_DISK_TIER in (f["features"] or ())
     entry.sessions.add(new.sid)
     entry.idle_since_s = None
     log.info("session %s opened on pool %r by %r (lease %.1fs%s)", new.sid[:8], entry.name, f["client"], lease_s,
@@ -412,8 +446,7 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     if req.fields["pin"] and tiers:
         _check_pins(ctx, session, entry, len(tiers))
         # Same thread, no copy in between: the pinned prefix is the one looked up.
-        tiers = pool.pin(session.sid, hashes[: len(tiers)])
-        session.num_pins += len(tiers)
+        tiers = _pin(session, entry, hashes[: len(tiers)], req.fields["pin_tag"])
     return Reply({"tiers": _reply_tiers(req, tiers), "pinned": len(tiers) if req.fields["pin"] else 0})
 
 
@@ -422,9 +455,17 @@ def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     entry = _entry(ctx, session)
     hashes = _keys(ctx, session, req.fields["hashes"])
     _check_pins(ctx, session, entry, len(entry.pool.lookup(hashes, count=False)))
-    tiers = entry.pool.pin(session.sid, hashes)
-    session.num_pins += len(tiers)
+    tiers = _pin(session, entry, hashes, req.fields["pin_tag"])
     return Reply({"tiers": _reply_tiers(req, tiers)})
+
+
+def _pin(session: Session, entry: PoolEntry, keys: Sequence[bytes], tag: str | None) -> list[Tier]:
+    """Pin the held prefix of ``keys`` for the session (under ``tag``): the session's counts follow."""
+    tiers = entry.pool.pin(session.pin_owner(tag), keys)
+    session.num_pins += len(tiers)
+    if tag is not None and tiers:
+        session.pin_tags[tag] = session.pin_tags.get(tag, 0) + len(tiers)
+    return tiers
 
 
 def _check_pins(ctx: HandlerContext, session: Session, entry: PoolEntry, more: int) -> None:
@@ -447,9 +488,23 @@ def _check_pins(ctx: HandlerContext, session: Session, entry: PoolEntry, more: i
 
 
 def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    """Drop pins on ``hashes`` (the tag's, with ``pin_tag``), or, with ``pin_tag`` alone, every pin of the tag:
+    those whose replies the client never read too (a lost reply, a resent lookup)."""
     assert session is not None
-    n = _entry(ctx, session).pool.unpin(session.sid, _keys(ctx, session, req.fields["hashes"]))
+    f = req.fields
+    tag, hashes = f["pin_tag"], f["hashes"]
+    if hashes is None and tag is None:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "unpin needs 'hashes', or 'pin_tag' alone to drop every pin of a tag")
+    pool = _entry(ctx, session).pool
+    owner = session.pin_owner(tag)
+    n = pool.unpin_all(owner) if hashes is None else pool.unpin(owner, _keys(ctx, session, hashes))
     session.num_pins -= n
+    if tag is not None:
+        left = session.pin_tags.get(tag, 0) - n
+        if hashes is None or left <= 0:
+            session.pin_tags.pop(tag, None)
+        else:
+            session.pin_tags[tag] = left
     return Reply({"unpinned": n})
 
 
@@ -822,6 +877,9 @@ def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result
             # The operator's view names pools by key; a tenant's, its own by their bare names.
             "remote": {(e.name if viewer is None else e.bare_name): bool(e.pool.remote.available) for e in ctx.pools
                        if e.pool.remote is not None and _sees(viewer, e.tenant)},
+            # Likewise per pool with a disk tier: open and not resting after an I/O error.
+            "disk": {(e.name if viewer is None else e.bare_name): bool(e.pool.disk.available) for e in ctx.pools
+                     if e.pool.disk is not None and _sees(viewer, e.tenant)},
         }
     )
 
@@ -881,6 +939,42 @@ def _pack_reply_tiers(reply: Reply) -> Reply:
     return reply
 
 
+def _names_disk(handler: Handler) -> Handler:
+    """A verb whose reply lists tiers, for sessions that did not name feature "disk_tier" in hello:
+    disk-tier blocks are "remote" to them (see the contract). Costs nothing in a pool without a disk tier."""
+
+    @functools.wraps(handler)
+    def naming(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+        result = handler(ctx, req, session)
+        if session is None or session.reads_disk_tier:
+            return result
+        entry = ctx.pools.find(session.pool_name)
+        if entry is None or entry.pool.disk is None:
+            return result
+        if isinstance(result, Reply):
+            return _disk_as_remote(result)
+        finish = result.finish
+        result.finish = lambda op: _disk_as_remote(finish(op))
+        return result
+
+    return naming
+
+
+def _disk_as_remote(reply: Reply) -> Reply:
+    fields = reply.fields
+    tiers = fields.get("tiers")
+    if isinstance(tiers, bytes):
+        fields["tiers"] = tiers.replace(_DISK_CODE, _REMOTE_CODE)
+    elif tiers:
+        fields["tiers"] = ["remote" if t == "disk" else t for t in tiers]
+    if "num_disk_hits" in fields:
+        fields["num_remote_hits"] = fields.get("num_remote_hits", 0) + fields.pop("num_disk_hits")
+    return reply
+
+
+_DISK_CODE, _REMOTE_CODE = TIER_CODES["disk"], TIER_CODES["remote"]
+
+
 HANDLERS: dict[str, Handler] = {
     "hello": hello,
     "heartbeat": heartbeat,
@@ -888,14 +982,14 @@ HANDLERS: dict[str, Handler] = {
     "attach_arena": attach_arena,
     "register_kv": register_kv,
     "unregister_kv": unregister_kv,
-    "lookup": lookup,
-    "pin": pin,
+    "lookup": _names_disk(lookup),
+    "pin": _names_disk(pin),
     "unpin": unpin,
-    "allocate": _packs_tiers(allocate),
+    "allocate": _names_disk(_packs_tiers(allocate)),
     "append": append,
     "free": free,
     "store": store,
-    "restore": _packs_tiers(restore),
+    "restore": _names_disk(_packs_tiers(restore)),
     "stats": stats,
     "health": health,
     "clear": clear,

@@ -3,14 +3,21 @@
 The protocol module validated the fields; this module decides what the pool
 hears:
 
-- ``session`` is scoped to the tenant (``b"<tenant>\\0<session>"``): two
-  tenants naming the same session key never share its statistics.
+- ``session`` is scoped to the tenant and keyed by a digest: the pool sees
+  ``session_key(tenant, key)``, 16 bytes of BLAKE2b over the tenant's name
+  and the key. Two tenants naming the same session key never share its
+  statistics, and every key the protocol takes (1..256 characters, up to
+  1 KiB of UTF-8) fits the tiers' bound (``MAX_SESSION_KEY_BYTES``) with
+  room to spare: a tenant prefix on the raw key once made a 256-character
+  key 257 bytes and the request an INTERNAL error. Per-session state in the
+  policies costs 16 bytes of key, whatever the client sent.
 - ``retain_s`` is cut to ``MAX_RETAIN_S`` (an hour: the longest prompt-cache
   TTL an API offers today), and a session may hold retention on at most its
   share of the pool: half the pool's blocks (GPU + CPU tier) divided by the
   sessions on the pool. A request past the share keeps its other hints and
   loses ``retain_s`` (counted in ``hints_retain_refused_total``): a hint is
-  soft, so exceeding the share is no error.
+  soft, so exceeding the share is no error. The ledger is
+  ``kvtier.daemon.retention.Retention``: O(log n) per request.
 - ``at_s`` is the daemon's monotonic clock when the request arrived.
 - ``output_tokens`` passes as it came (validated: 0..2**31-1).
 
@@ -20,8 +27,8 @@ request carried no hints, so the pool sees exactly a hint-less request.
 
 from __future__ import annotations
 
+import hashlib
 import time
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +39,17 @@ from kvtier.tiers.hints import RequestHints
 
 MAX_RETAIN_S = 3600.0
 RETAIN_SHARE_OF_POOL = 0.5
+SESSION_KEY_BYTES = 16  # 128 bits: two live sessions' keys never meet by chance
+_SESSION_PERSON = b"kvtier-session"
+
+
+def session_key(tenant: str, key: str) -> bytes:
+    """The pool's key of session ``key`` of ``tenant``: fixed length, whatever the length of ``key``."""
+    h = hashlib.blake2b(digest_size=SESSION_KEY_BYTES, person=_SESSION_PERSON)
+    name = tenant.encode()
+    # The tenant's length first: ("ab", "c") and ("a", "bc") stay apart.
+    h.update(len(name).to_bytes(4, "little") + name + key.encode())
+    return h.digest()
 
 
 def retain_share_blocks(entry: PoolEntry) -> int:
@@ -45,29 +63,13 @@ def request_hints(wire: Mapping[str, Any] | None, session: Session, entry: PoolE
         return None
     now_s = time.monotonic() if now_s is None else now_s
     key = wire.get("session")
-    scoped = f"{session.tenant}\0{key}".encode() if key is not None else None
+    scoped = session_key(session.tenant, key) if key is not None else None
     retain_s = min(float(wire.get("retain_s") or 0.0), MAX_RETAIN_S)
-    if retain_s > 0.0 and not _reserve_retention(session.retained, now_s, retain_s, num_blocks,
-                                                 retain_share_blocks(entry)):
+    if retain_s > 0.0 and not session.retained.reserve(now_s, now_s + retain_s, num_blocks,
+                                                        retain_share_blocks(entry)):
         metrics.inc("hints_retain_refused_total")
         retain_s = 0.0
     hints = RequestHints(session=scoped, retain_s=retain_s, priority=int(wire.get("priority") or 0), at_s=now_s,
                          output_tokens=int(wire.get("output_tokens") or 0))
     return None if hints.empty else hints
 
-
-def _reserve_retention(retained: deque[tuple[float, int]], now_s: float, retain_s: float, num_blocks: int,
-                       share_blocks: int) -> bool:
-    """Book ``num_blocks`` retained until ``now_s + retain_s`` if the session's live retention leaves room."""
-    while retained and retained[0][0] <= now_s:
-        retained.popleft()
-    held = sum(n for _, n in retained)
-    if held + num_blocks > share_blocks:
-        return False
-    retained.append((now_s + retain_s, num_blocks))
-    if len(retained) > 1 and retained[-2][0] > retained[-1][0]:
-        # Deadlines arrive out of order when retain_s differs between requests.
-        items = sorted(retained)
-        retained.clear()
-        retained.extend(items)
-    return True

@@ -6,6 +6,11 @@ Contract:
   else, except that the first signal also restores the default disposition of
   both signals: a second signal then ends the process at once, from the
   kernel, even while the main thread is stuck inside a long C call.
+  ``kvtier.daemon.__main__`` installs it first thing, before any import that
+  takes time (the configuration's, zmq's, torch's: seconds on a loaded
+  host), so a SIGTERM at any point of the start-up is a clean stop (exit 0);
+  this module imports only the standard library until ``refuse_if_served``
+  runs.
 - ``StopFlag.requested`` is read by the event loop, which then drains
   (``kvtier.daemon.server``): stop taking requests, finish or fail in-flight
   copies, reply to everything pending, exit 0 within ``drain_timeout_s``.
@@ -24,9 +29,6 @@ import logging
 import os
 import signal
 from types import FrameType
-
-import msgpack
-import zmq
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_MS = 300
@@ -68,6 +70,9 @@ def refuse_if_served(endpoint: str) -> None:
     path = endpoint[len("ipc://"):]
     if not os.path.exists(path):
         return
+    import msgpack
+    import zmq
+
     zctx = zmq.Context()
     probe = zctx.socket(zmq.DEALER)
     probe.setsockopt(zmq.LINGER, 0)

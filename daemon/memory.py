@@ -17,6 +17,10 @@ Contract:
   is created: the new tier must fit in the memory available now (existing
   tiers are already allocated), and all tiers together (existing + new) must
   fit in ``RLIMIT_MEMLOCK`` when they are pinned. Raises ``HostMemoryError``.
+- ``reusable_bytes`` (both checks): memory the daemon's persistent CPU tiers
+  left by the previous daemon hold (``tiers.persistent_arena``). It is not
+  "available", yet a restarted daemon takes it over rather than allocating
+  anew, so it counts as available here.
 - Whether tiers are pinned follows ``tiers.host_memory``: pinned when CUDA
   is available.
 """
@@ -57,9 +61,9 @@ def _memlock_soft_bytes() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def check_startup(cfg: DaemonConfig, *, pin: bool) -> list[tuple[str, int]]:
+def check_startup(cfg: DaemonConfig, *, pin: bool, reusable_bytes: int = 0) -> list[tuple[str, int]]:
     """Refuse a configuration whose CPU tiers cannot be had; returns the plan. See the module docstring."""
-    available = int(psutil.virtual_memory().available)
+    available = int(psutil.virtual_memory().available) + reusable_bytes
     plan = planned_cpu_bytes(cfg, available)
     total = sum(n for _, n in plan)
     detail = ", ".join(f"{key} = {gib(n)}" for key, n in plan)
@@ -80,9 +84,10 @@ def check_startup(cfg: DaemonConfig, *, pin: bool) -> list[tuple[str, int]]:
     return plan
 
 
-def check_new_pool(name: str, cpu_bytes: int, existing: Mapping[str, int], *, pin: bool | None = None) -> None:
+def check_new_pool(name: str, cpu_bytes: int, existing: Mapping[str, int], *, pin: bool | None = None,
+                   reusable_bytes: int = 0) -> None:
     """See the module docstring."""
-    available = int(psutil.virtual_memory().available)
+    available = int(psutil.virtual_memory().available) + reusable_bytes
     usable = max(0, available - RESERVE_BYTES)
     held = sum(existing.values())
     if cpu_bytes > usable:

@@ -13,7 +13,9 @@ Contract:
 - ``reply_bytes(identity)``: the payload the connection's parked replies
   will carry once their copies finish (``Pending.reply_bytes``), which the
   loop counts against ``max_unread_reply_bytes`` with the replies libzmq
-  has not sent yet.
+  has not sent yet; ``reply_bytes_total``, all connections' together
+  (against ``max_unread_reply_bytes_total``: staging buffers, memory the
+  daemon allocated for them).
 - Single-threaded but for the done callback, as above.
 """
 
@@ -47,6 +49,7 @@ class ParkingLot:
         self._serial = itertools.count(1)
         self._parked: dict[int, Parked] = {}
         self._reply_bytes: dict[bytes, int] = {}  # per connection
+        self.reply_bytes_total = 0
         self._done: deque[int] = deque()  # serials whose op finished (appended from copy threads)
 
     def __len__(self) -> int:
@@ -61,6 +64,7 @@ class ParkingLot:
         nbytes = parked.pending.reply_bytes
         if nbytes:
             self._reply_bytes[parked.identity] = self._reply_bytes.get(parked.identity, 0) + nbytes
+            self.reply_bytes_total += nbytes
         if parked.session is not None:
             parked.session.in_flight += 1
         parked.pending.op.add_done_callback(lambda _op, s=serial: self._done.append(s))
@@ -90,6 +94,7 @@ class ParkingLot:
             parked.session.in_flight -= 1
         nbytes = parked.pending.reply_bytes
         if nbytes:
+            self.reply_bytes_total -= nbytes
             left = self._reply_bytes[parked.identity] - nbytes
             if left:
                 self._reply_bytes[parked.identity] = left

@@ -2,8 +2,12 @@
 
 Contract:
 
-- ``sizing_for(name)`` is what ``PoolRegistry`` calls before it creates pool
-  ``name``: the configured sizing, once the new pool fits. To make it fit,
+- ``sizing_for(name, reusable_bytes=0)`` is what ``PoolRegistry`` calls
+  before it creates pool ``name``: the configured sizing, once the new pool
+  fits. ``reusable_bytes`` is memory the pool's own files hold already (a
+  persistent CPU tier left by the previous daemon: reused, not taken anew);
+  it counts as available, for the fit and for an "auto" or N% ``cpu_bytes``
+  (which then comes to what it came to before the restart). To make it fit,
   idle pools (no session), longest idle first, are closed while the new one
   would pass ``max_pools``, the CPU budget (``cpu_budget_bytes``) or the host
   memory available; a pool with a session is never touched. If it still
@@ -55,7 +59,7 @@ def free_closed_pools() -> None:
 class PoolAdmission:
     """See the module docstring."""
 
-    def __init__(self, *, configured_sizing: Callable[[str], PoolSizing], max_pools: int,
+    def __init__(self, *, configured_sizing: Callable[[str, int], PoolSizing], max_pools: int,
                  cpu_budget_bytes: int | None, pool_idle_ttl_s: float, close_timeout_s: float,
                  metrics: Counters, notifier: Notifier) -> None:
         self.configured_sizing = configured_sizing
@@ -70,18 +74,20 @@ class PoolAdmission:
     def attach(self, pools: PoolRegistry) -> None:
         self.pools = pools
 
-    def sizing_for(self, name: str) -> PoolSizing:
+    def sizing_for(self, name: str, reusable_bytes: int = 0) -> PoolSizing:
         """The configured sizing of a new pool, once it fits (see the module docstring)."""
         pools = self._registry()
-        sizing = self.configured_sizing(name)
+        sizing = self.configured_sizing(name, reusable_bytes)
         closed = 0
-        for idle in pools.idle():
-            if not self._would_not_fit(sizing.cpu_bytes):
+        # By name: a reference held here (a loop variable, the list) would keep a closed pool, and its
+        # tier memory, alive through the collection below.
+        for key, since_s, cpu_bytes in [(e.name, e.idle_since_s, e.cpu_bytes) for e in pools.idle()]:
+            if not self._would_not_fit(sizing.cpu_bytes, reusable_bytes):
                 break
-            log.info("pool %r reclaimed for pool %r: idle %.0f s, %s of CPU tier freed", idle.name, name,
-                     time.monotonic() - (idle.idle_since_s or 0.0), gib(idle.cpu_bytes))
+            log.info("pool %r reclaimed for pool %r: idle %.0f s, %s of CPU tier freed", key, name,
+                     time.monotonic() - (since_s or 0.0), gib(cpu_bytes))
             self.metrics.inc("pools_reclaimed_total", reason="memory")
-            pools.close(idle.name, self.close_timeout_s)
+            pools.close(key, self.close_timeout_s)
             closed += 1
         if closed:
             free_closed_pools()
@@ -94,7 +100,7 @@ class PoolAdmission:
                                 "all with sessions; join an existing pool or ask the operator")
         existing = {e.name: e.cpu_bytes for e in pools}
         try:  # the host first: a pool the machine cannot hold is refused for that, whatever the budget
-            check_new_pool(name, sizing.cpu_bytes, existing)
+            check_new_pool(name, sizing.cpu_bytes, existing, reusable_bytes=reusable_bytes)
         except HostMemoryError as exc:
             raise ProtocolError(ErrorCode.NO_SPACE, str(exc)) from None
         budget = self.cpu_budget_bytes
@@ -109,13 +115,15 @@ class PoolAdmission:
     def close_expired(self, now_s: float) -> None:
         """Pools idle for pool_idle_ttl_s go, with their blocks."""
         pools = self._registry()
-        for idle in pools.idle():
-            if idle.idle_since_s is None or now_s - idle.idle_since_s < self.pool_idle_ttl_s:
-                break  # longest idle first: the rest are younger
+        # By name, as in sizing_for: the collection must see no reference to a closed pool.
+        expired = [(e.name, now_s - e.idle_since_s, e.cpu_bytes) for e in pools.idle()
+                   if e.idle_since_s is not None and now_s - e.idle_since_s >= self.pool_idle_ttl_s]
+        for key, idle_s, cpu_bytes in expired:
             log.info("pool %r closed: no session for %.0f s (pool_idle_ttl_s), %s of CPU tier freed",
-                     idle.name, now_s - idle.idle_since_s, gib(idle.cpu_bytes))
+                     key, idle_s, gib(cpu_bytes))
             self.metrics.inc("pools_reclaimed_total", reason="idle")
-            pools.close(idle.name, self.close_timeout_s)
+            pools.close(key, self.close_timeout_s)
+        if expired:
             free_closed_pools()
 
     def allocation_progress(self, name: str, done_bytes: int, total_bytes: int) -> None:
@@ -124,7 +132,7 @@ class PoolAdmission:
         if self.notifier.watchdog_due():
             self.notifier.watchdog()
 
-    def _would_not_fit(self, cpu_bytes: int) -> bool:
+    def _would_not_fit(self, cpu_bytes: int, reusable_bytes: int = 0) -> bool:
         """A new pool with this CPU tier would pass max_pools, the CPU budget or the memory available."""
         pools = self._registry()
         if len(pools) >= self.max_pools:
@@ -133,7 +141,7 @@ class PoolAdmission:
         if self.cpu_budget_bytes is not None and sum(existing.values()) + cpu_bytes > self.cpu_budget_bytes:
             return True
         try:
-            check_new_pool("", cpu_bytes, existing)
+            check_new_pool("", cpu_bytes, existing, reusable_bytes=reusable_bytes)
         except HostMemoryError:
             return True
         return False

@@ -41,24 +41,53 @@ Contract:
   ``idle()``, longest idle first) goes when a new pool needs its memory or
   its idle time passes ``pool_idle_ttl_s`` (the server decides, ``close``);
   all go at ``close_all``.
+- A pool configured with ``disk_dir`` gets a disk tier below its CPU tier
+  (``kvtier.tiers.disk_tier``): ``disk_bytes`` of slots in its own
+  directory, named after the pool's key and layout identity, adopted by the
+  next pool of that key and layout (another daemon start, or after an idle
+  pool was closed). It opens in the background; a directory it cannot use
+  leaves the pool without one (logged), never refuses the hello.
 - Every pool keeps a key journal of its last ``JOURNAL_EVENTS`` events (the
   keys it started and stopped holding: ``tiers.pool.journal``), which the
   ``events`` verb reads.
+- Persistence (``arenas``, a ``tiers.persistent_arena.ArenaDirectory``; None:
+  CPU tiers in private memory, gone with the process): every CPU tier lives
+  in arena files a later daemon on the same socket adopts. ``adopt_arenas``
+  (at start-up, before the first request is read) re-creates each pool an arena of
+  this instance names, with the layout recorded there and today's sizing,
+  and adopts its blocks (``TieredPool.attach_arena``); an arena that cannot
+  be adopted (another format, a tenant or hash algorithm no longer
+  configured, no room) is removed with one log line saying why, and its pool
+  starts empty at its next hello. An adopted pool no hello has joined yet is
+  idle (``pool_idle_ttl_s`` and reclaim apply); a hello with another layout
+  replaces it (one log line: the layout changed, the pool starts empty)
+  instead of getting LAYOUT_MISMATCH. A pool closed for good (reclaimed,
+  idle) removes its arena: its memory is freed. ``close_all`` (the drain)
+  first demotes the GPU tier's cached blocks into the CPU tier, then keeps
+  the arenas for the next daemon.
 - Single-threaded: only the event loop calls this module.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.tiers.host_memory import HostMemoryError, allocate_host_slab
 from kvtier.tiers.layout import BlockLayout
+from kvtier.tiers.persistent_arena import ArenaDirectory, PersistentArena
+from kvtier.tiers.slot_index import SlotIndexBusy
 from kvtier.tiers.pool import PolicyWrapper, PoolSpec, TieredPool
 from kvtier.tiers.transfer import ThreadTransferEngine, TransferEngine, make_transfer_engine
+
+if TYPE_CHECKING:
+    from kvtier.tiers.disk_tier import DiskTier
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +128,9 @@ class PoolSizing:
     remote_url: str | None = None  # Redis/Valkey tier below the CPU tier
     # The remote tier's secret (kvtier.tiers.remote_secret): required with remote_url; never printed.
     remote_secret: bytes | None = field(default=None, repr=False)
+    # The disk tier below the CPU tier: each pool keeps its blocks in a directory under disk_dir.
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
     # TEST-ONLY copy fault injection (kvtier.daemon.faults); None in production.
     fault_hook: Callable[[Any], None] | None = None
 
@@ -119,6 +151,8 @@ class PoolEntry:
     gpu_owner: tuple[str, str] | None = None
     sessions: set[str] = field(default_factory=set)
     idle_since_s: float | None = None  # monotonic time its last session ended; None while it has sessions
+    arena: PersistentArena | None = None  # its CPU tier's files (persistence on), or None
+    unclaimed: bool = False  # adopted at start-up, no hello has joined it yet
 
     def __post_init__(self) -> None:
         if not self.bare_name:
@@ -155,6 +189,8 @@ class PoolRegistry:
         wakeup: Callable[[], None] | None = None,
         progress: Callable[[str, int, int], None] | None = None,
         policy_wrapper: Callable[[int], PolicyWrapper | None] | None = None,
+        arenas: ArenaDirectory | None = None,
+        close_timeout_s: float = 10.0,
     ) -> None:
         self.device = device
         self._sizing_for = sizing_for
@@ -165,6 +201,8 @@ class PoolRegistry:
         self._progress = progress
         # block_bytes -> what wraps a new pool's CPU-tier policy (tenant quotas), or None
         self._policy_wrapper = policy_wrapper
+        self._arenas = arenas
+        self._close_timeout_s = close_timeout_s  # for a pool replaced at a hello (an adopted one, unclaimed)
         self._pools: dict[str, PoolEntry] = {}  # pool_key(tenant, name) -> its pool
 
     def __iter__(self) -> Iterator[PoolEntry]:
@@ -188,7 +226,17 @@ class PoolRegistry:
         """Tenant ``tenant``'s pool ``name``, created with ``layout`` if new (see the module docstring)."""
         key = pool_key(tenant, name)
         entry = self._pools.get(key)
+        if entry is not None and entry.unclaimed and not entry.sessions and entry.layout != dict(layout):
+            diffs = sorted(k for k in set(entry.layout) | set(layout) if entry.layout.get(k) != layout.get(k))
+            log.warning("pool %r: the first hello since the restart has another layout (%s); the %d adopted "
+                        "blocks are dropped and the pool starts empty", key,
+                        ", ".join(f"{k}: {entry.layout.get(k)!r} -> {layout.get(k)!r}" for k in diffs),
+                        len(entry.pool.cpu))
+            self.close(key, self._close_timeout_s)
+            entry = None  # no reference left: the collection frees its tier now
+            gc.collect()  # its tier's memory back before the new one is sized (see pool_admission.free_closed_pools)
         if entry is not None:
+            entry.unclaimed = False
             if entry.layout != dict(layout):
                 # Only the pool's own tenant (or, without tenants, a trusted
                 # client) can get here: it may be told the pool's values.
@@ -206,9 +254,13 @@ class PoolRegistry:
         return entry
 
     def _create(self, tenant: str, name: str, layout: dict[str, Any]) -> PoolEntry:
+        """A new pool (see the module docstring); with persistence its CPU tier is its arena, adopted if there."""
         # Errors name the bare name (the caller's); logs and progress the key (the operator's).
         key = pool_key(tenant, name)
-        sizing = self._sizing_for(name)  # configured per bare name: every tenant's "llama" is sized alike
+        # Memory its arena's files hold already (after a restart) is reused, not taken anew.
+        reusable = self._arenas.memory_bytes(key) if self._arenas is not None else 0
+        # Configured per bare name: every tenant's "llama" is sized alike.
+        sizing = self._sizing_for(name, reusable_bytes=reusable)
         block_bytes = int(layout["block_bytes"])
         cpu_blocks = sizing.cpu_bytes // block_bytes
         gpu_blocks = sizing.gpu_bytes // block_bytes
@@ -231,14 +283,54 @@ class PoolRegistry:
                 f"pool {name!r}: layout.block_bytes {block_bytes} gives this pool no block ({tiers} on this "
                 f"daemon); a block must fit in each tier",
             )
+        on_chunk = None
+        if self._progress is not None:
+            report = self._progress
+            on_chunk = lambda done, total: report(key, done, total)  # noqa: E731
+        arena = self._open_arena(tenant, name, layout, cpu_blocks, block_bytes, on_chunk)
         try:
-            on_chunk = None
-            if self._progress is not None:
-                report = self._progress
-                on_chunk = lambda done, total: report(key, done, total)  # noqa: E731
-            cpu_storage = allocate_host_slab(cpu_blocks, block_bytes, progress=on_chunk) if cpu_blocks else None
+            return self._build(tenant, name, layout, sizing, arena, on_chunk)
+        except BaseException:
+            if arena is not None:
+                arena.close(remove=arena.opened.state != "adopted")  # adopted blocks wait for another try
+            raise
+
+    def _open_arena(self, tenant: str, name: str, layout: dict[str, Any], cpu_blocks: int, block_bytes: int,
+                    on_chunk: Callable[[int, int], None] | None) -> PersistentArena | None:
+        """The pool's arena (persistence on), or None: private memory, with a warning when the files are busy."""
+        if self._arenas is None:
+            return None
+        key = pool_key(tenant, name)
+        if not cpu_blocks:
+            if self._arenas.memory_bytes(key):
+                log.warning("pool %r has no CPU tier now (cpu_bytes 0): the blocks its CPU tier held before the "
+                            "restart are dropped", key)
+                self._arenas.remove(key)
+            return None
+        try:
+            arena = self._arenas.open(key, layout, cpu_blocks, block_bytes, progress=on_chunk,
+                                      tenant=tenant, name=name)
         except HostMemoryError as exc:
             raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: {exc}") from None
+        except (SlotIndexBusy, OSError) as exc:  # held by another process, or arena_dir failing: still a cache
+            log.warning("pool %r: its CPU tier stays private (not kept across restarts): %s", key, exc)
+            return None
+        (log.warning if arena.opened.state == "reset" else log.info)("pool %r: %s", key, arena.describe())
+        return arena
+
+    def _build(self, tenant: str, name: str, layout: dict[str, Any], sizing: PoolSizing,
+               arena: PersistentArena | None, on_chunk: Callable[[int, int], None] | None) -> PoolEntry:
+        key = pool_key(tenant, name)
+        block_bytes = int(layout["block_bytes"])
+        cpu_blocks = sizing.cpu_bytes // block_bytes
+        gpu_blocks = sizing.gpu_bytes // block_bytes
+        if arena is not None:
+            cpu_storage: BlockLayout | None = arena.layout
+        else:
+            try:
+                cpu_storage = allocate_host_slab(cpu_blocks, block_bytes, progress=on_chunk) if cpu_blocks else None
+            except HostMemoryError as exc:
+                raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: {exc}") from None
         gpu_layout = None
         if layout["mode"] == "store" and gpu_blocks:
             try:
@@ -261,6 +353,7 @@ class PoolRegistry:
             block_bytes=block_bytes,
             extra=tuple(sorted((k, v) for k, v in layout.items() if k not in ("block_size", "block_bytes"))),
         )
+        disk = _disk_tier(sizing, key, spec)
         remote = None
         if sizing.remote_url:
             from kvtier.tiers.remote_tier import RemoteTier, make_pool_key
@@ -279,17 +372,22 @@ class PoolRegistry:
             cpu_storage=cpu_storage,
             clean_ahead_blocks=sizing.clean_ahead_blocks,
             remote=remote,
+            disk=disk,
             defer_learning=True,  # the loop calls learn() after sending its replies
             journal_events=JOURNAL_EVENTS,
             policy_wrapper=self._policy_wrapper(block_bytes) if self._policy_wrapper is not None else None,
         )
+        if arena is not None:
+            pool.attach_arena(arena, self._wakeup)
         if gpu_layout is not None:
             pool.attach_gpu(gpu_layout)
         log.info(
-            "pool %r created: mode=%s block_bytes=%d gpu_blocks=%d cpu_blocks=%d device=%s",
-            key, layout["mode"], block_bytes, gpu_blocks if gpu_layout is not None else 0, cpu_blocks, self.device,
+            "pool %r created: mode=%s block_bytes=%d gpu_blocks=%d cpu_blocks=%d disk_blocks=%d device=%s%s",
+            key, layout["mode"], block_bytes, gpu_blocks if gpu_layout is not None else 0, cpu_blocks,
+            disk.capacity_blocks if disk is not None else 0, self.device,
+            " (persistent CPU tier)" if arena is not None else "",
         )
-        return PoolEntry(key, layout, pool, transfer, tenant=tenant, bare_name=name)
+        return PoolEntry(key, layout, pool, transfer, tenant=tenant, bare_name=name, arena=arena)
 
     def attach_engine_gpu(self, entry: PoolEntry, owner: tuple[str, str], layout: BlockLayout) -> None:
         if entry.mode != "engine":
@@ -338,9 +436,10 @@ class PoolRegistry:
         return sum(e.pool.learn_backlog_keys for e in self._pools.values())
 
     def close(self, key: str, timeout_s: float) -> None:
-        """Drop the pool with this key (``PoolEntry.name``) with its blocks (an idle one: the caller checks it has no session)."""
+        """Drop the pool with this key (``PoolEntry.name``) with its blocks (an idle one: the caller checks it
+        has no session), and its arena: this is the pool's end, its memory is freed."""
         entry = self._pools.pop(key)
-        _close_entry(entry, timeout_s)
+        _close_entry(entry, timeout_s, keep_arena=False)
 
     def idle(self) -> list[PoolEntry]:
         """Pools without sessions, longest idle first: what may be reclaimed, in that order."""
@@ -348,15 +447,95 @@ class PoolRegistry:
                       key=lambda e: e.idle_since_s or 0.0)
 
     def close_all(self, timeout_s: float) -> None:
+        """The daemon stops: persistent pools first demote what only their GPU tier holds, then every pool
+        closes; arenas are kept for the next daemon (see the module docstring)."""
+        deadline_s = time.monotonic() + timeout_s
+        persistent = [e for e in self._pools.values() if e.arena is not None and e.pool.gpu_blocks]
+        for i, entry in enumerate(persistent):
+            share_s = max(0.0, deadline_s - time.monotonic()) / (2 * (len(persistent) - i))  # half for the closes
+            try:
+                n = entry.pool.demote_cached(share_s)
+            except Exception:  # a failed demotion loses those blocks, not the stop
+                log.exception("pool %r: demoting the GPU tier before the stop", entry.name)
+                continue
+            if n:
+                log.info("pool %r: %d blocks only the GPU tier held demoted into the persistent CPU tier", entry.name, n)
         for entry in self._pools.values():
-            _close_entry(entry, timeout_s)
+            _close_entry(entry, max(0.5, deadline_s - time.monotonic()), keep_arena=True)
         self._pools.clear()
 
+    # ---- adoption at start-up ------------------------------------------------------------
 
-def _close_entry(entry: PoolEntry, timeout_s: float) -> None:
+    def adopt_arenas(self, tenant_known: Callable[[str], bool]) -> int:
+        """Re-create the pools this instance's arenas name, adopting their blocks (see the module docstring);
+        returns how many pools were adopted. ``tenant_known(tenant)``: whether the configuration still has it."""
+        if self._arenas is None:
+            return 0
+        adopted = 0
+        for info in self._arenas.instance_arenas():
+            ident = info.identity or {}
+            key = ident.get("pool", info.stem)
+            why = info.problem
+            if why and ident.get("kvtier"):
+                why += f" (written by kvtier {ident['kvtier']})"
+            if info.held:
+                log.warning("arena %s of pool %r is held by another live process; not adopted", info.stem, key)
+                continue
+            if not why and not all(isinstance(ident.get(k), t) for k, t in
+                                   (("pool", str), ("tenant", str), ("name", str), ("layout", dict))):
+                why = "its identity is incomplete"
+            if not why and not tenant_known(ident["tenant"]):
+                why = f"tenant {ident['tenant']!r} is no longer configured"
+            if not why:
+                try:
+                    entry = self.get_or_create(ident["name"], ident["layout"], tenant=ident["tenant"])
+                except ProtocolError as exc:
+                    why = exc.message
+                else:
+                    entry.unclaimed = True
+                    entry.idle_since_s = time.monotonic()  # idle until a hello joins it: TTL and reclaim apply
+                    adopted += entry.arena is not None and entry.arena.opened.state == "adopted"
+                    continue
+            log.warning("pool %r starts empty: its CPU tier from before the restart (%s) is not adopted because %s; "
+                        "removed", key, info.stem, why)
+            self._arenas.remove_stem(info.stem)
+        return adopted
+
+
+def _disk_tier(sizing: PoolSizing, key: str, spec: PoolSpec) -> DiskTier | None:
+    """The pool's disk tier under ``disk_dir`` (None without one, or with room for no block).
+
+    Its directory is named after the pool's key (tenant and name: pools of two
+    tenants never share one) and its layout identity; blocks of another layout
+    are never read. It opens on its own thread: never an error for the hello.
+    """
+    if sizing.disk_dir is None or sizing.disk_bytes <= 0:
+        return None
+    from kvtier.tiers.disk_files import slot_bytes_for
+    from kvtier.tiers.disk_tier import DiskTier
+
+    slot_bytes = slot_bytes_for(spec.block_bytes)
+    blocks = sizing.disk_bytes // slot_bytes
+    if blocks == 0:
+        log.warning("pool %r: disk_bytes %d holds no block of %d bytes; no disk tier", key, sizing.disk_bytes,
+                    spec.block_bytes)
+        return None
+    if blocks > MAX_BLOCKS_PER_TIER:
+        log.warning("pool %r: disk_bytes %d cuts into %d blocks of %d bytes; the disk tier keeps %d (use larger "
+                    "blocks)", key, sizing.disk_bytes, blocks, slot_bytes, MAX_BLOCKS_PER_TIER)
+        blocks = MAX_BLOCKS_PER_TIER
+    identity = {"pool": key, "block_size": spec.block_size, "layout": [list(kv) for kv in spec.extra]}
+    return DiskTier(sizing.disk_dir, key, identity, block_bytes=spec.block_bytes, capacity_blocks=blocks)
+
+
+def _close_entry(entry: PoolEntry, timeout_s: float, *, keep_arena: bool = False) -> None:
     try:
         entry.pool.close(timeout_s)
+        if entry.arena is not None:
+            entry.arena.close(remove=not keep_arena)
     finally:
         entry.transfer.close(timeout_s)
         if entry.pool.remote is not None:
             entry.pool.remote.close(timeout_s)
+        if entry.pool.disk is not None:
+            entry.pool.disk.close(timeout_s)  # what is queued is written; the directory stays for the next start

@@ -128,7 +128,7 @@ class PoolMetric:
     labels: tuple[tuple[str, str], ...] = ()
 
 
-_TIERS = ("gpu", "cpu", "remote")
+_TIERS = ("gpu", "cpu", "remote", "disk")
 # The remote tier's stats counters remote_<reason> (kvtier.tiers.remote_tier.COUNTERS).
 _REMOTE_REJECTIONS = ("unauthentic", "oversized", "corrupt")
 _DIRECTIONS = {
@@ -144,7 +144,7 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
     PoolMetric("looked_up_blocks", "looked_up_blocks", "counter",
                "Block hashes those lookups asked about (= hit blocks of all tiers + miss blocks)."),
     *(PoolMetric(f"hit_blocks_{t}", "hit_blocks", "counter",
-                 "Looked-up blocks found, attributed to the first tier holding them (gpu, cpu, remote).",
+                 "Looked-up blocks found, attributed to the first tier holding them (gpu, cpu, disk, remote).",
                  (("tier", t),)) for t in _TIERS),
     PoolMetric("miss_blocks", "miss_blocks", "counter",
                "Looked-up blocks past the longest held prefix (not found, or after the first gap)."),
@@ -177,6 +177,18 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
                "Remote fetches that returned fewer blocks than the probe had promised."),
     PoolMetric("remote_write_backs", "remote_write_backs", "counter",
                "CPU-tier evictions queued for write-back to the remote tier."),
+    PoolMetric("cpu_adopted_blocks", "adopted_blocks", "counter",
+               "Blocks this daemon adopted from the persistent CPU tier its predecessor left (a restart, "
+               "crash or upgrade) and verified: served as if stored here."),
+    PoolMetric("cpu_adoption_dropped_blocks", "adoption_dropped_blocks", "counter",
+               "Blocks of that CPU tier dropped at adoption, never served: torn records, checksums that "
+               "failed, blocks a smaller tier had no room for, blocks evicted before they were verified."),
+    PoolMetric("cpu_adoption_pending_blocks", "adoption_pending_blocks", "gauge",
+               "Adopted blocks not verified yet (each is verified before it is served)."),
+    PoolMetric("disk_fetch_short", "disk_fetch_short", "counter",
+               "Disk-tier reads that returned fewer blocks than asked (a block bad, unreadable, or no CPU room)."),
+    PoolMetric("disk_write_backs", "disk_write_backs", "counter",
+               "CPU-tier evictions the disk tier took (queued for writing, or already on disk)."),
     *(PoolMetric(f"bytes_{d}", "copy_bytes", "counter", "Bytes copied, by direction: " +
                  "; ".join(f"{k} = {v}" for k, v in _DIRECTIONS.items()) + ".", (("direction", d),))
       for d in _DIRECTIONS),
@@ -192,6 +204,9 @@ POOL_METRICS: tuple[PoolMetric, ...] = (
     PoolMetric("cpu_used_blocks", "cached_blocks", "gauge", "", (("tier", "cpu"),)),
     PoolMetric("held_blocks", "held_blocks", "gauge",
                "Distinct blocks the pool holds, in any tier (a block in both tiers counts once)."),
+    PoolMetric("policy_keys", "policy_keys", "gauge",
+               "Block keys the CPU tier's eviction policy holds state for, resident or not (its history, "
+               "ghosts, streams' chains): bounded by the pool's size, whatever the traffic."),
     PoolMetric("pinned_blocks", "pinned_blocks", "gauge",
                "Block pins held by sessions, both tiers (a block pinned by two sessions counts twice)."),
     PoolMetric("copies_in_flight", "copies_in_flight", "gauge", "Copies started and not yet finished."),
@@ -212,7 +227,8 @@ DAEMON_DEFAULTS: dict[str, Any] = {
     "protocol_errors_total": {},
     "request_seconds_total": {},
     "lease_expiries_total": 0,
-    "replies_dropped_total": 0,
+    "replies_dropped_total": {},
+    "heap_trims_total": 0,
     "pools_reclaimed_total": {},
     "reply_bytes_unsent": 0,
     "reply_bytes_lent": 0,
@@ -222,6 +238,8 @@ DAEMON_DEFAULTS: dict[str, Any] = {
     "connections_busiest_peer": 0,
     "connections_refused_total": {},
     "sessions": 0,
+    "auth_failures_total": 0,
+    "auth_refused_total": 0,
     "requests_in_flight": 0,
     "learn_backlog_keys": 0,
 }
@@ -231,8 +249,9 @@ DAEMON_HELP: dict[str, str] = {
     "protocol_errors_total": "Requests refused before any handler ran (malformed, bad field, ...), by error code name.",
     "request_seconds_total": "Seconds from receiving to answering successful requests, by verb.",
     "lease_expiries_total": "Sessions ended because their lease ran out (a crashed or stalled client).",
-    "replies_dropped_total": "Replies that could not be sent (the client's socket was gone or full).",
-    "reply_bytes_unsent": "Payload bytes of replies handed to the socket and not yet sent (per connection at most max_unread_reply_bytes).",
+    "replies_dropped_total": "Replies that could not be sent: reason=full (the connection's queue held SNDHWM replies it had not read) or gone (the connection was gone).",
+    "heap_trims_total": "Times the daemon gave freed heap back to the kernel after a backlog of copied replies drained.",
+    "reply_bytes_unsent": "Payload bytes of replies handed to the socket and not yet sent (per connection at most max_unread_reply_bytes; copies, all connections together, max_unread_reply_bytes_total).",
     "reply_bytes_lent": "Bytes of tier memory lent to unsent zero-copy replies (those blocks can be neither evicted nor reused).",
     "unread_connections_shut_total": "Client connections shut down because a session ended with lent replies still unread on them.",
     "pools_reclaimed_total": "Pools without sessions closed with their blocks: reason=memory (a new pool needed the room) or idle (pool_idle_ttl_s).",
@@ -240,7 +259,9 @@ DAEMON_HELP: dict[str, str] = {
     "connections": "Client connections admitted now (at most max_connections).",
     "connections_busiest_peer": "Connections of the peer (uid on ipc, IP address on tcp) that holds the most (at most max_connections_per_peer).",
     "connections_refused_total": "Connections closed as they were accepted: reason=total (max_connections) or peer (max_connections_per_peer).",
-    "sessions": "Live sessions, all pools.",
+    "sessions": "Live sessions, all pools (at most max_sessions).",
+    "auth_failures_total": "hellos whose tenant token was wrong.",
+    "auth_refused_total": "hellos with a token refused untried: their peer used up max_auth_failures_per_minute.",
     "requests_in_flight": "Requests waiting for their copies to finish.",
     "learn_backlog_keys": "Block keys counted but not yet fed to the CPU-tier policy (its bookkeeping waits for idle moments).",
 }
@@ -256,6 +277,50 @@ TENANT_METRICS: tuple[tuple[str, str, str], ...] = (
     ("dropped_demotions", "counter", "A tenant's demotions dropped at its quota."),
     ("refused_stores", "counter", "A tenant's stores refused at its quota."),
 )
+
+
+# The disk tier (a pool's stats["disk"], kvtier.tiers.disk_tier.COUNTERS): family -> (kind, help, labels);
+# each series is one stats key (_DISK_SERIES). Exported as kvtier_disk_<family>{pool, ...}.
+_DISK_FAMILIES: dict[str, tuple[str, str, tuple[tuple[str, str], ...]]] = {
+    "up": ("gauge", "1 when the pool's disk tier is open and no I/O error made it rest; 0 when not (absent: no "
+                    "disk tier).", ()),
+    "read_blocks": ("counter", "Blocks read from the disk tier and verified (checksum), into the CPU tier.", ()),
+    "read_bytes": ("counter", "Bytes of those blocks.", ()),
+    "written_blocks": ("counter", "Blocks written to the disk tier and made durable.", ()),
+    "written_bytes": ("counter", "Bytes of those blocks.", ()),
+    "dropped_write_backs": ("counter", "CPU-tier evictions the disk tier did not write: reason=full (its queue "
+                                       "was full), unavailable (not open, or resting after an error), not_admitted "
+                                       "(the policy's +admit2).", (("reason", ""),)),
+    "errors": ("counter", "Disk-tier blocks lost to an error, by kind: read (EIO...), write (EIO, ENOSPC...), "
+                          "checksum (read back wrong: never served).", (("kind", ""),)),
+    "evicted_blocks": ("counter", "Disk-tier blocks evicted (LRU) to make room for newer ones.", ()),
+    "adopted_blocks": ("gauge", "Blocks the disk tier found on disk, complete, when it opened (a restart or "
+                                "reboot).", ()),
+    "torn_records": ("gauge", "Records found torn when the disk tier opened (a kill while writing one): "
+                              "their blocks are dropped, never served.", ()),
+}
+# (family, stats key, label value or "")
+_DISK_SERIES: tuple[tuple[str, str, str], ...] = (
+    ("read_blocks", "disk_hits", ""), ("read_bytes", "bytes_read", ""),
+    ("written_blocks", "writes_done", ""), ("written_bytes", "bytes_written", ""),
+    ("dropped_write_backs", "writes_dropped_full", "full"),
+    ("dropped_write_backs", "writes_dropped_unavailable", "unavailable"),
+    ("dropped_write_backs", "writes_not_admitted", "not_admitted"),
+    ("errors", "read_errors", "read"), ("errors", "write_errors", "write"), ("errors", "disk_corrupt", "checksum"),
+    ("evicted_blocks", "evictions", ""), ("adopted_blocks", "adopted_blocks", ""),
+    ("torn_records", "torn_records", ""),
+)
+
+
+def _add_disk(families: Mapping[str, Any], blocks: Any, labels: list[str], disk: Mapping[str, Any]) -> None:
+    families["up"].add_metric(labels, 1.0 if disk.get("available") else 0.0)
+    for fam, key, label in _DISK_SERIES:
+        value = disk.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            families[fam].add_metric([*labels, label] if label else labels, value)
+    cap, used = int(disk.get("capacity_blocks", 0)), int(disk.get("used_blocks", 0))
+    blocks.add_metric([*labels, "disk", "used"], used)
+    blocks.add_metric([*labels, "disk", "free"], cap - used)
 
 
 def _parse_label_key(label_key: str) -> dict[str, str]:
@@ -340,6 +405,8 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
                       "tensors are registered).", pool_label_names)
     info = family("pool_info", "gauge", "Always 1; the labels say the pool's mode (store or engine).",
                   [*pool_label_names, "mode"])
+    disk_families = {name: family(f"disk_{name}", kind, help_text, [*pool_label_names, *(k for k, _ in labels)])
+                     for name, (kind, help_text, labels) in _DISK_FAMILIES.items()}
     for pool_name in sorted(pools):
         p = pools[pool_name]
         labels = pool_labels(pool_name)
@@ -351,6 +418,9 @@ def families_from_stats(stats: Stats | None, age_s: float = 0.0) -> list[Any]:
         blocks.add_metric([*labels, "cpu", "free"], cpu_blocks - cpu_used)
         attached.add_metric(labels, 1.0 if p.get("mode") == "store" or p.get("gpu_registered") else 0.0)
         info.add_metric([*labels, str(p.get("mode", ""))], 1.0)
+        disk = p.get("disk")
+        if isinstance(disk, Mapping):
+            _add_disk(disk_families, blocks, labels, disk)
         remote = p.get("remote")
         if isinstance(remote, Mapping):
             up.add_metric(labels, 1.0 if remote.get("available") else 0.0)

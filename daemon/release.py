@@ -6,11 +6,11 @@ Contract: ``release_session(ctx, replies, session, reason)`` is the
 - "shutdown": the pools are closed and about to go, so only OS resources
   matter: registrations are closed and the arena unmapped, its file kept
   (the client lives on and may bring it to the next daemon).
-- Otherwise: the session's pins and engine requests go from its pool, its
-  registrations and arena are released (the arena file removed if this
-  session still owns it), lent replies it left unread are handed to
-  ``ReplyQueue.session_ended``, and a pool left without sessions starts its
-  idle time. A pool already gone is not an error.
+- Otherwise: the session's pins (its pin tags' too) and engine requests go
+  from its pool, its registrations and arena are released (the arena file
+  removed if this session still owns it), lent replies it left unread are
+  handed to ``ReplyQueue.session_ended``, and a pool left without sessions
+  starts its idle time. A pool already gone is not an error.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def release_session(ctx: HandlerContext, replies: ReplyQueue, session: Session, 
         return
     pool = entry.pool
     pins = pool.unpin_all(session.sid)
+    for tag in session.pin_tags:
+        pins += pool.unpin_all(session.pin_owner(tag))
+    session.pin_tags.clear()
     requests = len(session.requests)
     for name in sorted(session.requests):
         try:

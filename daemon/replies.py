@@ -11,10 +11,17 @@ Contract (the event loop's thread only):
   ``on_sent`` (a restore that lends tier memory) runs once libzmq let go
   of the frames. ``lender``: ``(sid, connection)`` of a lending reply, so
   that the session's end can shut that connection down. A reply libzmq
-  refuses (peer gone, queue full) is dropped, never raised:
-  ``replies_dropped_total``, a rate-limited log line, and ``on_sent`` at once.
+  refuses is dropped, never raised, and never waited for (the socket is
+  ``ROUTER_MANDATORY``: without it libzmq drops a reply to a full or
+  unknown peer without a word, and 19,000 lost replies left the counter at
+  0): ``replies_dropped_total{reason}``, ``"full"`` (the connection's
+  queue holds ``SNDHWM`` replies it has not read) or ``"gone"`` (no such
+  connection any more), a rate-limited log line, and ``on_sent`` at once.
 - ``unsent_bytes(identity)``: payload bytes handed to libzmq for that
-  connection and not sent yet (the loop caps it: ``max_unread_reply_bytes``).
+  connection and not sent yet (the loop caps it: ``max_unread_reply_bytes``);
+  ``copied_bytes``: the unsent payload of every connection that is not lent
+  tier memory but buffers the daemon allocated (the loop caps it with the
+  parked replies' ``max_unread_reply_bytes_total``).
 - ``release_sent()``: runs ``on_sent`` of the replies libzmq is done with
   and updates the ``reply_bytes_unsent`` / ``reply_bytes_lent`` gauges.
 - ``session_ended(sid, reason, lease_s)``: when that session still has
@@ -66,11 +73,14 @@ class ReplyQueue:
         self._sock: zmq.Socket | None = None
         self._sending: list[_Unsent] = []
         self._unsent_bytes: dict[bytes, int] = {}
+        self.copied_bytes = 0
         # Ended sessions whose lent replies were still unsent: sid -> (when their
         # connections are shut down if those replies are still there, why it ended).
         self._unread_after_end: dict[str, tuple[float, str]] = {}
-        self.metrics.set("reply_bytes_lent", 0)  # in stats from the start, like the counter beside it
+        self.metrics.set("reply_bytes_lent", 0)  # in stats from the start, like the counters beside it
         self.metrics.inc("unread_connections_shut_total", 0)
+        for reason in ("full", "gone"):
+            self.metrics.inc("replies_dropped_total", 0, reason=reason)
 
     def attach(self, sock: zmq.Socket) -> None:
         self._sock = sock
@@ -94,10 +104,14 @@ class ReplyQueue:
         nbytes = sum(frame_nbytes(f) for f in frames)
         track = on_sent is not None or nbytes > 0
         try:
-            tracker = self._sock.send_multipart([identity, encode(header), *frames], copy=False, track=track)
+            # NOBLOCK: with ROUTER_MANDATORY a full peer would block the loop.
+            tracker = self._sock.send_multipart([identity, encode(header), *frames], flags=zmq.NOBLOCK, copy=False,
+                                                track=track)
         except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost, not the daemon
-            self.metrics.inc("replies_dropped_total")
-            self._error_log.log("dropped", "reply %s to a client dropped: %s", header.get("id"), exc)
+            reason = "full" if exc.errno == zmq.EAGAIN else "gone"
+            self.metrics.inc("replies_dropped_total", reason=reason)
+            self._error_log.log(f"dropped-{reason}", "reply %s to a client dropped (%s): %s", header.get("id"),
+                                "it does not read its replies" if reason == "full" else "its connection is gone", exc)
             if on_sent is not None:
                 on_sent()
             return
@@ -105,6 +119,8 @@ class ReplyQueue:
             sid, conn = lender if lender is not None else (None, None)
             self._sending.append(_Unsent(tracker, on_sent, identity, nbytes, sid, conn))
             self._unsent_bytes[identity] = self._unsent_bytes.get(identity, 0) + nbytes
+            if on_sent is None:
+                self.copied_bytes += nbytes
 
     def release_sent(self) -> None:
         """See the module docstring."""
@@ -121,6 +137,8 @@ class ReplyQueue:
                 continue
             if on_sent is not None:
                 on_sent()
+            else:
+                self.copied_bytes -= nbytes
             left = self._unsent_bytes.get(identity, 0) - nbytes
             if left > 0:
                 self._unsent_bytes[identity] = left
@@ -168,3 +186,4 @@ class ReplyQueue:
             if item.on_sent is not None:
                 item.on_sent()
         self._sending = []
+        self.copied_bytes = 0

@@ -25,10 +25,19 @@ Contract:
   of the process that opened it (SO_PEERCRED of the connection each
   request came on, ``security.peer_uid``): a sid sent by another user gets
   FOREIGN_SESSION. Tenants (``ServeOptions.tenants``) are
-  resolved at hello and applied by the handlers.
+  resolved at hello and applied by the handlers; a peer's wrong tokens are
+  limited to ``max_auth_failures_per_minute`` (``daemon.auth_limits``).
+- Sessions: at most ``max_sessions`` live (TOO_MANY_SESSIONS).
 - Unread replies: the unsent payload of one connection's replies, and the
   payload its parked replies will carry once their copies finish, is capped
-  (``max_unread_reply_bytes``: then UNREAD_REPLIES). Restore replies that
+  (``max_unread_reply_bytes``: then UNREAD_REPLIES); so is the payload of
+  all connections' copied replies (staging buffers: memory the daemon
+  allocated, not lent tier memory) together: past
+  ``max_unread_reply_bytes_total`` a request from a connection that has
+  replies unread gets UNREAD_REPLIES too (one that has read everything is
+  served: the total passes the cap by at most one reply per such
+  connection). Once a backlog of copied replies has drained, the heap is
+  given back to the kernel (``daemon.heap_trim``). Restore replies that
   lend tier memory (zero-copy: the blocks stay held until libzmq lets go of
   the frames) remember their session and the connection their request came
   on; a session that ends with such replies unsent has those connections
@@ -42,6 +51,9 @@ Contract:
   reclaimed to make room, and idle ones closed after ``pool_idle_ttl_s``
   (``daemon.pool_admission``: NO_SPACE with the numbers when the host or the
   CPU budget cannot take its CPU tier, TOO_MANY_POOLS past ``max_pools``).
+  With persistent CPU tiers (``ServeOptions.arenas``), ``run()`` re-creates
+  the pools the previous daemon left, adopting their blocks, before it reads
+  the first request (``daemon.pools``).
 - systemd: READY=1 once the socket is bound, WATCHDOG=1 from the loop at
   half of WatchdogSec (and between pinned chunks of a CPU tier being
   allocated), STATUS= lines (allocation progress; a summary at most once a
@@ -78,9 +90,11 @@ from kvtier.client.protocol import (
     validate_request,
 )
 from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits
-from kvtier.daemon.connections import Connection, connection_of
+from kvtier.daemon.auth_limits import AuthFailureLimiter
+from kvtier.daemon.connections import Connection, connection_of, peer_of_frame
 from kvtier.daemon.replies import ReplyQueue
-from kvtier.daemon.descriptors import FdBudget, auto_per_peer
+from kvtier.daemon.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
+from kvtier.daemon.heap_trim import HeapTrimmer
 from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Reply, stats_fields
 from kvtier.daemon.lifecycle import StopFlag
 from kvtier.daemon.log_limit import RateLimitedLog
@@ -95,6 +109,7 @@ from kvtier.daemon.sd_notify import Notifier
 from kvtier.daemon.security import CurveGuard, CurveOptions, check_socket_dir, peer_uid, peer_user_id
 from kvtier.daemon.sessions import Session, SessionTable
 from kvtier.daemon.tenants import TenantRegistry
+from kvtier.tiers.persistent_arena import ArenaDirectory
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
 from kvtier.tiers.copy_types import DeadlinePassed
 from kvtier.tiers.transfer import TransferError
@@ -121,7 +136,8 @@ class ServeOptions:
 
     endpoint: str
     device: str = "cpu"
-    sizing_for: Callable[[str], PoolSizing] = field(default=lambda _name: PoolSizing(256 << 20, 1 << 30))
+    # (pool name, memory its persistent CPU tier's files already hold) -> its sizing (daemon.pool_admission)
+    sizing_for: Callable[[str, int], PoolSizing] = field(default=lambda _name, _reusable=0: PoolSizing(256 << 20, 1 << 30))
     lease_s: float = 10.0  # also the longest lease a client may ask for
     heartbeat_s: float | None = None  # recommended to clients; None: lease_s / 3
     poll_interval_s: float = 0.1  # loop wakes at least this often when idle
@@ -134,12 +150,16 @@ class ServeOptions:
     max_shm_files_per_session: int = 1024
     max_registrations_per_session: int = 64
     max_pools: int = 128  # pools held at once; a hello that would create one more gets TOO_MANY_POOLS
+    max_sessions: int = 4096  # live sessions at once; a hello past it gets TOO_MANY_SESSIONS
+    max_auth_failures_per_minute: int = 10  # wrong tenant tokens one peer may send (daemon.auth_limits)
     max_pinned_share: float = 0.5  # pins a session (and a tenant) may hold, as a share of the pool's blocks
     cpu_budget_bytes: int | None = None  # all pools' CPU tiers together; None: no budget but host memory
     pool_idle_ttl_s: float = 3600.0  # a pool without sessions keeps its blocks this long
     max_unread_reply_bytes: int = 512 << 20  # payload bytes of replies one connection has not read
+    max_unread_reply_bytes_total: int = 1 << 30  # copied payload of all connections' unread and parked replies
     max_connections: int | None = None  # client connections at once; None: a quarter of the descriptors (FdBudget)
     max_connections_per_peer: int | None = None  # of one uid (ipc) or IP address (tcp); None: auto_per_peer
+    arenas: ArenaDirectory | None = None  # persistent CPU tiers (daemon.pools); None: private memory
 
 
 
@@ -169,8 +189,13 @@ class Server:
                  notifier: Notifier | None = None) -> None:
         self.options = options
         self.stop = stop
-        self.fds = FdBudget.at_start()
-        max_connections = options.max_connections if options.max_connections is not None else self.fds.connections
+        try:
+            # The configuration checked max_connections against the same limit; this fails only
+            # when raising the soft limit to the hard one did.
+            self.fds = FdBudget.at_start(options.max_connections)
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
+        max_connections = self.fds.connections
         self.connection_limits = ConnectionLimits(
             max_connections,
             options.max_connections_per_peer if options.max_connections_per_peer is not None
@@ -201,9 +226,12 @@ class Server:
             wakeup=self._wakeup,
             progress=self.admission.allocation_progress,
             policy_wrapper=options.tenants.policy_wrapper,
+            arenas=options.arenas,
+            close_timeout_s=options.drain_timeout_s,
         )
         self.admission.attach(self.pools)
-        self.sessions = SessionTable(lambda session, reason: release_session(self.ctx, self.replies, session, reason))
+        self.sessions = SessionTable(lambda session, reason: release_session(self.ctx, self.replies, session, reason),
+                                     max_sessions=options.max_sessions)
         self.ctx = HandlerContext(
             pools=self.pools,
             sessions=self.sessions,
@@ -219,10 +247,15 @@ class Server:
             max_registrations_per_session=options.max_registrations_per_session,
             max_pinned_share=options.max_pinned_share,
             max_shm_files_total=self.fds.shm_files,
+            auth_failures=AuthFailureLimiter(options.max_auth_failures_per_minute),
         )
         self._parked = ParkingLot()  # requests whose copies are in flight
         # Replies libzmq has not sent yet: their buffers (lent tier memory, staging).
         self.replies = ReplyQueue(self.metrics, self._error_log)
+        # Twice the largest reply (the buffers of clients that read stay mapped for the next request),
+        # or half the daemon-wide cap (a backlog that reached it is worth giving back).
+        self._heap = HeapTrimmer(min(2 * options.max_payload_bytes, options.max_unread_reply_bytes_total // 2),
+                                 self.metrics)
         self._zctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
@@ -254,6 +287,9 @@ class Server:
             # The ZAP handler must run before the socket accepts a connection.
             self._curve_guard = CurveGuard.start(self._zctx, curve.keys)
             CurveGuard.apply(sock, curve.public, curve.secret)
+        # A reply to a connection whose queue is full, or that is gone, fails instead of being
+        # dropped without a word (daemon.replies counts it); replies are sent NOBLOCK.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Above the soft limits, so that oversize requests get an error reply;
         # a frame above this makes libzmq drop the sender's connection.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max(MAX_HEADER_BYTES, self.options.max_payload_bytes))
@@ -261,9 +297,11 @@ class Server:
         # Watching connections must start before the first one is accepted.
         self._connection_guard = ConnectionGuard.start(self._zctx, sock, self.connection_limits)
         if self.fds.small:
-            log.warning("only %d file descriptors (RLIMIT_NOFILE): room for %d client connections and %d "
-                        "shared-memory files; raise LimitNOFILE= (systemd) or ulimit -n",
-                        self.fds.limit_fds, self.fds.connections, self.fds.shm_files)
+            log.warning("only %d file descriptors (RLIMIT_NOFILE): room for %d client connections, %d "
+                        "shared-memory files and %d for a connection flood (under %d, a flood on a starved CPU "
+                        "may outrun the connection guard); raise LimitNOFILE= (systemd) or ulimit -n",
+                        self.fds.limit_fds, self.fds.connections, self.fds.shm_files, self.fds.flood_room_fds,
+                        FLOOD_ROOM_GUARANTEED_FDS)
         endpoint = self.options.endpoint
         if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
             self._ipc_path = endpoint[len("ipc://"):]
@@ -317,6 +355,10 @@ class Server:
         # every client's requests. Frozen, full collections see only what the
         # loop made since.
         gc.freeze()
+        # After the freeze (a pool adopted here is collected, its memory unmapped, when it closes) and before
+        # the first request is read: no hello may create a pool whose arena is still to be adopted.
+        tenants = self.options.tenants
+        self.pools.adopt_arenas(lambda t: t in set(tenants) if tenants.enabled else t == "")
         log.info("kvtierd serving on %s (device %s, protocol v1)", self.options.endpoint, self.options.device)
         self.notifier.ready(f"serving on {self.options.endpoint}")
         while not self.stop.requested:
@@ -353,6 +395,7 @@ class Server:
         self.pools.poll()
         self._deliver_done()
         self.replies.release_sent()
+        self._heap.note(self.replies.copied_bytes + self._parked.reply_bytes_total, time.monotonic())
         # Policy bookkeeping off the reply path: it stops for a waiting request
         # or a client waiting on copies (whose threads need the GIL to finish),
         # unless it has fallen too far behind.
@@ -376,6 +419,8 @@ class Server:
         self.metrics.set("learn_backlog_keys", self.pools.learn_backlog_keys())
         if self._connection_guard is not None:
             self._connection_guard.publish(self.metrics)
+        if self.ctx.auth_failures is not None:
+            self.ctx.auth_failures.publish(self.metrics)
         if self.stats_snapshot.wanted():
             self.stats_snapshot.refresh(lambda: stats_fields(self.ctx))
         if self.notifier.watchdog_due(now_s):
@@ -420,17 +465,26 @@ class Server:
             self._send_error(identity, req.id, ErrorCode.TOO_MANY_CONNECTIONS, refusal, op=req.op)
             return
         unread = self.replies.unsent_bytes(identity) + self._parked.reply_bytes(identity)
-        if unread >= self.options.max_unread_reply_bytes and req.op not in ("bye", "heartbeat", "health"):
+        if unread and req.op not in ("bye", "heartbeat", "health"):
             # A client that does not read its replies would make the daemon hold their buffers without
             # bound; the error reply is small, and the verbs that free things still go through.
-            self._send_error(identity, req.id, ErrorCode.UNREAD_REPLIES,
-                             f"this connection's unread replies hold {unread} bytes (max_unread_reply_bytes "
-                             f"{self.options.max_unread_reply_bytes}); read them, then ask again", op=req.op)
-            return
+            held = self.replies.copied_bytes + self._parked.reply_bytes_total
+            if unread >= self.options.max_unread_reply_bytes:
+                self._send_error(identity, req.id, ErrorCode.UNREAD_REPLIES,
+                                 f"this connection's unread replies hold {unread} bytes (max_unread_reply_bytes "
+                                 f"{self.options.max_unread_reply_bytes}); read them, then ask again", op=req.op)
+                return
+            if held >= self.options.max_unread_reply_bytes_total:
+                self._send_error(identity, req.id, ErrorCode.UNREAD_REPLIES,
+                                 f"the daemon's unread replies hold {held} bytes of copies (max_unread_reply_bytes_"
+                                 f"total {self.options.max_unread_reply_bytes_total}), {unread} of them this "
+                                 "connection's; read them, then ask again", op=req.op)
+                return
         # Who is asking (CURVE User-Id); handlers read it for this request only.
         self.ctx.peer = peer_user_id(frames[1]) if self._curve_guard is not None else None
         # ...and, on ipc, as which user (only where a session is opened or named).
         self.ctx.peer_uid = peer_uid(frames[1]) if self._ipc and (req.sid is not None or req.op in ("hello", "stats", "health")) else None
+        self.ctx.auth_peer = peer_of_frame(frames[1]) if req.op == "hello" else None
         if self._same_user_only:
             uid = self.ctx.peer_uid if self.ctx.peer_uid is not None else peer_uid(frames[1])
             if uid not in (os.getuid(), 0):

@@ -4,7 +4,8 @@ Contract:
 
 - A session is opened by ``hello`` on one pool and is named by a random
   ``sid`` (32 hex chars). It owns, and on release gives back, everything the
-  client acquired through it: pins (the pool's pin owner is the sid), engine
+  client acquired through it: pins (the pool's pin owner is the sid, or
+  ``"<sid>#<tag>"`` for pins taken under a pin tag: ``pin_tags``), engine
   requests (pool request ids ``"<sid>:<req>"``), KV registrations, and its
   shared-memory staging arena.
 - The lease: every session verb except ``lookup``, ``stats`` and ``health``
@@ -13,6 +14,10 @@ Contract:
   UNKNOWN_SESSION) and its holdings are released as soon as none of its
   copies is in flight, so a copy never writes into memory that was released.
 - ``close`` (the ``bye`` verb) and daemon shutdown release the same way.
+- At most ``max_sessions`` live at once (each costs ~3.7 KB and a slot in
+  every sweep: 24,915 held +90 MB): ``check_room()`` (``hello`` asks it
+  before it creates a pool) and ``open`` raise TOO_MANY_SESSIONS past it.
+  Sessions that ended and wait for their copies do not count.
 - Identity: a session records who opened it (the CURVE User-Id ``peer``,
   the ipc peer's ``uid``); the server honours its sid only from the same
   identity (see ``daemon.server``).
@@ -24,12 +29,12 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
+from kvtier.daemon.retention import Retention
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +77,24 @@ class Session:
     # is HandlerContext.file_owner.
     files: dict[tuple[int, int], int] = field(default_factory=dict)
     num_pins: int = 0  # pin calls minus unpins, for stats only (the pool holds the truth)
+    # pin tag -> pins taken under it minus those dropped (never below the pool's count); released with the session
+    pin_tags: dict[str, int] = field(default_factory=dict)
     in_flight: int = 0  # parked requests whose copies are still running
     ended: str = ""  # why the session ended ("expired", "bye", "shutdown"); "" while live
     tenant: str = ""  # whose block namespace it works in ("" = the anonymous tenant: no tenants configured)
     peer: str | None = None  # CURVE User-Id that opened it; only that identity may use the sid
     uid: int | None = None  # ipc: the uid of the process that opened it; only that user may use the sid
-    # (deadline_s, blocks) of the retain_s hints it holds, earliest first (kvtier.daemon.hints)
-    retained: deque[tuple[float, int]] = field(default_factory=deque)
+    # the retain_s hints it holds (kvtier.daemon.hints)
+    retained: Retention = field(default_factory=Retention)
+    reads_disk_tier: bool = False  # its hello named feature "disk_tier": replies may say tier "disk"
 
     def pool_request_id(self, req: str) -> str:
         # The sid prefix keeps two clients' request ids apart in one pool.
         return f"{self.sid}:{req}"
+
+    def pin_owner(self, tag: str | None) -> str:
+        # "#" appears in no sid: a tag's pins never mix with the untagged ones.
+        return self.sid if tag is None else f"{self.sid}#{tag}"
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -103,7 +115,9 @@ Releaser = Callable[[Session, str], None]
 class SessionTable:
     """See the module docstring."""
 
-    def __init__(self, releaser: Releaser, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, releaser: Releaser, *, clock: Callable[[], float] = time.monotonic,
+                 max_sessions: int = 4096) -> None:
+        self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._ending: list[Session] = []  # ended, waiting for copies in flight
         self._release = releaser
@@ -116,8 +130,17 @@ class SessionTable:
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
+    def check_room(self) -> None:
+        """Raise TOO_MANY_SESSIONS when ``max_sessions`` are live."""
+        if len(self._sessions) >= self.max_sessions:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_SESSIONS,
+                f"the daemon holds {len(self._sessions)} live sessions, its max_sessions; retry when some end "
+                "(clients that stop must send bye; others expire after their lease) or ask the operator to raise it")
+
     def open(self, pool_name: str, client: str, lease_s: float, *, tenant: str = "", peer: str | None = None,
              uid: int | None = None) -> Session:
+        self.check_room()
         sid = secrets.token_hex(16)
         session = Session(sid, pool_name, client, lease_s, self._clock() + lease_s, tenant=tenant, peer=peer, uid=uid)
         self._sessions[sid] = session

@@ -241,7 +241,7 @@ class TenantRegistry:
                 "dropped_demotions": self.dropped_demotions[name],
                 "refused_stores": self.refused_stores[name],
                 "looked_up_blocks": self.looked_up_blocks[name],
-                "hit_blocks": {tier: self.hit_blocks[name][tier] for tier in ("gpu", "cpu", "remote")},
+                "hit_blocks": {tier: self.hit_blocks[name][tier] for tier in ("gpu", "cpu", "disk", "remote")},
             }
         return out
 
@@ -312,6 +312,9 @@ class TenantQuotaPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self.inner)
+
+    def remembered_keys(self) -> int:
+        return self.inner.remembered_keys()
 
     def admit(self, key: bytes) -> bool:
         if not self._in_batch:

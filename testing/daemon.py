@@ -18,6 +18,12 @@ Contract
   or abstract ``ipc://@name`` endpoint).
 - ``flags``: ``{"gpu_bytes": 4096}`` becomes ``--gpu-bytes 4096``, after
   ``--socket <endpoint>``; ``kvtierd_args`` holds both (``--socket`` first).
+- Persistent CPU tiers: unless ``flags`` name ``arena_dir`` (or the kept
+  environment does), the daemon keeps
+  them in ``<workdir>/arenas`` (``arena_dir``, owned like ``workdir``), not
+  in /dev/shm: they go with the working folder, and a test never leaves
+  memory behind. A
+  ``restart()`` adopts them, as a restarted kvtierd does.
 - ``command``: what starts kvtierd, ``kvtierd_args`` appended: by default
   ``python -m kvtier.daemon`` (this interpreter); another command must run
   kvtierd in the very process it starts (its pid is the one ``health``
@@ -46,6 +52,12 @@ Contract
   created it. As a context manager: spawned on entry (unless running),
   cleaned up on exit.
 
+``loopback_tcp_daemon(workdir, flags)``: a started kvtierd on a free
+127.0.0.1 port with ``insecure_tcp`` (no CURVE). Where a test needs a
+request to run after its client gave up and closed its socket (on ipc://
+the daemon asks that closed connection for its peer's uid, and refuses):
+what a daemon too slow for a client's deadline does.
+
 Only the process this object started is ever signalled, through its own
 ``Popen`` (its pid), never by name.
 """
@@ -55,6 +67,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -78,10 +91,13 @@ DEFAULT_COMMAND = (sys.executable, "-m", "kvtier.daemon")  # this interpreter, s
 
 
 def flag_argv(flags: Mapping[str, object]) -> list[str]:
-    """``{"gpu_bytes": 4096}`` -> ``["--gpu-bytes", "4096"]``."""
+    """``{"gpu_bytes": 4096}`` -> ``["--gpu-bytes", "4096"]``; ``{"insecure_tcp": False}`` -> ``["--no-insecure-tcp"]``."""
     argv: list[str] = []
     for key, value in flags.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        if isinstance(value, bool):  # a switch: --name / --no-name
+            argv.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
+        else:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
 
 
@@ -126,7 +142,20 @@ class KvtierDaemon:
         self.workdir = workdir
         self.endpoint = endpoint or f"ipc://{workdir}/kvtierd.sock"
         self.log_path = workdir / "kvtierd.log"
-        self.kvtierd_args = ["--socket", self.endpoint, *flag_argv(flags or {})]
+        flags = dict(flags or {})
+        kept_env = env or {}
+        if keep_kvtier_env:
+            kept_env = {**os.environ, **kept_env}
+        if "arena_dir" not in flags and "KVTIER_ARENA_DIR" not in kept_env:
+            self.arena_dir = workdir / "arenas"
+            self.arena_dir.mkdir(mode=0o700, exist_ok=True)
+            owner = workdir.stat()
+            if (owner.st_uid, owner.st_gid) != (os.getuid(), os.getgid()):
+                os.chown(self.arena_dir, owner.st_uid, owner.st_gid)  # a daemon that runs as the folder's owner
+            flags["arena_dir"] = self.arena_dir
+        else:
+            self.arena_dir = Path(str(flags.get("arena_dir", kept_env.get("KVTIER_ARENA_DIR", "/dev/shm"))))
+        self.kvtierd_args = ["--socket", self.endpoint, *flag_argv(flags)]
         self.argv = [*command, *self.kvtierd_args]
         self.env = daemon_env(keep_kvtier_env=keep_kvtier_env, omp_threads=omp_threads, extra=env)
         self.cwd = cwd
@@ -240,3 +269,14 @@ class KvtierDaemon:
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
 
+
+
+def loopback_tcp_daemon(workdir: Path, flags: Mapping[str, object] | None = None, **kwargs: Any) -> KvtierDaemon:
+    """kvtierd on a free 127.0.0.1 port, without CURVE (see the module docstring)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "kvtierd-tcp.toml"
+    config.write_text(f'socket = "{endpoint}"\ninsecure_tcp = true\n')
+    return KvtierDaemon.start(workdir, endpoint=endpoint, flags={"config": config, **(flags or {})}, **kwargs)

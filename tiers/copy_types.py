@@ -17,6 +17,11 @@ Contract (the pool is the only caller of ``submit`` and ``poll``):
   Submitting after close raises ``TransferError``.
 - A failed copy fails its transfer only (``TransferError`` in ``error``);
   the engine keeps serving.
+- ``submit(..., then=fn)``: after the copy succeeds, the worker that saw it
+  finish calls ``fn()`` before completing the transfer, and keeps what it
+  returns in ``Transfer.then_result`` (a persistent CPU tier checksums the
+  bytes it just received there, off the pool's thread). If ``fn`` raises,
+  the transfer fails with a ``TransferError``.
 
 The engines themselves (``kvtier.tiers.transfer``) need torch; this module
 does not, so bookkeeping code (the pool, ``kvtier replay``) imports no torch
@@ -72,6 +77,8 @@ class Transfer:
     submitted_s: float = field(default_factory=time.monotonic)
     finished_s: float | None = None
     error: BaseException | None = None
+    then: Callable[[], object] | None = field(default=None, repr=False)  # see the module docstring
+    then_result: object = field(default=None, repr=False)
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def done(self) -> bool:
@@ -118,9 +125,11 @@ class TransferEngine(ABC):
         dst_slots: Sequence[int],
         *,
         high_priority: bool | None = None,
+        then: Callable[[], object] | None = None,
     ) -> Transfer:
         """Queue a copy; ``high_priority`` overrides the kind's class (an
-        eviction that blocks an allocation is a demotion on the critical path)."""
+        eviction that blocks an allocation is a demotion on the critical path);
+        ``then`` runs on the worker once the copy succeeded (module docstring)."""
         if self._closed:
             raise TransferError("transfer engine is closed")
         if len(src_slots) != len(dst_slots):
@@ -128,7 +137,7 @@ class TransferEngine(ABC):
         if src.block_bytes != dst.block_bytes:
             raise ValueError(f"block sizes differ: {src.block_bytes} != {dst.block_bytes} bytes")
         high = kind.high_priority if high_priority is None else high_priority
-        transfer = Transfer(next(self._ids), kind, len(src_slots), len(src_slots) * src.block_bytes, high)
+        transfer = Transfer(next(self._ids), kind, len(src_slots), len(src_slots) * src.block_bytes, high, then=then)
         self._enqueue(_Job(transfer, src, list(src_slots), dst, list(dst_slots)))
         return transfer
 
@@ -139,6 +148,11 @@ class TransferEngine(ABC):
         return done
 
     def _complete(self, transfer: Transfer, error: BaseException | None) -> None:
+        if error is None and transfer.then is not None:
+            try:
+                transfer.then_result = transfer.then()
+            except Exception as exc:  # the copy's own failure: the engine keeps serving
+                error = TransferError(f"{transfer.kind.value} of {transfer.num_blocks} blocks: after the copy: {exc}")
         transfer._finish(error)
         if error is None:
             self.bytes_by_kind[transfer.kind] += transfer.nbytes

@@ -27,19 +27,36 @@ Contract (the pool is the only caller; one thread):
   keys were restored into the GPU tier, and that the GPU tier let keys go;
   both only inform the policy (``EvictionPolicy.on_promote``/``on_gpu_drop``).
 - ``on_evict(entry)``, when set, is called for each victim just before its
-  slot is reused (the remote tier's write-back copies the bytes there).
+  slot is reused (the remote tier's write-back copies the bytes there); not
+  for an adopted victim whose bytes were never verified.
 - ``key_observer``, when set, is told ``added(key)`` when ``reserve`` makes an
   entry and ``removed(key)`` when one goes (evicted, discarded, aborted):
   the pool's key journal (``kvtier.tiers.pool.journal``).
 - ``storage`` is a ``BlockLayout`` slab of ``capacity_blocks`` rows, or None
   in bookkeeping-only mode (trace replay): then no bytes exist at all.
+- Persistence (optional): ``slot_recorder``, when set (a
+  ``kvtier.tiers.persistent_arena.PersistentArena``), keeps a restart-safe
+  record of which slot holds which key: ``record(slot, key, checksum)`` in
+  ``commit`` before the entry is ready (``checksum`` of the bytes, when the
+  copy computed it; else the recorder hashes them), ``invalidate(slot)``
+  before a slot is handed out for writing and whenever an entry goes. So a
+  record exists exactly for the ready entries.
+- Adoption: ``adopt([(key, slot), ...])`` takes over blocks a previous
+  process left in ``storage`` (``kvtier.tiers.pool.adoption``): ready,
+  policy order as given, but *unverified*. ``get`` / ``get_ready`` verify an
+  unverified entry first (``slot_recorder.verify``, a checksum of its bytes)
+  and drop it if that fails, so no caller ever sees a block that did not
+  verify; ``verified(entry, ok)`` applies a verdict reached elsewhere (a
+  verifier thread). ``adopted_blocks`` / ``adoption_dropped_blocks`` /
+  ``adoption_pending_blocks`` count verified, dropped (failed, or evicted
+  before verification) and still unverified adopted blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.tiers.policies.base import EvictionPolicy
 
@@ -52,6 +69,18 @@ class CpuTierFull(RuntimeError):
     """No room can be made without evicting pinned or busy blocks."""
 
 
+class SlotRecorder(Protocol):
+    """Where the CPU tier keeps its restart-safe slot records (see the module docstring)."""
+
+    def record(self, slot: int, key: bytes, checksum: int | None) -> None: ...
+
+    def invalidate(self, slot: int) -> None: ...
+
+    def verify(self, slot: int, key: bytes) -> bool: ...
+
+    def checksums(self, slots: Sequence[int]) -> list[int]: ...
+
+
 @dataclass(slots=True, eq=False)
 class CpuEntry:
     key: bytes
@@ -60,6 +89,7 @@ class CpuEntry:
     readers: int = 0
     ready: bool = False
     discarded: bool = False  # dropped by discard while its write was in flight: commit drops it
+    verified: bool = True  # False: adopted from a previous process, bytes not checked yet
 
     @property
     def evictable(self) -> bool:
@@ -83,6 +113,10 @@ class CpuTier:
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
         self.on_evict: Callable[[CpuEntry], None] | None = None
         self.key_observer: KeyObserver | None = None
+        self.slot_recorder: SlotRecorder | None = None
+        self.adopted_blocks = 0
+        self.adoption_dropped_blocks = 0
+        self.adoption_pending_blocks = 0
         self.evictions = 0
         self.full_failures = 0
         self.not_admitted = 0
@@ -99,12 +133,51 @@ class CpuTier:
         return sum(1 for e in self._entries.values() if e.pins)
 
     def get(self, key: bytes) -> CpuEntry | None:
-        """The entry for ``key`` in any state (ready or being written)."""
-        return self._entries.get(key)
+        """The entry for ``key`` in any state (ready or being written); an adopted one once verified."""
+        entry = self._entries.get(key)
+        if entry is not None and not entry.verified:
+            assert self.slot_recorder is not None
+            self.verified(entry, self.slot_recorder.verify(entry.slot, entry.key))
+            return self._entries.get(key)
+        return entry
 
     def get_ready(self, key: bytes) -> CpuEntry | None:
-        entry = self._entries.get(key)
+        entry = self.get(key)
         return entry if entry is not None and entry.ready else None
+
+    def peek(self, key: bytes) -> bool:
+        """Whether an entry for ``key`` exists, verified or not, without verifying it (the key journal asks)."""
+        return key in self._entries
+
+    def adopt(self, blocks: Iterable[tuple[bytes, int]]) -> list[CpuEntry]:
+        """Take over blocks a previous process left in ``storage`` (see the module docstring); returns the
+        new, unverified entries. A key already held or a slot not free is skipped."""
+        free = set(self._free_slots)
+        entries = []
+        for key, slot in blocks:
+            if key in self._entries or slot not in free:
+                continue
+            free.discard(slot)
+            entry = CpuEntry(key, slot, ready=True, verified=False)
+            self._entries[key] = entry
+            entries.append(entry)
+            self.policy.on_insert(key)
+            if self.key_observer is not None:
+                self.key_observer.added(key)
+        self._free_slots = sorted(free, reverse=True)  # low slots are still reused first
+        self.adoption_pending_blocks += len(entries)
+        return entries
+
+    def verified(self, entry: CpuEntry, ok: bool) -> None:
+        """The verdict on an adopted entry's bytes: kept (``ok``) or dropped; ignored if the entry went."""
+        if entry.verified or self._entries.get(entry.key) is not entry:
+            return
+        if ok:
+            entry.verified = True
+            self.adoption_pending_blocks -= 1
+            self.adopted_blocks += 1
+        else:
+            self._drop(entry)  # counted there
 
     def contains(self, key: bytes) -> bool:
         return self.get_ready(key) is not None
@@ -148,13 +221,16 @@ class CpuTier:
                     + (f" ({kept} more held for this call)" if kept else "")
                 )
         for victim in victims:
-            if self.on_evict is not None:
+            if self.on_evict is not None and victim.verified:  # unverified bytes go nowhere
                 self.on_evict(victim)
             self._drop(victim)
             self.evictions += 1
         entries = []
+        recorder = self.slot_recorder
         for key in keys:
             entry = CpuEntry(key, self._free_slots.pop())
+            if recorder is not None:
+                recorder.invalidate(entry.slot)  # before any byte of it is overwritten
             self._entries[key] = entry
             self._writing.add(key)
             entries.append(entry)
@@ -162,12 +238,15 @@ class CpuTier:
                 self.key_observer.added(key)
         return entries
 
-    def commit(self, entry: CpuEntry) -> None:
+    def commit(self, entry: CpuEntry, checksum: int | None = None) -> None:
+        """The write into ``entry``'s slot landed; ``checksum`` is its bytes' (None: the recorder computes it)."""
         if entry.ready or self._entries.get(entry.key) is not entry:
             raise ValueError(f"entry {entry.key.hex()} is not a pending write")
         if entry.discarded:
             self.abort(entry)  # the policy never learnt the key; the observer hears it went
             return
+        if self.slot_recorder is not None:
+            self.slot_recorder.record(entry.slot, entry.key, checksum)
         self._writing.discard(entry.key)
         entry.ready = True
         self.policy.on_insert(entry.key)
@@ -178,6 +257,8 @@ class CpuTier:
         del self._entries[entry.key]
         self._writing.discard(entry.key)
         self._free_slots.append(entry.slot)
+        if self.slot_recorder is not None:
+            self.slot_recorder.invalidate(entry.slot)
         if self.key_observer is not None:
             self.key_observer.removed(entry.key)
 
@@ -242,6 +323,11 @@ class CpuTier:
     def _drop(self, entry: CpuEntry) -> None:
         del self._entries[entry.key]
         self.policy.on_remove(entry.key)
+        if self.slot_recorder is not None:
+            self.slot_recorder.invalidate(entry.slot)  # a later process must not bring it back
+        if not entry.verified:  # adopted, never served: it failed verification or went first
+            self.adoption_pending_blocks -= 1
+            self.adoption_dropped_blocks += 1
         self._free_slots.append(entry.slot)
         if self.key_observer is not None:
             self.key_observer.removed(entry.key)

@@ -22,6 +22,10 @@ Contract:
   ``pin_memory`` allocation, with a warning. The layout's ``host_info``
   dict says what happened (``pinned``: "chunked", "torch" or False,
   ``numa_node``, ``chunks``, ``seconds``).
+- ``map_shared_slab(fd, num_blocks, block_bytes)`` is the slab of a
+  persistent CPU tier (``kvtier.tiers.persistent_arena``): a shared mapping
+  of a file whose pages outlive the process, pinned chunk by chunk as above
+  when CUDA is there (each process that maps it registers it again).
 - Without CUDA nothing here touches CUDA: the unpinned path is unchanged.
 """
 
@@ -153,46 +157,122 @@ def allocate_pinned_in_chunks(
     nbytes = num_blocks * block_bytes
     if nbytes <= 0:
         raise ValueError("nothing to pin")
+    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    started = time.monotonic()
+    with _bound_to_node(numa_node, sysfs):
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        _advise(buf)
+        layout = _register_in_chunks(buf, size, num_blocks, block_bytes, chunk_bytes, register=register,
+                                     unregister=unregister, progress=progress)
+    seconds = time.monotonic() - started
+    assert layout.host_info is not None
+    layout.host_info.update(numa_node=numa_node, seconds=seconds)
+    log.info("pinned %s in %d chunks in %.1f s (NUMA node %s)", format_gib(nbytes), layout.host_info["chunks"],
+             seconds, numa_node)
+    return layout
+
+
+def _advise(buf: mmap.mmap) -> None:
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # fewer pages to pin and to map; an optimisation only
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    if hasattr(mmap, "MADV_DONTFORK"):
+        # A forked child must not share (copy-on-write) pages a DMA engine writes to.
+        with contextlib.suppress(OSError):
+            buf.madvise(mmap.MADV_DONTFORK)
+
+
+def _register_in_chunks(
+    buf: mmap.mmap,
+    size: int,
+    num_blocks: int,
+    block_bytes: int,
+    chunk_bytes: int,
+    *,
+    register: Callable[[int, int], None],
+    unregister: Callable[[int], None],
+    progress: Callable[[int, int], None] | None,
+) -> BlockLayout:
+    """A slab over ``buf`` (``size`` bytes, page-rounded), page-locked chunk by chunk (see
+    ``allocate_pinned_in_chunks``); unregistered when the layout is garbage collected."""
     page = mmap.PAGESIZE
-    size = -(-nbytes // page) * page
     unit = math.lcm(block_bytes, page)
     if unit > chunk_bytes:
         unit = page
     chunk = max(unit, chunk_bytes // unit * unit)
-    started = time.monotonic()
-    with _bound_to_node(numa_node, sysfs):
-        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):  # fewer pages to pin and to map; an optimisation only
-                buf.madvise(mmap.MADV_HUGEPAGE)
-        if hasattr(mmap, "MADV_DONTFORK"):
-            # A forked child must not share (copy-on-write) pages a DMA engine writes to.
-            with contextlib.suppress(OSError):
-                buf.madvise(mmap.MADV_DONTFORK)
-        # torch.frombuffer keeps a reference to the mapping for the tensor's lifetime.
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=size)
-        base = flat.data_ptr()
-        registered: list[int] = []
-        try:
-            for off in range(0, size, chunk):
-                n = min(chunk, size - off)
-                register(base + off, n)  # faults the pages in from this (NUMA-bound) thread
-                registered.append(base + off)
-                if progress is not None:
-                    progress(off + n, size)
-        except BaseException:
-            for ptr in registered:
-                with contextlib.suppress(Exception):
-                    unregister(ptr)
-            raise
-    layout = BlockLayout([flat[:nbytes].view(num_blocks, block_bytes)], [0])
+    # torch.frombuffer keeps a reference to the mapping for the tensor's lifetime.
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=size)
+    base = flat.data_ptr()
+    registered: list[int] = []
+    try:
+        for off in range(0, size, chunk):
+            n = min(chunk, size - off)
+            register(base + off, n)  # faults the pages in from this (NUMA-bound) thread
+            registered.append(base + off)
+            if progress is not None:
+                progress(off + n, size)
+    except BaseException:
+        for ptr in registered:
+            with contextlib.suppress(Exception):
+                unregister(ptr)
+        raise
+    layout = BlockLayout([flat[:num_blocks * block_bytes].view(num_blocks, block_bytes)], [0])
     owner = _PinnedChunks(buf, registered)
     weakref.finalize(owner, _unregister_all, unregister, list(registered))
     layout.owners.append(owner)  # unregistered when the layout goes
-    seconds = time.monotonic() - started
-    layout.host_info = {"pinned": "chunked", "numa_node": numa_node, "chunks": len(registered), "seconds": seconds}
-    log.info("pinned %s in %d chunks in %.1f s (NUMA node %s)", format_gib(nbytes), len(registered), seconds,
-             numa_node)
+    layout.host_info = {"pinned": "chunked", "numa_node": None, "chunks": len(registered), "seconds": 0.0}
+    return layout
+
+
+def map_shared_slab(
+    fd: int,
+    num_blocks: int,
+    block_bytes: int,
+    *,
+    pin: bool | None = None,
+    populate: bool = False,
+    chunk_bytes: int = PIN_CHUNK_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+    register: Callable[[int, int], None] | None = None,
+    unregister: Callable[[int], None] | None = None,
+) -> BlockLayout:
+    """A slab over a shared mapping of the file ``fd`` (a persistent CPU tier: its bytes outlive the process).
+
+    The file must hold at least ``num_blocks * block_bytes`` bytes (page-rounded).
+    ``populate`` maps every page now (MAP_POPULATE: one call instead of a fault
+    per page on first use). Pinned as ``allocate_pinned_in_chunks`` pins
+    (``register``/``unregister`` default to ``cudaHostRegister``/``Unregister``),
+    and pinned again by every process that maps the file: a registration lives
+    with its process. If pinning fails, the slab stays pageable, with a warning
+    (copies work, slower); ``host_info["pinned"]`` says which.
+    """
+    if pin is None:
+        pin = torch.cuda.is_available()
+    nbytes = num_blocks * block_bytes
+    size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    started = time.monotonic()
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    buf = mmap.mmap(fd, size, flags=flags)
+    _advise(buf)
+    if pin and nbytes > 0:
+        if register is None or unregister is None:
+            from kvtier.tiers import cuda_copy  # CUDA-only helpers, imported when pinning
+
+            register, unregister = cuda_copy.host_register, cuda_copy.host_unregister
+        try:
+            layout = _register_in_chunks(buf, size, num_blocks, block_bytes, chunk_bytes, register=register,
+                                         unregister=unregister, progress=progress)
+        except Exception as exc:
+            log.warning("pinning the %s shared CPU tier failed (%s); it stays pageable (slower copies)",
+                        format_gib(nbytes), exc)
+        else:
+            assert layout.host_info is not None
+            layout.host_info["seconds"] = time.monotonic() - started
+            return layout
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=size)
+    layout = BlockLayout([flat[:nbytes].view(num_blocks, block_bytes)], [0])
+    layout.owners.append(buf)
+    layout.host_info = {"pinned": False, "numa_node": None, "chunks": 0, "seconds": time.monotonic() - started}
     return layout
 
 

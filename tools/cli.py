@@ -27,6 +27,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("stats", "kvtier.tools.stats"),
     ("top", "kvtier.tools.top"),
     ("keygen", "kvtier.tools.keygen"),
+    ("arenas", "kvtier.tools.arenas"),
 ]
 
 

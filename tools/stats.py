@@ -10,8 +10,11 @@ Contract
 - ``--json`` prints the reply as one JSON object: ``endpoint`` plus the
   ``stats`` verb's fields unchanged (``pools``, ``daemon``, ``sessions``);
   every counter is defined in docs/metrics.md. Without it, aligned tables:
-  hits by tier (each looked-up block is counted once: gpu, cpu, remote or
-  miss), occupancy, copies per direction, events, daemon counters.
+  hits by tier (each looked-up block is counted once: gpu, cpu, disk (when
+  some pool has a disk tier), remote or miss), occupancy, copies per
+  direction, events, the blocks a restarted daemon adopted from its
+  predecessor's CPU tier (and dropped), the disk tiers (hits, bytes, dropped
+  write-backs, errors, blocks adopted at start), daemon counters.
 - ``--pool NAME`` keeps one pool (an unknown name is an error naming the
   pools there are).
 - Exit status 0; 1 with ``kvtier stats: no kvtierd at URL ...`` when no
@@ -29,7 +32,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-TIERS = ("gpu", "cpu", "remote")
+TIERS = ("gpu", "cpu", "remote")  # the tiers every daemon reports
+ALL_TIERS = ("gpu", "cpu", "disk", "remote")  # ... and a pool with a disk tier (disk_dir)
+# A restarted daemon's adoption of its predecessor's CPU tier (docs/metrics.md 3.2a).
+ADOPTION_KEYS = ("cpu_adopted_blocks", "cpu_adoption_dropped_blocks", "cpu_adoption_pending_blocks")
 DIRECTIONS = ("demote", "restore", "store", "load")
 DEFAULT_TIMEOUT_S = 2.0
 
@@ -82,9 +88,9 @@ def _num(p: Mapping[str, Any], key: str) -> float:
 
 
 def hit_counts(p: Mapping[str, Any]) -> dict[str, float]:
-    """Looked-up blocks and their split: ``{"looked_up", "lookups", "gpu", "cpu", "remote", "miss"}``."""
+    """Looked-up blocks and their split: ``{"looked_up", "lookups", "gpu", "cpu", "disk", "remote", "miss"}``."""
     out = {"lookups": _num(p, "lookups"), "looked_up": _num(p, "looked_up_blocks"), "miss": _num(p, "miss_blocks")}
-    for tier in TIERS:
+    for tier in ALL_TIERS:
         out[tier] = _num(p, f"hit_blocks_{tier}")
     return out
 
@@ -92,22 +98,62 @@ def hit_counts(p: Mapping[str, Any]) -> dict[str, float]:
 def hit_rates(counts: Mapping[str, float]) -> dict[str, float | None]:
     """Share of looked-up blocks per tier and miss (they sum to 1); None when nothing was looked up."""
     total = counts["looked_up"]
-    return {k: (counts[k] / total if total else None) for k in (*TIERS, "miss")}
+    return {k: (counts[k] / total if total else None) for k in (*ALL_TIERS, "miss")}
+
+
+def shown_tiers(pools: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+    """The tiers a table shows: the disk tier's column only where some pool has one."""
+    return ALL_TIERS if any(isinstance(p.get("disk"), Mapping) for p in pools.values()) else TIERS
+
+
+def disk_rows(pools: Mapping[str, Mapping[str, Any]], names: Sequence[str],
+              delta: Mapping[str, Mapping[str, float]] | None = None) -> list[list[str]]:
+    """One row per pool with a disk tier: state, used/capacity, hits, bytes read and written, dropped, errors,
+    adopted; with ``delta`` (per pool, the disk counters' change over an interval) the interval's too."""
+    rows = []
+    for name in names:
+        d = pools[name].get("disk")
+        if not isinstance(d, Mapping):
+            continue
+        state = "up" if d.get("available") else f"DOWN ({d.get('last_error') or 'opening'})"
+        dropped = sum(_num(d, k) for k in ("writes_dropped_full", "writes_dropped_unavailable"))
+        errors = sum(_num(d, k) for k in ("read_errors", "write_errors", "disk_corrupt"))
+        cells = [fmt_int(_num(d, "disk_hits")), fmt_bytes(_num(d, "bytes_read")), fmt_bytes(_num(d, "bytes_written")),
+                 fmt_int(dropped), fmt_int(_num(d, "writes_not_admitted")), fmt_int(errors)]
+        if delta is not None:
+            dd = delta.get(name, {})
+            d_dropped = sum(dd.get(k, 0.0) for k in ("writes_dropped_full", "writes_dropped_unavailable"))
+            d_errors = sum(dd.get(k, 0.0) for k in ("read_errors", "write_errors", "disk_corrupt"))
+            new = [dd.get("disk_hits", 0.0), dd.get("bytes_read", 0.0), dd.get("bytes_written", 0.0), d_dropped,
+                   dd.get("writes_not_admitted", 0.0), d_errors]
+            cells = [f"{c} +{fmt_bytes(x) if i in (1, 2) else fmt_int(x)}" for i, (c, x) in enumerate(zip(cells, new))]
+        rows.append([name, state, f"{fmt_int(_num(d, 'used_blocks'))}/{fmt_int(_num(d, 'capacity_blocks'))}", *cells,
+                     f"{fmt_int(_num(d, 'adopted_blocks'))} ({fmt_int(_num(d, 'torn_records'))} torn)"])
+    return rows
+
+
+DISK_HEADER = ["pool", "state", "blocks", "hits", "read", "written", "dropped", "not admitted", "errors", "adopted"]
 
 
 def occupancy(p: Mapping[str, Any]) -> dict[str, dict[str, int]]:
     """Per tier: ``capacity``, ``used``, ``free`` (used + free = capacity) and ``cached`` blocks.
 
     GPU ``used`` = referenced (requests, pins, copies); GPU ``free`` includes
-    cached blocks that are evictable. CPU ``used`` = occupied slots.
+    cached blocks that are evictable. CPU ``used`` = occupied slots; so is
+    ``disk``'s, present for a pool with a disk tier.
     """
     gpu_cap, gpu_free = int(_num(p, "gpu_blocks")), int(_num(p, "gpu_free_blocks"))
     cpu_cap, cpu_used = int(_num(p, "cpu_blocks")), int(_num(p, "cpu_used_blocks"))
-    return {
+    out = {
         "gpu": {"capacity": gpu_cap, "used": gpu_cap - gpu_free, "free": gpu_free,
                 "cached": int(_num(p, "gpu_cached_blocks"))},
         "cpu": {"capacity": cpu_cap, "used": cpu_used, "free": cpu_cap - cpu_used, "cached": cpu_used},
     }
+    disk = p.get("disk")
+    if isinstance(disk, Mapping):
+        cap, used = int(_num(disk, "capacity_blocks")), int(_num(disk, "used_blocks"))
+        out["disk"] = {"capacity": cap, "used": used, "free": cap - used, "cached": used}
+    return out
 
 
 def fmt_pct(x: float | None) -> str:
@@ -162,21 +208,24 @@ def format_stats(stats: Mapping[str, Any], endpoint: str) -> str:
     out = [f"kvtierd at {endpoint}: {n_sessions} session{'s' * (n_sessions != 1)}, "
            f"{len(names)} pool{'s' * (len(names) != 1)}"]
     if names:
-        out += ["", "HITS (looked-up blocks; each is counted once: gpu, cpu, remote or miss)"]
+        tiers = shown_tiers(pools)
+        out += ["", f"HITS (looked-up blocks; each is counted once: {', '.join(tiers)} or miss)"]
         rows = []
         for name in names:
             c = hit_counts(pools[name])
             r = hit_rates(c)
             rows.append([name, fmt_int(c["lookups"]), fmt_int(c["looked_up"]),
-                         *(f"{fmt_int(c[k])} {fmt_pct(r[k])}" for k in (*TIERS, "miss"))])
-        out += render_table(["pool", "lookups", "blocks", "gpu", "cpu", "remote", "miss"], rows, indent=2)
+                         *(f"{fmt_int(c[k])} {fmt_pct(r[k])}" for k in (*tiers, "miss"))])
+        out += render_table(["pool", "lookups", "blocks", *tiers, "miss"], rows, indent=2)
 
         out += ["", "OCCUPANCY (blocks; used + free = capacity; pins count both tiers; held: distinct keys either tier holds)"]
         rows = []
         for name in names:
             p = pools[name]
             occ = occupancy(p)
-            for tier in ("gpu", "cpu"):
+            for tier in ("gpu", "cpu", "disk"):
+                if tier not in occ:
+                    continue
                 o = occ[tier]
                 rows.append([name if tier == "gpu" else "", tier, fmt_int(o["capacity"]), fmt_int(o["used"]),
                              fmt_int(o["free"]), fmt_int(o["cached"]),
@@ -206,6 +255,16 @@ def format_stats(stats: Mapping[str, Any], endpoint: str) -> str:
                          fmt_int(_num(p, "copy_failures")), fmt_int(_num(p, "copies_in_flight"))])
         out += render_table(["pool", "mode", "sessions", "demoted", "demote skipped", "restored", "cpu evicted",
                              "stored", "store fails", "loaded", "copy fails", "in flight"], rows, indent=2)
+        adopted = [name for name in names if any(_num(pools[name], k) for k in ADOPTION_KEYS)]
+        if adopted:
+            out += ["", "ADOPTED AT START (blocks of the CPU tier the previous kvtierd left; verified before served)"]
+            rows = [[name, *(fmt_int(_num(pools[name], k)) for k in ADOPTION_KEYS)] for name in adopted]
+            out += render_table(["pool", "adopted", "dropped", "verifying"], rows, indent=2)
+        rows = disk_rows(pools, names)
+        if rows:
+            out += ["", "DISK TIER (blocks read and verified, bytes, write-backs dropped (queue full, disk resting "
+                        "after an error) and not admitted, errors (read, write, checksum), blocks adopted at start)"]
+            out += render_table(DISK_HEADER, rows, indent=2)
         for name in names:
             remote = pools[name].get("remote")
             if isinstance(remote, Mapping):
@@ -222,7 +281,7 @@ def format_stats(stats: Mapping[str, Any], endpoint: str) -> str:
         ["requests", _labelled(daemon, "requests_total")],
         ["errors", _labelled(daemon, "errors_total")],
         ["protocol errors", _labelled(daemon, "protocol_errors_total")],
-        ["replies dropped", fmt_int(_num(daemon, "replies_dropped_total"))],
+        ["replies dropped", _labelled(daemon, "replies_dropped_total")],
     ]
     out += ["  " + line for line in _two_columns(rows)]
     return "\n".join(out) + "\n"

@@ -5,11 +5,15 @@ Contract
 
 - ``kvtier top [--socket URL] [--interval S] [--once | --count N]`` asks the
   session-less ``stats`` verb every ``--interval`` seconds (default 1.0) and
-  shows, per pool: hit rate by tier (gpu, cpu, remote, miss) over the last
-  interval and since the daemon started, bytes/s per copy direction over the
-  last interval, occupancy of both tiers, pins, copies in flight, sessions,
-  and the interval's demotions, restores, CPU evictions and failures; and
-  for the daemon: sessions, lease expiries, requests/s, errors.
+  shows, per pool: hit rate by tier (gpu, cpu, disk where a pool has a disk
+  tier, remote, miss) over the last interval and since the daemon started,
+  bytes/s per copy direction over the last interval, occupancy of the tiers,
+  pins, copies in flight, sessions, and the interval's demotions, restores,
+  CPU evictions and failures; the blocks a restarted daemon adopted from its
+  predecessor's CPU tier, dropped and still verifying (when any); the disk
+  tiers' hits, bytes read and written, dropped write-backs and errors (total,
+  +interval); and for the daemon: sessions, lease expiries, requests/s,
+  errors.
 - Rates come from counter deltas between two samples divided by the time
   between them. A counter that went down (the daemon restarted) or a pool
   that is new counts from zero.
@@ -34,8 +38,11 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from kvtier.tools.stats import (
+    ADOPTION_KEYS,
     DIRECTIONS,
-    TIERS,
+    DISK_HEADER,
+    disk_rows,
+    shown_tiers,
     add_socket_arguments,
     curve_keys,
     fetch_stats,
@@ -116,20 +123,21 @@ def render_frame(prev: Mapping[str, Any] | None, cur: Mapping[str, Any], elapsed
         return "\n".join(lines) + "\n"
     names = sorted(pools)
     deltas = {name: _pool_delta(pools[name], prev_pools.get(name)) for name in names}
+    tiers = shown_tiers(pools)
 
     rows = []
     for name in names:
         for label, counts in ((win, hit_counts(deltas[name]) if window else None),
                               ("since start", hit_counts(pools[name]))):
             if counts is None:
-                rows.append([name, label, "-", "-", *("-" for _ in (*TIERS, "miss"))])
+                rows.append([name, label, "-", "-", *("-" for _ in (*tiers, "miss"))])
                 continue
             rates = hit_rates(counts)
             rate = per_s(counts["looked_up"]) if label == win else ""
             rows.append([name if label == win else "", label, fmt_int(counts["looked_up"]), rate,
-                         *(fmt_pct(rates[k]) for k in (*TIERS, "miss"))])
+                         *(fmt_pct(rates[k]) for k in (*tiers, "miss"))])
     lines += ["", "HIT RATE (share of looked-up blocks)"]
-    lines += render_table(["pool", "window", "blocks", "blocks/s", "gpu", "cpu", "remote", "miss"], rows, indent=2)
+    lines += render_table(["pool", "window", "blocks", "blocks/s", *tiers, "miss"], rows, indent=2)
 
     rows = []
     for name in names:
@@ -163,6 +171,19 @@ def render_frame(prev: Mapping[str, Any] | None, cur: Mapping[str, Any], elapsed
                              for k, _ in _EVENT_KEYS)])
     lines += ["", f"EVENTS (total, +{win})"]
     lines += render_table(["pool", *(label for _, label in _EVENT_KEYS)], rows, indent=2)
+
+    adopted = [name for name in names if any(_num(pools[name], k) for k in ADOPTION_KEYS)]
+    if adopted:
+        rows = [[name, *(fmt_int(_num(pools[name], k)) for k in ADOPTION_KEYS)] for name in adopted]
+        lines += ["", "ADOPTED AT START (the previous kvtierd's CPU tier; verified before served)"]
+        lines += render_table(["pool", "adopted", "dropped", "verifying"], rows, indent=2)
+    disk_deltas = {name: _pool_delta(pools[name]["disk"], (prev_pools.get(name) or {}).get("disk"))
+                   for name in names if isinstance(pools[name].get("disk"), Mapping)}
+    rows = disk_rows(pools, names, disk_deltas if window else None)
+    if rows:
+        lines += ["", f"DISK TIER (total{', +' + win if window else ''}; dropped: write-backs the queue or a resting "
+                      "disk refused; errors: read, write, checksum)"]
+        lines += render_table(DISK_HEADER, rows, indent=2)
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import resource
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,7 +42,7 @@ import psutil
 from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
 from kvtier.client.protocol import OPS, ProtocolError  # what a hello may send: pool names, leases
 from kvtier.daemon.config.errors import ConfigError
-from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer
+from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer, descriptor_limit
 from kvtier.daemon.config.units import (
     Coerce,
     CpuBytes,
@@ -56,8 +55,10 @@ from kvtier.daemon.config.units import (
     _as_lower_str,
     _as_mode,
     _as_optional_cpu_size,
+    _as_optional_dir,
     _as_optional_float,
     _as_optional_path,
+    _as_path,
     _as_optional_int,
     _as_optional_size,
     _as_optional_url,
@@ -101,6 +102,10 @@ MAX_POOLS = 1 << 21
 # A GPU tier has at most this many blocks (daemon.pools.MAX_BLOCKS_PER_TIER, which a test
 # compares): clean-ahead past it demotes nothing more.
 MAX_CLEAN_AHEAD_BLOCKS = 1 << 23
+# A disk tier holds at least one block of a few MiB, and its slot index records 2**23 blocks
+# at most (daemon.pools.MAX_BLOCKS_PER_TIER): 1 PiB is that many blocks of 128 MiB.
+MIN_DISK_BYTES = 1 * MiB
+MAX_DISK_BYTES = 1 << 50
 # The name a hello sends for a pool: a pool table no hello can name would never apply.
 HELLO_POOL_NAME = OPS["hello"].fields["pool"].type
 # sun_path is 108 bytes on Linux, one of them the terminating NUL.
@@ -331,9 +336,28 @@ def _check_bool(key: str, value: object) -> None:
         raise ConfigError(key, f"must be true or false, got {value!r}")
 
 
+def _check_arena_dir(key: str, value: object) -> None:
+    # Existence is checked when the daemon starts (and only if persist_cpu_tier is on).
+    if not isinstance(value, Path) or not value.is_absolute():
+        raise ConfigError(key, f"must be an absolute directory path, got {str(value)!r}")
+
+
 def _check_device(key: str, value: object) -> None:
     if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda:(0|[1-9][0-9]*)", value):
         raise ConfigError(key, f"must be 'auto', 'cpu' or 'cuda:N', got {value!r}")
+
+
+def _check_disk_dir(key: str, value: object) -> None:
+    # Whether kvtierd can make and write it is checked with disk_bytes (_check_disk_tiers).
+    if not isinstance(value, Path) or not value.is_absolute():
+        raise ConfigError(key, f"must be an absolute directory path, got {str(value)!r}")
+
+
+def _check_disk_bytes(key: str, value: object) -> None:
+    if not _is_int(value) or not MIN_DISK_BYTES <= value <= MAX_DISK_BYTES:  # type: ignore[operator]
+        shown = format_byte_size(value) if _is_int(value) else repr(value)  # type: ignore[arg-type]
+        raise ConfigError(key, f"must be a size in {format_byte_size(MIN_DISK_BYTES)}..{format_byte_size(MAX_DISK_BYTES)}, "
+                               f"got {shown}")
 
 
 def _check_remote_url(key: str, value: object) -> None:
@@ -443,17 +467,11 @@ def _check_metrics_port(cfg: DaemonConfig) -> None:
                                           "the second bind would fail: choose another")
 
 
-def _auto_max_connections() -> int:
-    """What ``max_connections = "auto"`` comes to on this host (daemon.descriptors)."""
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    return FdBudget.of(1 << 20 if hard == resource.RLIM_INFINITY else hard).connections  # as FdBudget.at_start
-
-
 def _check_per_peer(cfg: DaemonConfig) -> None:
     per_peer = cfg.max_connections_per_peer
     if per_peer is None:
         return  # auto: a quarter of max_connections
-    total = cfg.max_connections if cfg.max_connections is not None else _auto_max_connections()
+    total = cfg.max_connections if cfg.max_connections is not None else FdBudget.of(descriptor_limit()).connections
     if per_peer > total:
         source = "" if cfg.max_connections is not None else " ('auto' here: a quarter of the file descriptors)"
         raise ConfigError("max_connections_per_peer", f"is {per_peer}, more than max_connections ({total}{source}): "
@@ -475,6 +493,34 @@ def _check_cpu_budget(cfg: DaemonConfig) -> None:
         if isinstance(cpu_bytes, int) and cpu_bytes > budget:
             raise ConfigError("cpu_budget_bytes", f"is {format_byte_size(budget)}, less than {dotted} "
                                                   f"({format_byte_size(cpu_bytes)}): that pool could never be created")
+
+
+def _check_disk_tiers(cfg: DaemonConfig) -> None:
+    # Like the remote secret's file: what can be known before start is checked here, so a
+    # disk tier that could never work stops kvtierd (exit 2) instead of logging misses forever.
+    d = cfg.default_pool
+    tables = [("default_pool.disk_dir", "default_pool.disk_bytes", d.disk_dir, d.disk_bytes)]
+    for name, o in cfg.pools.items():
+        s = cfg.pool_settings(name)
+        dir_key = f"{pool_key(name)}.disk_dir" if o.disk_dir is not None else "default_pool.disk_dir"
+        bytes_key = f"{pool_key(name)}.disk_bytes" if o.disk_bytes is not None else "default_pool.disk_bytes"
+        tables.append((dir_key, bytes_key, s.disk_dir, s.disk_bytes))
+    for dir_key, bytes_key, disk_dir, disk_bytes in tables:
+        if disk_dir is None:
+            continue
+        existing = disk_dir
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ConfigError(dir_key, f"{existing} is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(dir_key, f"kvtierd cannot {'write' if existing == disk_dir else 'create'} {disk_dir} "
+                                       f"({existing} is not writable by uid {os.geteuid()})")
+        fs = os.statvfs(existing)
+        total = fs.f_blocks * fs.f_frsize
+        if disk_bytes > total:
+            raise ConfigError(bytes_key, f"is {format_byte_size(disk_bytes)}, more than the whole filesystem of "
+                                         f"{disk_dir} ({format_gib(total, decimals=1)}): no pool could keep that much")
 
 
 def _check_remote_secret(cfg: DaemonConfig) -> None:
@@ -510,12 +556,22 @@ def _cpu_budget_note(cfg: DaemonConfig, available_bytes: int) -> str:
 
 
 def _max_connections_note(cfg: DaemonConfig, available_bytes: int) -> str:
-    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    budget = FdBudget.of(descriptor_limit())
     return f"a quarter of the file descriptors (now {budget.connections} of {budget.limit_fds})"
 
 
+def _check_max_connections(key: str, value: object) -> None:
+    _check_int(key, value, minimum=1)
+    assert isinstance(value, int)
+    try:
+        # What the daemon's descriptor limit allows: libzmq aborts the daemon when an accept finds none.
+        FdBudget.of(descriptor_limit(), value)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
+
+
 def _per_peer_note(cfg: DaemonConfig, available_bytes: int) -> str:
-    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    budget = FdBudget.of(descriptor_limit())
     total = cfg.max_connections if cfg.max_connections is not None else budget.connections
     return f"a quarter of max_connections, at most {MAX_AUTO_CONNECTIONS_PER_PEER} (now {auto_per_peer(total)})"
 
@@ -555,6 +611,13 @@ class PoolDefaults:
         _as_optional_url,
         "remote tier below the CPU tier: redis://HOST:PORT/DB or redis+cluster://HOST:PORT[,...] ('off' = none)", "URL",
         group=POOLS, check=_check_remote_url))
+    disk_dir: Path | None = field(default=None, metadata=key(
+        _as_optional_dir, "directory of the disk tier below the CPU tier (e.g. on local NVMe): each pool keeps "
+        "up to disk_bytes of blocks in a subdirectory, kept across restarts and reboots ('none' = no disk tier)",
+        "DIR", group=POOLS, check=_optional(_check_disk_dir)))
+    disk_bytes: int = field(default=64 * GiB, metadata=key(
+        _as_size, "disk-tier size of each pool with a disk_dir, preallocated when the pool is created "
+        "(e.g. 500GiB)", "SIZE", group=POOLS, check=_check_disk_bytes))
 
     def __post_init__(self) -> None:
         _check_keys(self, POOL_KEYS)
@@ -569,6 +632,8 @@ class PoolOverrides:
     policy: str | None = None
     clean_ahead_blocks: int | None = None
     remote_url: str | None = None
+    disk_dir: Path | None = None
+    disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_keys(self, POOL_KEYS, skip_none=True)
@@ -584,6 +649,8 @@ class PoolSettings:
     policy: str
     clean_ahead_blocks: int
     remote_url: str | None = None
+    disk_dir: Path | None = None
+    disk_bytes: int = 64 * GiB
 
     def resolve_cpu_bytes(self, available_bytes: int | None = None) -> int:
         """CPU-tier bytes for this pool; ``available_bytes`` defaults to psutil's available memory now."""
@@ -682,6 +749,14 @@ class DaemonConfig:
     max_pools: int = field(default=128, metadata=key(
         _as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N",
         group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=MAX_POOLS)))
+    max_auth_failures_per_minute: int = field(default=10, metadata=key(
+        _as_int, "wrong tenant tokens one peer (a uid on ipc://, an IP address on tcp://) may send in hello per "
+        "minute; past it its hellos with a token get TOO_MANY_AUTH_FAILURES, the token unchecked", "N",
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=100_000)))
+    # Each live session costs ~3.7 KB and a place in every lease sweep.
+    max_sessions: int = field(default=4096, metadata=key(
+        _as_int, "live sessions the daemon holds at once; a hello past it gets TOO_MANY_SESSIONS", "N",
+        group=SERVER, rank=10, check=partial(_check_int, minimum=1, maximum=1 << 20)))
     max_pinned_share: float = field(default=0.5, metadata=key(
         _as_share,
         "pinned blocks one session (and one tenant's sessions together) may hold, as a share of the pool's blocks",
@@ -692,11 +767,17 @@ class DaemonConfig:
         "UNREAD_REPLIES (e.g. 512MiB)", "SIZE",
         group=SERVER, rank=14, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
                                              what="unread replies are held in memory")))
+    max_unread_reply_bytes_total: int = field(default=1 * GiB, metadata=key(
+        _as_size,
+        "bytes of copied block payload (not lent tier memory) in replies all connections have not read yet; past "
+        "it a connection with replies unread gets UNREAD_REPLIES (e.g. 1GiB)", "SIZE",
+        group=SERVER, rank=14, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
+                                             what="unread replies are held in memory")))
     # Both caps shed connections as libzmq accepts them (daemon.connection_limits).
     max_connections: int | None = field(default=None, metadata=key(
         _as_optional_int, "client connections held at once; past it new ones get TOO_MANY_CONNECTIONS and are "
-        "closed ('auto' = a quarter of the file descriptors)", "N",
-        group=SERVER, rank=15, check=_optional(partial(_check_int, minimum=1)), unset="auto",
+        "closed ('auto' = a quarter of the file descriptors; at most half of them)", "N",
+        group=SERVER, rank=15, check=_optional(_check_max_connections), unset="auto",
         auto_note=_max_connections_note))
     max_connections_per_peer: int | None = field(default=None, metadata=key(
         _as_optional_int, "client connections one peer (a uid on ipc://, an IP address on tcp://) may hold at "
@@ -739,6 +820,13 @@ class DaemonConfig:
     socket_mode: int = field(default=0o600, metadata=key(
         _as_mode, "file mode of the ipc socket: 0600, or 0660 to let the socket's group connect", "MODE",
         group=SERVER, rank=2, check=_check_socket_mode))
+    persist_cpu_tier: bool = field(default=True, metadata=key(
+        _as_bool, "keep CPU tiers in files under arena_dir, so a restarted kvtierd (crash, stop, upgrade) adopts "
+        "their blocks; false: private memory, emptied by every restart", "BOOL",
+        group=RUNTIME, rank=6, check=_check_bool))
+    arena_dir: Path = field(default=Path("/dev/shm"), metadata=key(
+        _as_path, "directory (tmpfs) of the persistent CPU tiers' files; 'kvtier arenas' lists and removes them",
+        "DIR", group=RUNTIME, rank=7, check=_check_arena_dir))
     hash_algo: str = field(default="xxh3_128", metadata=key(
         _as_lower_str, "block hash algorithm pools must use: xxh3_128 or sha256 (default sha256 with 2+ tenants)",
         "ALGO", group=RUNTIME, rank=2, check=_check_hash_algo))
@@ -784,6 +872,7 @@ class DaemonConfig:
         object.__setattr__(self, "tenants", MappingProxyType(_check_tenants(self.tenants)))
         _check_remote_secret(self)
         _check_cpu_budget(self)
+        _check_disk_tiers(self)
 
     @property
     def remote_url_keys(self) -> list[str]:

@@ -146,6 +146,11 @@ def _as_optional_url(value: object, text: bool) -> str | None:
     return None if url.lower() in ("", "off", "none") else url
 
 
+def _as_optional_dir(value: object, text: bool) -> Path | None:
+    raw = _as_str(value, text).strip()
+    return None if raw.lower() in ("", "off", "none") else Path(raw)
+
+
 def _as_lower_str(value: object, text: bool) -> str:
     return _as_str(value, text).strip().lower()
 
@@ -158,6 +163,10 @@ def _as_log_level(value: object, text: bool) -> str:
 def _as_device(value: object, text: bool) -> str:
     device = _as_lower_str(value, text)
     return "cuda:0" if device == "cuda" else device
+
+
+def _as_path(value: object, text: bool) -> Path:
+    return Path(_as_str(value, text))
 
 
 def _as_optional_path(value: object, text: bool) -> Path | None:

@@ -3,8 +3,8 @@
 
 1. starts ``kvtierd`` (``python -m kvtier.daemon``) on a private ipc socket
    (or uses a running one: ``--endpoint``);
-2. writes a small random-weight Llama (a ``config.json`` only) into a
-   temporary directory and starts vLLM's ``LLM`` on it with
+2. writes a small random-weight Llama (config and safetensors checkpoint)
+   into a temporary directory and starts vLLM's ``LLM`` on it with
    ``KvtierConnector``; the weights are drawn from ``--seed`` by
    ``kvtier.testing.vllm_weights``, scaled so that the whole prefix decides
    each answer (under vLLM's own dummy weights only the last token does, and
@@ -61,7 +61,6 @@ T_START = time.perf_counter()
 # Before vLLM is imported: its engine processes are spawned and inherit these.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the KV cache itself is --vllm-blocks
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the weights' function
 
 
 MODEL_NAME = "tiny-llama-random"  # vLLM's served model name: kvtier's pool is vllm/<it>/<dtype>/b<block>/tp0of1
@@ -101,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def write_model(directory: Path, args: argparse.Namespace, max_len: int) -> dict[str, Any]:
+    from kvtier.testing import vllm_weights
+
     heads = max(1, args.hidden // 64)
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -109,7 +110,7 @@ def write_model(directory: Path, args: argparse.Namespace, max_len: int) -> dict
         "max_position_embeddings": max(4096, max_len), "rms_norm_eps": 1e-5, "torch_dtype": args.dtype,
         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
     }
-    (directory / "config.json").write_text(json.dumps(cfg))
+    vllm_weights.write_model(directory, cfg, args.seed)
     return cfg
 
 
@@ -122,10 +123,8 @@ def start_llm(model_dir: Path, args: argparse.Namespace, *, vllm_blocks: int, ma
               endpoint: str | None) -> Any:
     from vllm import LLM
 
-    from kvtier.testing.vllm_weights import context_sensitive_weights
-
     kwargs: dict[str, Any] = dict(
-        model=str(model_dir), served_model_name=MODEL_NAME, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype, seed=args.seed,
+        model=str(model_dir), served_model_name=MODEL_NAME, skip_tokenizer_init=True, dtype=args.dtype, seed=args.seed,
         max_model_len=max_len, block_size=args.block_size, num_gpu_blocks_override=vllm_blocks,
         enforce_eager=True, max_num_seqs=4, disable_log_stats=False,  # stats on: RequestOutput.metrics has TTFT
     )
@@ -138,14 +137,21 @@ def start_llm(model_dir: Path, args: argparse.Namespace, *, vllm_blocks: int, ma
         }
     else:
         kwargs["enable_prefix_caching"] = False  # the baseline computes every token
-    llm = LLM(**kwargs)
-    llm.collective_rpc(context_sensitive_weights, args=(args.seed,))
-    return llm
+    return LLM(**kwargs)
+
+
+# How long vLLM's engine process may take to tear down before vLLM kills it. vLLM's own default is 5 s; on
+# a loaded 2-core host the teardown takes longer, and a killed engine leaves its shared-memory ring buffer
+# (160 MiB) to Python's resource tracker, which removes it at exit warning "There appear to be 2 leaked
+# shared_memory objects" (one per engine started).
+ENGINE_STOP_TIMEOUT_S = 120.0
 
 
 def stop_llm(llm: Any) -> None:
-    """Shut the engine's processes down before the next LLM starts (2 cores: no overlap)."""
+    """Shut the engine's processes down before the next LLM starts (2 cores: no overlap), letting them clean up."""
     try:
+        llm.llm_engine.engine_core.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
+    except TypeError:  # a vLLM whose shutdown takes no timeout
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # an older or newer vLLM: garbage collection stops it too
         pass

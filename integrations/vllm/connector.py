@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.pool import choose_pool
+from kvtier.integrations.vllm.prefix_support import engine_support
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import ConnectorSettings
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
@@ -63,8 +64,10 @@ class KvtierConnector(KVConnectorBase_V1):
             pool = choose_pool(vllm_config, kv_cache_config, model_id=settings.model_id,
                                hash_algo=settings.hash_algo, tp_rank=0)
             events = vllm_config.kv_events_config
+            # vLLM's final config: where it cannot compute on a prefix, nothing is loaded (prefix_support.py).
             self._scheduler = SchedulerSide(settings, pool,
-                                            kv_events=events is not None and bool(events.enable_kv_cache_events))
+                                            kv_events=events is not None and bool(events.enable_kv_cache_events),
+                                            support=engine_support(vllm_config, kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

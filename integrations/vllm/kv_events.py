@@ -31,9 +31,17 @@ enabled, and calls it on vLLM's scheduler thread:
 - What is remembered is bounded (``max_blocks``, oldest first); an announced
   block forgotten that way is removed too, so a router is never left
   believing in a block nobody will report gone.
-- Within one read only each key's last change counts: a block that left
-  kvtierd and came back in between (an eviction from its GPU tier before the
-  CPU copy existed, then the copy) makes no event.
+- Within one read only each key's last change counts: the events are the
+  difference between what kvtierd held at two consecutive reads. A block
+  that left kvtierd and came back in between (an eviction from its GPU tier
+  before the CPU copy existed, then the copy) makes no event; one stored and
+  evicted in between is never announced, nor removed. Deliberately: a
+  router told of a block already gone could only send a request there for
+  nothing. So what a router sees is, per block, ``BlockStored`` and
+  ``BlockRemoved`` alternating, ``BlockStored`` first, and its belief equals
+  what kvtierd held at the last read; how many short-lived blocks it ever
+  heard of depends on when the reads fell (``interval_s``), and is no truth
+  to count on.
 - kvtierd's journal says ``lost`` (this reader fell behind its ring, or a
   restarted daemon): every announced block is removed, and announced again
   when kvtierd holds it anew. Wrong in the safe direction: a router loses

@@ -16,7 +16,9 @@ Both raise the client's errors; ``DaemonLink`` turns those into misses.
   segments, a backend whose storage cannot move): the worker copies blocks
   through a shared-memory arena, ``staging_blocks`` at a time. One call at a
   time uses the arena (the worker's store and background-load threads take
-  turns).
+  turns). An arena ``/dev/shm`` cannot hold when the plane is made (vLLM's
+  start-up) is a ``ValueError`` naming ``staging_blocks``: it would fail
+  every connect.
 
 ``make_plane`` picks one per ``data_plane`` (``auto``: registered, falling
 back to staged with a log line that says why).
@@ -25,6 +27,7 @@ back to staged with a log line that says why).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvtier.client.client import Client
 from kvtier.client.kv_share import KvShareError, export_kv, share_kv_in_place
 from kvtier.client.protocol import Hints
+from kvtier.client.shm_arena import SHM_DIR
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.transfer import copy_host_blocks
 
@@ -97,6 +101,7 @@ class StagedPlane:
         self._deadline = deadline
         self._engine = BlockLayout(list(tensors), list(block_dims))
         self._slots = staging_blocks
+        _check_arena_fits(staging_blocks, self._engine.block_bytes)
         self._arena: BlockLayout | None = None
         # A restore and a store must not share the arena's slots, nor a reconnect swap the arena under them.
         self._arena_lock = threading.RLock()
@@ -142,6 +147,17 @@ class StagedPlane:
             slots = list(range(len(chunk)))
             copy_host_blocks(self._engine, block_ids[lo: lo + len(chunk)], arena, slots)
             client.store(chunk, slots=slots, hints=hints, timeout_s=self._deadline(len(chunk)))
+
+
+def _check_arena_fits(staging_blocks: int, block_bytes: int) -> None:
+    """Refuse (ValueError naming staging_blocks) an arena ``/dev/shm`` cannot hold now: every connect would fail."""
+    need = staging_blocks * block_bytes
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise ValueError(f"kv_connector_extra_config.staging_blocks: the staged plane's arena of {staging_blocks} "
+                         f"blocks x {block_bytes} bytes ({need / 2**30:.1f} GiB) does not fit the {free / 2**30:.1f} GiB "
+                         f"free in {SHM_DIR}: lower staging_blocks (loads and stores go in chunks of that many)")
 
 
 def make_plane(choice: str, tensors: Sequence[torch.Tensor], block_dims: Sequence[int], staging_blocks: int,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.client.client import PoolLayout
+from kvtier.client.protocol import LAYOUT_FIELDS, OPS, ProtocolError
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +30,8 @@ class PoolChoice:
 
 def choose_pool(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, model_id: str | None,
                 hash_algo: str, tp_rank: int) -> PoolChoice:
-    """The pool of this engine's TP rank ``tp_rank``; raises ValueError for a layout kvtier cannot hold."""
+    """The pool of this engine's TP rank ``tp_rank``; raises ValueError for a layout kvtier cannot hold, and
+    for a pool or model name kvtierd refuses (naming ``model_id``, which makes them)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(
@@ -58,7 +60,21 @@ def choose_pool(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, mode
         mode="store",
     )
     name = f"vllm/{model}/{dtype}/b{layout.block_size}/tp{tp_rank}of{tp_size}"
+    _check_names(name, model, model_id)
     return PoolChoice(name, layout, layer_names, layout.block_size)
+
+
+def _check_names(pool: str, model: str, model_id: str | None) -> None:
+    """Refuse (ValueError naming model_id) a pool name or model kvtierd's hello refuses: at every connect, for good."""
+    fix = ("shorten kv_connector_extra_config.model_id" if model_id is not None
+           else "set kv_connector_extra_config.model_id to a shorter name for this model")
+    for what, value, kind in (("the pool name", pool, OPS["hello"].fields["pool"].type),
+                              ("the model name", model, LAYOUT_FIELDS["model"].type)):
+        try:
+            kind.check(what, value)
+        except ProtocolError:
+            raise ValueError(f"kv_connector_extra_config.model_id: {what} {value[:80]!r}... is {len(value)} "
+                             f"characters, kvtierd takes at most {kind.max_len}: {fix}") from None  # type: ignore[attr-defined]
 
 
 def _model_name(vllm_config: VllmConfig) -> str:

@@ -7,6 +7,10 @@ Runs in vLLM's scheduler (engine-core) process, one instance per engine.
 Talks to kvtierd through ``DaemonLink`` on one background thread, so the
 scheduler never waits on a round trip:
 
+- What may be loaded or stored at all is ``prefix_support.py``'s call, made
+  once per engine (``support``, from the connector) and once per request: a
+  request that may not load is answered 0 without a lookup; one that may
+  not store stores nothing.
 - ``on_new_request`` queues the request's lookup at once (hash the prompt's
   full blocks, ``lookup(pin=True)``); the background thread sends every
   lookup queued since its last round trip in one pipelined batch
@@ -42,10 +46,17 @@ scheduler never waits on a round trip:
   carry the tokens it generated so far (``output_tokens``), which a
   session-aware policy reads as a sign of how long it will be silent.
   A request without hints sends none.
-- Pins of a load are dropped when the worker reports it ran
-  (``update_connector_output``), or when the request finishes or is aborted
-  (``request_finished``). A daemon that is down answers every lookup with 0:
-  vLLM computes, nothing waits.
+- Every pin is taken under the request's pin tag (``pin_tag``: its id).
+  Pins of a load are dropped when the worker reports it ran
+  (``update_connector_output``); when the request finishes or is aborted
+  (``request_finished``) every pin of its tag goes (``Client.unpin_tag``),
+  those of a lookup whose answer was lost (a timed-out batch) too: a pin
+  the connector never heard of does not outlive its request. A release the
+  daemon could not take (it was down) is retried by the next call that
+  reaches it, unless the session it was taken in is gone (with its pins).
+  A daemon that is down answers every lookup with 0: vLLM computes,
+  nothing waits. A lookup the daemon refuses (``TOO_MANY_PINS``, ...) is
+  that request's 0 only: ``lookup_many`` answers each request on its own.
 - With vLLM's KV cache events on (``--kv-events-config``), the blocks this
   engine stores or loads are announced to vLLM's publisher as held in
   kvtierd's tier (medium ``CPU``) while kvtierd's journal says they are
@@ -70,17 +81,19 @@ scheduler never waits on a round trip:
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvtier.client.hashing import BlockHasher
-from kvtier.client.protocol import Hints
+from kvtier.client.protocol import MAX_STR_LEN, Hints, KvtierError
 from kvtier.integrations.vllm.background import Background
 from kvtier.integrations.vllm.hints import hints_of
 from kvtier.integrations.vllm.keys import RequestKeys
@@ -90,6 +103,7 @@ from kvtier.integrations.vllm.load_modes import make_load_mode
 from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.transfers import BlockTransfer
 from kvtier.integrations.vllm.pool import PoolChoice
+from kvtier.integrations.vllm.prefix_support import SUPPORTED, PrefixSupport, request_support
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -116,7 +130,21 @@ class _Tracked:
     pinned: list[bytes] = field(default_factory=list)  # keys this request holds pinned
     tiers: Sequence[str] = ()  # the lookup's answer: the tier of each block held
     stored_blocks: int = 0  # blocks [0, stored_blocks) are in kvtierd or on their way
-    stores: bool = True  # False once it ran across a reset_cache: its KV is from before it
+    stores: bool = True  # False once it ran across a reset_cache (its KV is from before it), or prefix_support says so
+    loads: bool = True  # False where prefix_support says it may not be handed a prefix
+    # kvtierd may hold pins under its tag (a lookup found blocks, or its answer was lost): its end releases the tag
+    may_hold_pins: bool = False
+
+    @property
+    def tag(self) -> str:
+        return pin_tag(self.request.request_id)
+
+
+def pin_tag(request_id: str) -> str:
+    """The tag of a request's pins in kvtierd: its id, or a digest of an id the protocol would refuse."""
+    if 0 < len(request_id) <= MAX_STR_LEN:
+        return request_id
+    return "sha256:" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _with_output(hints: Hints | None, output_tokens: int) -> Hints | None:
@@ -124,8 +152,13 @@ def _with_output(hints: Hints | None, output_tokens: int) -> Hints | None:
 
 
 class SchedulerSide:
-    def __init__(self, settings: ConnectorSettings, pool: PoolChoice, *, kv_events: bool = False) -> None:
+    def __init__(self, settings: ConnectorSettings, pool: PoolChoice, *, kv_events: bool = False,
+                 support: PrefixSupport = SUPPORTED) -> None:
         self._bs = pool.block_size
+        self._support = support
+        self._refusals_logged: set[str] = set()  # request_support's reasons, each logged once
+        if support != SUPPORTED:
+            log.warning("kvtier: this engine: %s, because %s", support.effect(), support.why)
         self._hasher = BlockHasher(pool.block_size, settings.hash_algo)
         self._link = DaemonLink(settings.socket, pool.name, pool.layout, retry_s=settings.retry_s,
                                 client_kwargs=settings.client_kwargs())
@@ -140,7 +173,11 @@ class SchedulerSide:
         # reset_cache re-keys requests while the background thread hands out lookup answers.
         self._reset_lock = threading.Lock()
         self._loads: list[BlockTransfer] = []  # decided by update_state_after_alloc, sent by the next meta
-        self._load_pins: dict[str, list[bytes]] = {}  # req_id -> pins to drop once its load ran
+        self._load_pins: dict[str, tuple[str, list[bytes]]] = {}  # req_id -> (tag, pins to drop once its load ran)
+        # (session id, tag) of finished requests whose release kvtierd has not confirmed (it was down)
+        self._unreleased: deque[tuple[str | None, str]] = deque()
+        self._retrying = False  # a job retrying _unreleased is queued
+        self._refusals_logged_s = -float("inf")
         self.kv_cache_manager: KVCacheManager | None = None
         self._load_mode = make_load_mode(settings.load_mode, float(settings.async_extra_steps))
         self._wait_per_step_s = settings.lookup_wait_ms / 1e3
@@ -160,12 +197,18 @@ class SchedulerSide:
         if t is None:
             t = self._tracked[request.request_id] = _Tracked(RequestKeys(self._hasher, request, self._epoch),
                                                              request, hints_of(request))
+            support = request_support(request)
+            t.loads = self._support.loads and support.loads
+            t.stores = self._support.stores and support.stores
+            if support != SUPPORTED and support.why not in self._refusals_logged:
+                self._refusals_logged.add(support.why)
+                log.warning("kvtier: a request: %s, because %s (logged once per reason)", support.effect(), support.why)
         return t
 
     def _start_lookup(self, t: _Tracked) -> None:
         # Never the whole prompt: vLLM must compute at least its last token.
         max_blocks = (t.request.num_tokens - 1) // self._bs
-        if max_blocks <= 0 or not self._link.is_up():
+        if max_blocks <= 0 or not t.loads or not self._link.is_up():
             done: Future[int] = Future()
             done.set_result(0)
             t.lookup = done
@@ -183,24 +226,43 @@ class SchedulerSide:
         """Every lookup queued since the last flush, in one pipelined round trip."""
         with self._batch_lock:
             batch, self._batch = self._batch, []
+        self._release_unreleased()
         with self._reset_lock:
             keys = [t.keys.upto(max_blocks) for t, max_blocks, _ in batch]
         hints = [t.hints for t, _, _ in batch]
-        answers = self._link.call(lambda c: c.lookup_many(keys, pin=True, hints=hints))
-        stale: list[bytes] = []
+        tags = [t.tag for t, _, _ in batch]
+        # None: the batch's answers were lost (a timeout, a restart); what the daemon pinned
+        # for it is released with each request's tag when it ends.
+        answers = self._link.call(lambda c: c.lookup_many(keys, pin=True, hints=hints, pin_tags=tags))
+        refused = [a for a in answers or () if isinstance(a, KvtierError)]
+        if refused:
+            self._log_refusals(len(refused), len(batch), refused[0])
+        stale: list[tuple[str, list[bytes]]] = []
         for i, (t, _, fut) in enumerate(batch):
-            tiers = answers[i] if answers else ()
+            answer = answers[i] if answers else ()
+            tiers: Sequence[str] = () if isinstance(answer, KvtierError) else answer
             held = len(tiers)
+            if held or answers is None:
+                t.may_hold_pins = True
             with self._reset_lock:
                 current = t.lookup is fut  # else reset_cache replaced it while this one was out
                 if current:
                     t.pinned, t.tiers = keys[i][:held], tiers
             if not current:
-                stale += keys[i][:held]
+                if held:
+                    stale.append((tags[i], keys[i][:held]))
                 held = 0
             fut.set_result(held)
         if stale:
-            self._link.call(lambda c: c.unpin(stale))
+            self._link.call(lambda c: [c.unpin(ks, pin_tag=tag) for tag, ks in stale])
+
+    def _log_refusals(self, refused: int, batch: int, first: KvtierError) -> None:
+        # Logs per minute, not per batch: a pool at its pin limit refuses every batch.
+        now = time.monotonic()
+        if now - self._refusals_logged_s >= 60.0:
+            self._refusals_logged_s = now
+            log.warning("kvtier: kvtierd refused %d of a batch of %d lookups (those requests compute): %s "
+                        "(logged once a minute)", refused, batch, first)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         t0 = time.perf_counter()
@@ -237,7 +299,7 @@ class SchedulerSide:
         pinned, t.pinned = t.pinned, []
         t.stored_blocks = max(t.stored_blocks, t.held_blocks)
         if num_external_tokens <= 0:
-            self._unpin(pinned)
+            self._unpin(t.tag, pinned)
             return
         end = t.held_blocks
         start = end - num_external_tokens // self._bs
@@ -245,7 +307,7 @@ class SchedulerSide:
         keys = t.keys.upto(end)
         self._loads.append(BlockTransfer(keys[start:end], list(block_ids[start:end]), request.request_id,
                                          background=t.background))
-        self._load_pins[request.request_id] = pinned
+        self._load_pins[request.request_id] = (t.tag, pinned)
         if self._events is not None:
             self._events.note(request, start, keys[start:end], held=True)
 
@@ -279,7 +341,17 @@ class SchedulerSide:
                 t.stored_blocks = full
         if self._events is not None:
             self._events.poll()
+        if self._unreleased and not self._retrying and self._link.is_up():
+            # Releases kvtierd missed while down: an idle engine sends no lookup to carry them.
+            self._retrying = True
+            self._jobs.submit(self._retry_releases)
         return meta
+
+    def _retry_releases(self) -> None:
+        try:
+            self._release_unreleased()
+        finally:
+            self._retrying = False
 
     def begin_step(self) -> None:
         """A new scheduler step: its budget for waiting on lookups starts afresh.
@@ -297,7 +369,8 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
             for req_id in meta.loaded_req_ids:
-                self._unpin(self._load_pins.pop(req_id, []))
+                tag, pins = self._load_pins.pop(req_id, ("", []))
+                self._unpin(tag, pins)
             self._load_mode.observe_load(meta.load_blocks, meta.load_s)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -320,7 +393,7 @@ class SchedulerSide:
 
     def reset_cache(self) -> bool:
         """Nothing cached before this call is found or stored by this engine again (see the contract)."""
-        drop: list[bytes] = []
+        drop: list[tuple[str, list[bytes]]] = []
         rekeyed = kept = 0
         with self._reset_lock:
             self._epoch = os.urandom(16)
@@ -330,12 +403,13 @@ class SchedulerSide:
                     kept += 1
                     continue
                 # Waiting (or preempted by this very reset): it computes from scratch.
-                drop += t.pinned
+                drop.append((t.tag, t.pinned))
                 t.keys = RequestKeys(self._hasher, t.request, self._epoch)
                 t.pinned, t.tiers, t.lookup = [], (), None
                 t.held_blocks = t.stored_blocks = 0
                 rekeyed += 1
-        self._unpin(drop)
+        for tag, pins in drop:
+            self._unpin(tag, pins)
         if self._events is not None:
             self._events.forget_all()  # this engine asks for none of those keys again
         log.info("kvtier: cache reset: new key epoch; %d waiting requests look up again, %d running ones "
@@ -344,24 +418,40 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         t = self._tracked.pop(request.request_id, None)
-        pins = self._load_pins.pop(request.request_id, [])
+        self._load_pins.pop(request.request_id, None)
         if t is not None:
-            pins += t.pinned
-            if t.lookup is not None and not t.lookup.done():
-                # Its pins are taken when the lookup lands: drop them right after.
-                t.lookup.add_done_callback(lambda _f, t=t: self._unpin(t.pinned))
-        self._unpin(pins)
+            # Every pin of its tag, known here or not. The background thread runs jobs in order,
+            # and a lookup still out was submitted before this: it has pinned (and said so) by then.
+            self._jobs.submit(lambda: self._release(t.tag) if t.may_hold_pins else None)
         # Stores still in flight are waited for by the worker before vLLM
         # reuses any block (handle_preemptions), so the blocks may go now.
         return False, None
+
+    def _release(self, tag: str) -> None:
+        """Background thread: drop every pin of ``tag`` (a finished request), now or once kvtierd answers."""
+        client = self._link.client
+        self._unreleased.append((client.sid if client is not None else None, tag))
+        self._release_unreleased()
+
+    def _release_unreleased(self) -> None:
+        """Background thread: the releases kvtierd has not confirmed, oldest first, while it answers."""
+        while self._unreleased:
+            sid, tag = self._unreleased[0]
+            client = self._link.client
+            if client is not None and sid is not None and client.sid != sid:
+                self._unreleased.popleft()  # taken in a session that is gone, and its pins with it
+                continue
+            if self._link.call(lambda c: c.unpin_tag(tag)) is None and not self._link.is_up():
+                return  # down: the next call to reach kvtierd tries again
+            self._unreleased.popleft()  # done, or refused (logged by the link): not retried forever
 
     def take_events(self) -> list[Any]:
         """vLLM KV cache events of kvtierd's tier since the last call (``kv_events.py``); [] when off."""
         return self._events.take() if self._events is not None else []
 
-    def _unpin(self, keys: list[bytes]) -> None:
+    def _unpin(self, tag: str, keys: list[bytes]) -> None:
         if keys:
-            self._jobs.submit(lambda: self._link.call(lambda c: c.unpin(keys)))
+            self._jobs.submit(lambda: self._link.call(lambda c: c.unpin(keys, pin_tag=tag)))
 
     def close(self) -> None:
         self._jobs.close(timeout_s=2.0)

@@ -3,6 +3,16 @@
 Every key is optional. An unknown key or a bad value raises ``ValueError``
 naming the key, so a typo in ``--kv-transfer-config`` fails vLLM's start-up
 instead of being ignored. Each key is documented in ``docs/vllm.md``.
+
+"Bad" includes every value that passes for a setting but would leave the
+engine without kvtier for good, retrying: a socket no kvtierd can be at
+(``ipc://``, ``x://y``; ``$KVTIER_SOCKET`` too, when it is the socket), a
+``timeout_s`` no answer can meet, a ``token`` or ``model_id`` kvtierd's
+hello refuses, ``staging_blocks`` past what an arena can hold, CURVE key
+files that do not load. What needs the engine's KV layout is checked when
+vLLM builds the connector, with the same kind of error: the pool name
+``model_id`` makes (``pool.choose_pool``) and the staged plane's arena
+against ``/dev/shm`` (``planes.StagedPlane``).
 """
 
 from __future__ import annotations
@@ -12,11 +22,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.client.admin import resolve_endpoint
+from kvtier.client.admin import SOCKET_ENV, endpoint_problem, resolve_endpoint
+from kvtier.client.curve import CurveKeys, read_public_key
 from kvtier.client.hashing import HASH_ALGOS
+from kvtier.client.protocol import LAYOUT_FIELDS, OPS, ProtocolError
 from kvtier.integrations.vllm.load_modes import ASYNC_EXTRA_STEPS, LOAD_MODES
 
 DATA_PLANES = ("auto", "registered", "staged")
+# Below this, no call to kvtierd answers in time on a loaded host: the engine would run without it for good.
+MIN_TIMEOUT_S = 0.01
+# attach_arena's num_slots (protocol.OPS): an arena of more slots is refused by every kvtierd.
+MAX_STAGING_BLOCKS = 2**32 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,22 +64,28 @@ class ConnectorSettings:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ValueError(f"kv_connector_extra_config: unknown key {key!r}{hint}; known: {', '.join(sorted(known))}")
         socket = extra.pop("socket", None)
-        if socket is not None and not (isinstance(socket, str) and "://" in socket):
-            raise ValueError(f"kv_connector_extra_config.socket: expected an endpoint like ipc:///path or tcp://host:port, got {socket!r}")
-        settings = cls(socket=resolve_endpoint(socket), **extra)
+        resolved = resolve_endpoint(socket) if socket is None or isinstance(socket, str) else socket
+        problem = endpoint_problem(resolved)
+        if problem is not None:
+            source = "" if socket is not None else f" (from ${SOCKET_ENV})"
+            raise ValueError(f"kv_connector_extra_config.socket{source}: {problem}")
+        settings = cls(socket=resolved, **extra)
         settings._check()
         return settings
 
     def _check(self) -> None:
         def fail(key: str, why: str) -> None:
-            raise ValueError(f"kv_connector_extra_config.{key}: {why}, got {getattr(self, key)!r}")
+            got = "a secret, not shown" if key == "token" else repr(getattr(self, key))
+            raise ValueError(f"kv_connector_extra_config.{key}: {why}, got {got:.200}")
 
         if self.hash_algo not in HASH_ALGOS:
             fail("hash_algo", f"one of {', '.join(HASH_ALGOS)}")
-        for key in ("timeout_s", "retry_s"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
-                fail(key, "a number of seconds in (0, 3600]")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not MIN_TIMEOUT_S <= self.timeout_s <= 3600:
+            fail("timeout_s", f"a number of seconds in [{MIN_TIMEOUT_S:g}, 3600] (below it no call to kvtierd "
+                              "answers in time, and the engine would run without kvtier)")
+        if isinstance(self.retry_s, bool) or not isinstance(self.retry_s, (int, float)) or not 0 < self.retry_s <= 3600:
+            fail("retry_s", "a number of seconds in (0, 3600]")
         if isinstance(self.lookup_wait_ms, bool) or not isinstance(self.lookup_wait_ms, (int, float)) \
                 or not 0 <= self.lookup_wait_ms <= 1000:
             fail("lookup_wait_ms", "a number of milliseconds in [0, 1000]")
@@ -74,10 +96,10 @@ class ConnectorSettings:
         if isinstance(self.async_extra_steps, bool) or not isinstance(self.async_extra_steps, (int, float)) \
                 or not 0 < self.async_extra_steps <= 100:
             fail("async_extra_steps", "a number of engine steps in (0, 100]")
-        for key in ("staging_blocks", "events_max_blocks"):
+        for key, most in (("staging_blocks", MAX_STAGING_BLOCKS), ("events_max_blocks", None)):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                fail(key, "a positive number of blocks")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
+                fail(key, "a positive number of blocks" + (f", at most {most}" if most is not None else ""))
         if isinstance(self.events_interval_s, bool) or not isinstance(self.events_interval_s, (int, float)) \
                 or not 0.001 <= self.events_interval_s <= 60:
             fail("events_interval_s", "a number of seconds in [0.001, 60]")
@@ -85,10 +107,34 @@ class ConnectorSettings:
             fail("load_failure_policy", "'recompute' or 'fail'")
         if (self.curve_server_key is None) != (self.curve_secret_key_file is None):
             fail("curve_server_key", "CURVE needs both curve_server_key and curve_secret_key_file")
-        for key in ("model_id", "token"):
+        if self.curve_server_key is not None:
+            self._check_curve()
+        # What kvtierd's hello takes (protocol.OPS): a longer value is refused at every connect.
+        limits = {"model_id": LAYOUT_FIELDS["model"].type, "token": OPS["hello"].fields["token"].type}
+        for key, kind in limits.items():
             value = getattr(self, key)
-            if value is not None and not (isinstance(value, str) and value):
+            if value is None:
+                continue
+            if not isinstance(value, str):
                 fail(key, "a non-empty string")
+            try:
+                kind.check(key, value)
+            except ProtocolError:
+                fail(key, f"a string of {kind.min_len}..{kind.max_len} characters (kvtierd's hello refuses "  # type: ignore[attr-defined]
+                          f"others); this one has {len(value)}")
+
+    def _check_curve(self) -> None:
+        """Both key files load: a missing or malformed one would refuse every connect, for good."""
+        try:
+            read_public_key(self.curve_server_key)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"kv_connector_extra_config.curve_server_key: kvtierd's public key (40 Z85 characters "
+                             f"or its key file) does not load: {exc}") from None
+        try:
+            CurveKeys.load(self.curve_server_key, self.curve_secret_key_file)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"kv_connector_extra_config.curve_secret_key_file: this engine's secret key file "
+                             f"(kvtier keygen's NAME.key_secret) does not load: {exc}") from None
 
     def client_kwargs(self) -> dict[str, Any]:
         """What ``kvtier.client.Client`` takes besides endpoint, pool and layout."""

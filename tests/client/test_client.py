@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,7 @@ from kvtier.client.client import (
     SessionLost,
 )
 from kvtier.client.protocol import ErrorCode
+from kvtier.testing.daemon import KvtierDaemon, loopback_tcp_daemon
 
 BLOCK_BYTES = 512
 LAYOUT = PoolLayout(model="m", block_size=4, block_bytes=BLOCK_BYTES, dtype="bfloat16", num_layers=1,
@@ -120,7 +123,9 @@ def test_stalled_daemon_timeouts_then_recovery(daemon) -> None:  # type: ignore[
 
 
 def test_daemon_restart_new_session_and_lost_pins_reported(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
-    daemon = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES, lease_s=2.0)
+    # Private CPU tiers: a restart empties the cache (what a restart keeps is tests/daemon/test_restart.py).
+    daemon = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES, lease_s=2.0,
+                             persist_cpu_tier=False)
     hashes = [bytes([3, i]) * 8 for i in range(3)]
     data = random.Random(3).randbytes(3 * BLOCK_BYTES)
     with Client(daemon.endpoint, "restart", LAYOUT, timeout_s=10.0) as c:
@@ -223,11 +228,105 @@ def test_lookup_many_answers_as_lookup_does_in_one_round_trip(daemon) -> None:  
         for hashes, tiers in zip(prefixes, held):
             c.unpin(hashes[: len(tiers)])
         assert c.stats()["pools"]["many"]["pinned_blocks"] == 0
-        # One bad request: the batch raises its error, and the client goes on.
-        with pytest.raises(KvtierError) as info:
-            c.lookup_many([prefixes[0], [b"short"]])
+        # One bad request (refused here, never sent) is an error in its own place; its batch-mate is answered.
+        first, bad = c.lookup_many([prefixes[0], [b"short"]])
+        assert isinstance(bad, KvtierError) and bad.code == ErrorCode.INVALID_FIELD
+        assert list(first) == one_by_one[0]  # type: ignore[arg-type]
+
+
+def test_one_refused_lookup_of_a_pinned_batch_fails_only_itself(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    """A request the daemon refuses (TOO_MANY_PINS here) once failed the whole batch: the client dropped its
+    batch-mates' replies, and the pins the daemon had taken for them were never recorded, nor released."""
+    daemon = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES)  # a session pins up to 16
+    with Client(daemon.endpoint, "isolated", LAYOUT) as c:
+        held = [bytes([5, i]) * 8 for i in range(12)]
+        c.store(held, random.Random(5).randbytes(12 * BLOCK_BYTES))
+        assert len(c.pin(held[:12])) == 12
+        small, big = held[:2], held[:8]  # 12 + 2 fits; 14 + 8 does not; 14 + 2 fits again
+        answers = c.lookup_many([small, big, small], pin=True)
+        assert [list(a) if not isinstance(a, KvtierError) else a.code for a in answers] == \
+            [["gpu"] * 2, ErrorCode.TOO_MANY_PINS, ["gpu"] * 2]
+        assert daemon.stats()["pools"]["isolated"]["pinned_blocks"] == 16
+        assert sum(c._session.pins.values()) == 16  # every pin the daemon holds, the client knows of
+        for _ in range(2):
+            c.unpin(small)
+        c.unpin(held)
+        assert daemon.stats()["pools"]["isolated"]["pinned_blocks"] == 0 and not c._session.pins
+
+
+@pytest.fixture
+def tcp_daemon(tmp_path) -> Iterator[KvtierDaemon]:  # type: ignore[no-untyped-def]
+    """On tcp://, a request read after its client closed the socket still runs: a daemon too slow for a deadline."""
+    daemon = loopback_tcp_daemon(tmp_path / "d", {"gpu_bytes": 16 * BLOCK_BYTES, "cpu_bytes": 16 * BLOCK_BYTES})
+    yield daemon
+    daemon.kill()
+
+
+def test_unpin_tag_releases_the_pins_of_a_batch_whose_replies_were_lost(tcp_daemon: KvtierDaemon) -> None:
+    """A pinned batch that timed out: the daemon pinned, the client never read the replies. The tag's pins
+    go with ``unpin_tag``; untagged pins stay the session's (released at its end)."""
+    daemon = tcp_daemon
+    hashes = [bytes([6, i]) * 8 for i in range(3)]
+    with Client(daemon.endpoint, "lost", LAYOUT, timeout_s=10.0) as c:
+        c.store(hashes, random.Random(6).randbytes(3 * BLOCK_BYTES))
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(KvtierTimeout):
+                c.lookup_many([hashes, hashes[:1], hashes[:2]], pin=True, pin_tags=["r1", "r2", None], timeout_s=1.0)
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: daemon.stats()["pools"]["lost"]["pinned_blocks"] == 6)
+        assert not c._session.pins  # none of it was heard of here
+        assert c.unpin_tag("r1") == 3 and c.unpin_tag("r2") == 1 and c.unpin_tag("r2") == 0
+        assert daemon.stats()["pools"]["lost"]["pinned_blocks"] == 2  # the untagged request's
+        assert c.unpin(hashes[:2]) == 2
+        # Tagged pins the client did see come off by hash, as untagged ones do, and by tag.
+        assert list(c.lookup(hashes, pin=True, pin_tag="r3")) == ["gpu"] * 3
+        assert c.unpin(hashes[:1], pin_tag="r3") == 1 and c.unpin(hashes[:1]) == 0  # not the session's own
+        assert c.unpin_tag("r3") == 2
+        assert daemon.stats()["pools"]["lost"]["pinned_blocks"] == 0 and not c._session.pins
+        with pytest.raises(DaemonError) as info:
+            c._call("unpin", {})  # neither hashes nor a tag: which pins?
         assert info.value.code == ErrorCode.INVALID_FIELD
-        assert list(c.lookup(prefixes[0])) == one_by_one[0]
+        # A tag's pins belong to the session too: they go when it ends.
+        c.lookup(hashes, pin=True, pin_tag="r4")
+        assert daemon.stats()["pools"]["lost"]["pinned_blocks"] == 3
+    assert daemon.stats()["pools"]["lost"]["pinned_blocks"] == 0
+
+
+def test_a_pinned_lookup_is_not_resent_after_a_timeout(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    """Resent, the daemon ran it twice and held two pins per block, one of which the client never knew of."""
+    daemon = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=16 * BLOCK_BYTES)
+    hashes = [bytes([7, i]) * 8 for i in range(2)]
+    with Client(daemon.endpoint, "no-resend", LAYOUT, timeout_s=10.0) as c:
+        c.store(hashes, random.Random(7).randbytes(2 * BLOCK_BYTES))
+        real = c._roundtrip
+        lost: list[str] = []
+
+        def reply_lost_once(op: str, *args: Any, **kwargs: Any) -> Any:
+            reply = real(op, *args, **kwargs)  # the daemon ran it ...
+            if op == "lookup" and not lost:
+                lost.append(op)
+                raise KvtierTimeout("lookup: the reply was lost")  # ... and its answer never came
+            return reply
+
+        c._roundtrip = reply_lost_once  # type: ignore[method-assign]
+        assert list(c.lookup(hashes)) == ["gpu"] * 2  # without pin: resent, answered
+        lost.clear()
+        with pytest.raises(KvtierTimeout):
+            c.lookup(hashes, pin=True, pin_tag="r")
+        assert daemon.stats()["pools"]["no-resend"]["pinned_blocks"] == 2  # once, not twice
+        assert c.unpin_tag("r") == 2
+        assert daemon.stats()["pools"]["no-resend"]["pinned_blocks"] == 0
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline_s:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def test_lookup_many_reopens_a_forgotten_session(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]

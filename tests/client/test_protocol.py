@@ -51,7 +51,7 @@ def code_of(header: dict[str, object], payload: tuple[object, ...] = (), **kw: o
 
 def test_valid_requests_fill_defaults() -> None:
     req = validate_request(hdr("lookup", hashes=[H, H]))
-    assert req.op == "lookup" and req.id == 7 and req.fields == {"hashes": [H, H], "pin": False, "hints": None}
+    assert req.op == "lookup" and req.id == 7 and req.fields == {"hashes": [H, H], "pin": False, "hints": None, "pin_tag": None}
     req = validate_request(hdr("hello", pool="p", layout=LAYOUT))
     assert req.sid is None and req.fields["layout"] == LAYOUT
     req = validate_request(hdr("store", hashes=[H]), (b"x" * 64,))
@@ -127,7 +127,8 @@ def test_error_codes_are_stable() -> None:
         "UNAUTHORIZED": 205, "FOREIGN_SESSION": 206, "IN_USE": 207, "NOT_OWNER": 208, "ACCESS_DENIED": 209,
         "SPARSE_FILE": 210,
         "NO_SPACE": 300, "TOO_MANY_REGISTRATIONS": 301, "TOO_MANY_FILES": 302, "TOO_MANY_POOLS": 303, "TOO_MANY_PINS": 304, "UNREAD_REPLIES": 305,
-        "TOO_MANY_CONNECTIONS": 306, "TRANSFER_FAILED": 400, "SHUTTING_DOWN": 401, "INTERNAL": 402,
+        "TOO_MANY_CONNECTIONS": 306, "TOO_MANY_SESSIONS": 307, "TOO_MANY_AUTH_FAILURES": 308,
+        "TRANSFER_FAILED": 400, "SHUTTING_DOWN": 401, "INTERNAL": 402,
         "DEADLINE_EXCEEDED": 403,
     }
 
@@ -168,7 +169,7 @@ def test_packed_hashes_survive_msgpack() -> None:
     wire = encode(request_header("lookup", 9, "s" * 32, packed_hashes=True, hashes=hs, pin=True))
     assert len(wire) < 16 * 300 + 100 < 18 * 300  # one bin: no per-hash bin header (2 bytes each)
     req = validate_request(decode_header(wire))
-    assert req.fields == {"hashes": hs, "pin": True, "hints": None} and req.packed
+    assert req.fields == {"hashes": hs, "pin": True, "hints": None, "pin_tag": None} and req.packed
 
 
 @pytest.mark.parametrize(
@@ -198,13 +199,14 @@ def test_every_op_with_hashes_takes_them_packed() -> None:
 
 def test_tier_codes_table() -> None:
     # Other-language clients hard-code these: never change a code.
-    assert TIER_CODES == {"gpu": b"g", "cpu": b"c", "remote": b"r"}
-    assert TIERS == ("gpu", "cpu", "remote")
-    names = ["gpu", "cpu", "remote", "cpu", "gpu", "gpu", "remote"]
-    assert pack_tiers(names) == b"gcrcggr"
+    assert TIER_CODES == {"gpu": b"g", "cpu": b"c", "remote": b"r", "disk": b"d"}
+    assert TIERS == ("gpu", "cpu", "remote", "disk")
+    names = ["gpu", "cpu", "remote", "cpu", "gpu", "gpu", "remote", "disk", "disk", "remote"]
+    assert pack_tiers(names) == b"gcrcggrddr"
+    assert TierList(b"gcrcggrddr") == names
     assert pack_tiers([]) == b""
     with pytest.raises(ValueError):
-        pack_tiers(["gpu", "disk"])
+        pack_tiers(["gpu", "flash"])  # (a name whose letters give the shortcut away)
 
 
 def test_pack_tiers_takes_str_enum_members() -> None:
@@ -232,7 +234,8 @@ def test_tier_list_reads_like_a_list_of_names() -> None:
     with pytest.raises(IndexError):
         t[4]
     assert t.count("gpu") == 2 and t.count("remote") == 1 and t.count("disk") == 0 and t.count(3) == 0
-    assert "cpu" in t and "disk" not in t and 103 not in t
+    assert t.count("tape") == 0
+    assert "cpu" in t and "disk" not in t and "tape" not in t and 103 not in t
     assert t.index("cpu") == 2 and t.index("gpu", 1) == 1
     with pytest.raises(ValueError):
         t.index("disk")

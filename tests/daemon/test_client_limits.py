@@ -249,6 +249,57 @@ def test_a_hello_past_max_pools_is_refused_and_existing_pools_still_join(kvtierd
             h.close()
 
 
+# ---- sessions: at most max_sessions (issue 32 item 4) ----------------------------------------------
+
+
+def test_hellos_past_max_sessions_are_refused_with_their_own_code_and_create_nothing(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    """Sessions were unbounded: 24,915 live sessions cost +90 MB. Now a hello past ``max_sessions`` gets
+    TOO_MANY_SESSIONS (before any pool is created for it), and one session ending makes room."""
+    import zmq
+
+    from kvtier.client.client import probe_health
+    from kvtier.client.protocol import decode, encode
+
+    cap, asked = 50, 1000
+    d = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES, max_sessions=cap)
+    rss_before_bytes = d.rss_bytes()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        for i in range(asked):  # pipelined; half of them name a pool of their own
+            pool = "held" if i % 2 else f"own{i}"
+            sock.send(encode({"v": 1, "op": "hello", "id": i + 1, "pool": pool, "layout": layout().to_wire()}))
+        codes: dict[str, int] = {}
+        sids = []
+        for _ in range(asked):
+            assert sock.poll(30_000)
+            reply = decode(sock.recv())
+            key = "ok" if reply["ok"] else reply["error"]["name"]
+            codes[key] = codes.get(key, 0) + 1
+            if reply["ok"]:
+                sids.append(reply["sid"])
+            else:
+                assert "max_sessions" in reply["error"]["message"], reply
+        assert codes == {"ok": cap, "TOO_MANY_SESSIONS": asked - cap}, codes
+        health = probe_health(d.endpoint)
+        assert health["sessions"] == cap
+        assert health["pools"] == 1 + cap // 2  # "held" and the own pools of the hellos that got a session
+        assert d.rss_bytes() - rss_before_bytes < 64 << 20
+        with pytest.raises(DaemonError) as err:
+            Client(d.endpoint, "held", layout()).close()
+        assert err.value.code == ErrorCode.TOO_MANY_SESSIONS
+        sock.send(encode({"v": 1, "op": "bye", "id": 9999, "sid": sids[0]}))
+        assert sock.poll(10_000) and decode(sock.recv())["ok"]
+        with Client(d.endpoint, "held", layout()) as c:  # one ended: room for one
+            assert c.stats()["daemon"]["errors_total"]["code=TOO_MANY_SESSIONS"] == asked - cap + 1
+    finally:
+        sock.close()
+        ctx.term()
+    still_serving(d, "after-sessions")
+
+
 def test_an_abstract_socket_without_curve_serves_only_the_daemons_own_user(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import os
     import secrets

@@ -80,6 +80,14 @@ OUT_OF_RANGE = [
     ('[default_pool]\nremote_url = "redis://127.0.0.1:6379/0"', "remote_secret_key_file", "kvtier keygen"),
     ('remote_secret_key_file = "/nonexistent/remote.secret"\n[pools.x]\nremote_url = "redis://h/0"',
      "remote_secret_key_file", "does not exist"),
+    ('[default_pool]\ndisk_dir = "relative/dir"', "default_pool.disk_dir", "absolute"),
+    ('[default_pool]\ndisk_dir = "/tmp/kvtier-disk"\ndisk_bytes = "1KiB"', "default_pool.disk_bytes", "1MiB..1024TiB"),
+    ('[pools.x]\ndisk_bytes = "2048TiB"', "pools.x.disk_bytes", "1MiB..1024TiB"),
+    ('[pools.x]\ndisk_dir = "/etc/hostname/kvtier"', "pools.x.disk_dir", "/etc/hostname is not a directory"),
+    ('[default_pool]\ndisk_dir = "/tmp/kvtier-disk"\ndisk_bytes = "1023TiB"', "default_pool.disk_bytes",
+     "more than the whole filesystem"),
+    ('[default_pool]\ndisk_bytes = "1023TiB"\n[pools.x]\ndisk_dir = "/tmp/kvtier-disk"', "default_pool.disk_bytes",
+     "more than the whole filesystem"),
 ]
 
 

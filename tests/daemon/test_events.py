@@ -53,7 +53,7 @@ def test_a_follower_of_the_events_holds_what_the_pool_holds(kvtierd_factory) -> 
 
 
 def test_after_a_restart_an_old_cursor_reads_as_lost(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
-    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK, cpu_bytes=4 * BLOCK)
+    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK, cpu_bytes=4 * BLOCK, persist_cpu_tier=False)
     with Client(daemon.endpoint, "ev", LAYOUT) as c:
         c.store(keys(3, 5), os.urandom(3 * BLOCK))
         cursor = c.events(0).next
@@ -63,6 +63,28 @@ def test_after_a_restart_an_old_cursor_reads_as_lost(kvtierd_factory) -> None:  
         got = c.events(cursor)
         # The new daemon holds nothing and numbers from 1 again: the follower must drop what it believed.
         assert got.lost and got.changes == [] and got.next == 0
+
+
+def test_after_a_restart_that_adopts_the_cpu_tier_an_old_cursor_reads_as_lost_too(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=8 * BLOCK)  # stores go straight to the CPU tier
+    with Client(daemon.endpoint, "ev", LAYOUT) as c:
+        c.store(keys(3, 6), os.urandom(3 * BLOCK))
+        cursor = c.events(0).next
+        assert cursor == 3
+    daemon.restart()
+    with Client(daemon.endpoint, "ev", LAYOUT) as c:
+        got = c.events(cursor)
+        # The new daemon adopted the three blocks and numbers its events past any the old one handed
+        # out: the follower learns that it lost track, and what the new daemon holds.
+        assert got.lost and got.changes == [(True, k) for k in got_order(got.changes, keys(3, 6))]
+        assert got.next > cursor and c.events(got.next).changes == []
+
+
+def got_order(changes: list[tuple[bool, bytes]], wanted: list[bytes]) -> list[bytes]:
+    """``wanted`` in the order ``changes`` names them (adoption replays the arena's order)."""
+    order = [k for _, k in changes]
+    assert sorted(order) == sorted(wanted), (order, wanted)
+    return order
 
 
 def test_a_client_says_when_its_daemon_lacks_events(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]

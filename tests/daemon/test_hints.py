@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from kvtier.client.client import Client, DaemonError, PoolLayout
 from kvtier.client.protocol import FEATURE_HINT_OUTPUT_TOKENS, FEATURE_HINTS, ErrorCode, Hints, ProtocolError
 from kvtier.daemon import hints as daemon_hints
 from kvtier.daemon.metrics import Counters
+from kvtier.daemon.retention import Retention
+from kvtier.tiers.hints import MAX_SESSION_KEY_BYTES
 
 BLOCK_BYTES = 1024
 GPU_BLOCKS = 4
@@ -91,7 +94,7 @@ def entry(sessions: int) -> SimpleNamespace:
 
 
 def session(tenant: str = "") -> SimpleNamespace:
-    return SimpleNamespace(tenant=tenant, retained=deque())
+    return SimpleNamespace(tenant=tenant, retained=Retention())
 
 
 def test_session_keys_are_scoped_to_the_tenant_and_at_s_is_the_daemons_clock() -> None:
@@ -114,3 +117,34 @@ def test_retention_is_cut_to_an_hour_and_shared_between_the_pools_sessions() -> 
     # Once the first retention expires, its blocks count no more.
     h = daemon_hints.request_hints({"retain_s": 60.0}, s, entry(4), 2, m, now_s=daemon_hints.MAX_RETAIN_S + 1)  # type: ignore[arg-type]
     assert h is not None and h.retain_s == 60.0
+
+
+def test_a_pinned_batch_with_a_256_character_session_is_answered_whole(daemon) -> None:  # type: ignore[no-untyped-def]
+    """The batch of issue 32: one request's 256-character session was INTERNAL, and the batch failed with it."""
+    with Client(daemon.endpoint, "hints-long", layout()) as c:
+        ks = keys(7, 3)
+        c.store(ks, bytes(3 * BLOCK_BYTES))
+        answers = c.lookup_many([ks, ks, ks], pin=True,
+                                hints=[None, Hints(session="x" * 256), Hints(session="\U0001f600" * 256)])
+        assert [list(a) for a in answers] == [["gpu"] * 3] * 3  # type: ignore[arg-type]
+        assert c.stats()["pools"]["hints-long"]["pinned_blocks"] == 9
+        for _ in range(3):
+            c.unpin(ks)
+        assert c.stats()["pools"]["hints-long"]["pinned_blocks"] == 0
+
+
+TENANT_NAMES = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", fullmatch=True) | st.just("")
+
+
+@given(tenant=TENANT_NAMES, other=TENANT_NAMES, key=st.text(min_size=1, max_size=256))
+@example(tenant="", other="a", key="x" * 256)  # the longest keys: hypothesis rarely draws them
+@example(tenant="t" * 64, other="", key="\U0001f600" * 256)
+def test_every_valid_session_key_of_every_tenant_makes_a_pool_key_within_the_tiers_bound(tenant: str, other: str,
+                                                                                          key: str) -> None:
+    m = Counters()
+    h = daemon_hints.request_hints({"session": key}, session(tenant), entry(1), 1, m)  # type: ignore[arg-type]
+    assert h is not None and h.session is not None and 0 < len(h.session) <= MAX_SESSION_KEY_BYTES
+    again = daemon_hints.request_hints({"session": key}, session(tenant), entry(1), 1, m)  # type: ignore[arg-type]
+    assert again is not None and again.session == h.session  # one key, one session
+    theirs = daemon_hints.request_hints({"session": key}, session(other), entry(1), 1, m)  # type: ignore[arg-type]
+    assert theirs is not None and (theirs.session == h.session) == (other == tenant)

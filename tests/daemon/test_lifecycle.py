@@ -192,3 +192,50 @@ def test_invalid_config_names_the_key_and_exits_2(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "kvtier.daemon", "--lease-s", "-1",
                            "--socket", f"ipc://{tmp_path}/x.sock"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "lease_s" in proc.stderr
+
+
+# Runs kvtierd's main() in this very process after a finder that holds the start-up at the first import of
+# GATE_MODULE: it creates REACHED, then waits for RELEASE to exist. kvtierd's start-up takes seconds on a
+# loaded host; this stands the test exactly where a SIGTERM used to find no handler yet.
+GATED_LAUNCHER = textwrap.dedent("""
+    import importlib.abc, os, sys, time
+    gate, reached, release, *argv = sys.argv[1:]
+    class Gate(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == gate:
+                sys.meta_path.remove(self)
+                open(reached, "w").close()
+                while not os.path.exists(release):
+                    time.sleep(0.01)
+            return None
+    sys.meta_path.insert(0, Gate())
+    from kvtier.daemon.__main__ import main
+    sys.exit(main(argv))
+""")
+
+
+@pytest.mark.parametrize("gate", ["zmq", "torch"])
+def test_a_sigterm_at_any_point_of_the_start_up_is_a_clean_stop(tmp_path: Path, gate: str) -> None:
+    """SIGTERM while kvtierd imports zmq (its configuration's imports came before the handler: exit 143)
+    or torch: exit 0, nothing served, no socket left behind."""
+    reached, release, sock = tmp_path / "reached", tmp_path / "release", tmp_path / "k.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    proc = subprocess.Popen([sys.executable, "-c", GATED_LAUNCHER, gate, str(reached), str(release),
+                             "--socket", f"ipc://{sock}", "--cpu-bytes", "64K", "--gpu-bytes", "16K"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline_s = time.monotonic() + 60
+        while not reached.exists():
+            assert proc.poll() is None and time.monotonic() < deadline_s, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)  # delivered while the import is held
+        release.touch()
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read() if proc.stderr else ""
+    assert rc == 0, err[-2000:]
+    assert "SIGTERM during start-up: stopping before serving" in err and not sock.exists()

@@ -129,7 +129,8 @@ def test_real_daemon_sends_ready_after_bind_status_watchdog_and_stopping(tmp_pat
     endpoint = f"ipc://{tmp_path}/d/kvtier.sock"
     env = _daemon_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), WATCHDOG_USEC="400000")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.daemon", "--socket", endpoint, "--cpu-bytes", "65536", "--gpu-bytes", "16384"],
+        [sys.executable, "-m", "kvtier.daemon", "--socket", endpoint, "--cpu-bytes", "65536", "--gpu-bytes", "16384",
+         "--arena-dir", str(tmp_path)],  # its persistent CPU tier goes with the test's folder
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     got: list[dict[str, str]] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -458,3 +459,82 @@ def test_per_tenant_hits_and_quota_use_are_counted_and_exported(tenant_daemon: K
     assert samples[("kvtier_tenant_hit_blocks_total", (("tenant", "alice"), ("tier", "gpu")))] == after["hit_blocks"]["gpu"]
     assert samples[("kvtier_tenant_looked_up_blocks_total", (("tenant", "bob"),))] == after["looked_up_blocks"]
     assert ("kvtier_tenant_cpu_resident_bytes", (("tenant", "alice"),)) in samples
+
+
+# ---- wrong tenant tokens (issue 32 item 9) -------------------------------------------------------
+
+
+def test_wrong_tenant_tokens_are_rate_limited_per_peer(tmp_path: Path) -> None:
+    """Issue 32 item 9: tenant tokens could be guessed at 4,900/s (hello after hello, no delay). Now a
+    peer (here the test's uid on ipc) gets ``max_auth_failures_per_minute`` wrong tokens, then its
+    hellos with a token are refused untried (TOO_MANY_AUTH_FAILURES, naming the wait) until its bucket
+    refills; hellos keep being answered at once, so the limit costs the daemon nothing."""
+    from kvtier.client.admin import request
+    from tests.daemon import hostile_clients
+
+    per_minute = 6  # a try every 10 s once the burst is spent
+    layout = PoolLayout(model="m", block_size=4, block_bytes=BLOCK, dtype="bfloat16", num_layers=1, kv_heads=1,
+                        head_dim=8)
+    config = tmp_path / "kvtierd.toml"
+    config.write_text(textwrap.dedent(f"""
+        max_auth_failures_per_minute = {per_minute}
+        [tenants.tokenco]
+        token = "{TOKEN}"
+    """))
+    config.chmod(0o600)
+    with KvtierDaemon(tmp_path / "d", flags={"config": config, "cpu_bytes": 16 * BLOCK, "gpu_bytes": 4 * BLOCK}) as d:
+        seconds = 3.0
+        guesser = hostile_clients.spawn("guess", d.endpoint, seconds)
+        out = json.loads(hostile_clients.result(guesser, 60))
+        codes = out["codes"]
+        guesses_per_s = codes.get("UNAUTHORIZED", 0) / seconds
+        # Every hello answered, fast: refusals cost the loop no more than the token check did.
+        assert out["answered"] > 100, out
+        assert codes.get("UNAUTHORIZED", 0) <= per_minute + seconds * per_minute / 60 + 1, (codes, guesses_per_s)
+        assert codes.get("TOO_MANY_AUTH_FAILURES", 0) == out["answered"] - codes.get("UNAUTHORIZED", 0), codes
+        # The right token from the same peer waits its turn like any other (it is not even checked)...
+        with pytest.raises(DaemonError) as info:
+            Client(d.endpoint, "p", layout, token=TOKEN, timeout_s=10.0)
+        assert info.value.code == ErrorCode.TOO_MANY_AUTH_FAILURES
+        wait_s = float(re.search(r"try again in ([0-9.]+) s", str(info.value)).group(1))  # type: ignore[union-attr]
+        assert "max_auth_failures_per_minute 6" in str(info.value) and 0 < wait_s <= 60 / per_minute
+        # ...and is served once the bucket holds a try again.
+        time.sleep(wait_s + 0.2)
+        with Client(d.endpoint, "p", layout, token=TOKEN, timeout_s=10.0) as c:
+            assert list(c.stats()["tenants"]) == ["tokenco"]
+        # The operator (the daemon's own user on ipc) sees both counts.
+        daemon_stats = request(d.endpoint, "stats", timeout_s=10.0)["daemon"]
+        assert daemon_stats["auth_failures_total"] == codes["UNAUTHORIZED"]
+        assert daemon_stats["auth_refused_total"] == codes["TOO_MANY_AUTH_FAILURES"] + 1
+
+
+def test_the_auth_failure_limiter_refills_and_keeps_a_bounded_table() -> None:
+    from kvtier.daemon import auth_limits
+    from kvtier.daemon.auth_limits import AuthFailureLimiter
+
+    now = [0.0]
+    lim = AuthFailureLimiter(6, clock=lambda: now[0])  # a try every 10 s after a burst of 6
+    for _ in range(6):
+        assert lim.wait_s(1000) == 0.0
+        lim.failed(1000)
+    assert lim.wait_s(1000) == pytest.approx(10.0)
+    assert lim.wait_s("10.0.0.1") == 0.0  # another peer has its own bucket
+    now[0] = 9.9
+    assert lim.wait_s(1000) == pytest.approx(0.1)
+    now[0] = 10.0
+    assert lim.wait_s(1000) == 0.0
+    lim.failed(1000)
+    assert lim.wait_s(1000) == pytest.approx(10.0)
+    now[0] = 1000.0  # refilled to the burst, never past it
+    for _ in range(6):
+        assert lim.wait_s(1000) == 0.0
+        lim.failed(1000)
+    assert lim.wait_s(1000) > 0
+    assert (lim.failures_total, lim.refused_total) == (13, 4)
+    auth_limits.MAX_PEERS, saved = 4, auth_limits.MAX_PEERS
+    try:
+        for peer in range(10):
+            lim.failed(f"10.0.0.{peer}")
+        assert len(lim._buckets) <= 4
+    finally:
+        auth_limits.MAX_PEERS = saved

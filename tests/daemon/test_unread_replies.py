@@ -113,3 +113,79 @@ def test_a_client_that_reads_its_replies_is_never_shut_down(kvtierd_factory) -> 
         time.sleep(2.5)  # past a lease after its bye: when a connection with unread lent replies would be shut
         stats = daemon_stats(watcher)
         assert stats["unread_connections_shut_total"] == 0 and stats["reply_bytes_lent"] == 0, stats
+
+
+def _requests_total(client: Client) -> int:
+    return int(sum(daemon_stats(client).get("requests_total", {}).values()))
+
+
+def test_non_reading_clients_hold_a_bounded_number_of_reply_bytes_daemon_wide_and_lost_replies_are_counted(
+        kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 32 item 4: four non-reading clients held +1,445 MB of copied replies (each under its own
+    max_unread_reply_bytes), RSS stayed up after they left, and replies libzmq dropped at the
+    connections' high-water mark were never counted (replies_dropped_total 0 with 19,000 lost).
+
+    Now the copies all connections hold are capped together (max_unread_reply_bytes_total), every
+    request's one reply is either delivered or counted as dropped, and the heap is given back once
+    the backlog is gone."""
+    cap = 32 << 20
+    n_clients, restores, heartbeats = 4, 200, 1500  # 512 KiB per restore: 100 MiB each, if nothing capped
+    d = kvtierd_factory(gpu_bytes=TIER_BLOCKS * BLOCK_BYTES, cpu_bytes=TIER_BLOCKS * BLOCK_BYTES, device=DEVICE,
+                        max_unread_reply_bytes=cap, max_unread_reply_bytes_total=cap, max_message_bytes=8 << 20,
+                        log_level="info")
+    hs = [bytes([9, i]) * 8 for i in range(8)]
+    with Client(d.endpoint, "unread", layout()) as owner:
+        # Stored between other blocks: each restore gathers them into a staging buffer, memory the
+        # daemon allocates per reply (blocks lying in one run would be lent, costing nothing).
+        for i, h in enumerate(hs):
+            owner.store([h, bytes([10, i]) * 8], bytes(2 * BLOCK_BYTES))
+        rss_before_bytes = d.rss_bytes()
+        dropped_before = daemon_stats(owner)["replies_dropped_total"]
+        ctx = zmq.Context()
+        socks = []
+        try:
+            for _ in range(n_clients):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.RCVHWM, 1)  # reads nothing, queues almost nothing on its side
+                sock.setsockopt(zmq.RCVBUF, 4096)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(d.endpoint)
+                sock.send(encode({"v": 1, "op": "hello", "id": 1, "pool": "unread", "layout": layout().to_wire()}))
+                assert sock.poll(10_000)
+                socks.append((sock, decode(sock.recv())["sid"]))
+            requests_before = _requests_total(owner)
+            for i in range(restores):
+                for sock, sid in socks:
+                    sock.send(encode({"v": 1, "op": "restore", "id": 10 + i, "sid": sid, "hashes": hs}))
+            for i in range(heartbeats):  # small replies, past the connections' SNDHWM (1000)
+                for sock, sid in socks:
+                    sock.send(encode({"v": 1, "op": "heartbeat", "id": 10_000 + i, "sid": sid}))
+            sent = n_clients * (restores + heartbeats)
+            # +1: the stats request that asks counts itself.
+            wait_for(lambda: _requests_total(owner) - requests_before >= sent, 120.0, "every request handled")
+            time.sleep(1.0)
+            stats = daemon_stats(owner)
+            held_bytes = stats["reply_bytes_unsent"] - stats["reply_bytes_lent"]
+            # The cap, passed by at most one reply per connection that had read everything.
+            assert held_bytes <= cap + n_clients * 8 * BLOCK_BYTES, held_bytes
+            assert d.rss_bytes() - rss_before_bytes < 4 * cap, (d.rss_bytes() - rss_before_bytes) >> 20
+            assert stats["errors_total"].get("code=UNREAD_REPLIES", 0) > 0, stats["errors_total"]
+            assert "max_unread_reply_bytes_total" in d.log()
+            dropped = {k: v - dropped_before.get(k, 0) for k, v in stats["replies_dropped_total"].items()}
+            assert dropped["reason=full"] > 0 and dropped["reason=gone"] == 0, dropped
+            # Exactly one reply per request: what the clients read now plus what was counted dropped.
+            received = 0
+            for sock, _sid in socks:
+                while sock.poll(2000):
+                    sock.recv_multipart()
+                    received += 1
+            assert received + dropped["reason=full"] == sent, (received, dropped, sent)
+        finally:
+            for sock, _sid in socks:
+                sock.close(0)
+            ctx.term()
+        # A backlog of copies filled the heap; read, it is given back to the kernel.
+        wait_for(lambda: daemon_stats(owner)["heap_trims_total"] >= 1, 10.0, "the heap trimmed")
+        assert d.rss_bytes() - rss_before_bytes < cap, (d.rss_bytes() - rss_before_bytes) >> 20
+        assert bytes(owner.restore(hs).data) == bytes(8 * BLOCK_BYTES)
+    assert d.alive, d.log_tail()

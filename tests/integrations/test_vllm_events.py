@@ -61,8 +61,9 @@ def _until(cond: Callable[[], bool], step: Callable[[], None], timeout_s: float 
 
 def test_kvtierd_blocks_are_announced_under_vllms_own_hashes_and_removed_when_evicted(
         tmp_path: Path, kvtierd_factory: Callable[..., Any]) -> None:
-    # Room for 12 blocks in kvtierd: later prompts push the first one's blocks out of both tiers.
-    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=8 * BLOCK_BYTES, log_level="info")
+    # Room for 12 blocks in kvtierd: later prompts push the first one's blocks out of both tiers. LRU: the
+    # first prompt's blocks are the ones that go (the default policy may keep them, and let others go).
+    daemon = kvtierd_factory(gpu_bytes=4 * BLOCK_BYTES, cpu_bytes=8 * BLOCK_BYTES, log_level="info", policy="lru")
     endpoint = f"ipc://{tmp_path}/kv-events.sock"
     engine = Engine(tmp_path / "model", daemon.endpoint, tmp_path / "engine.log",
                     driver_args=["--kv-events", endpoint], events_interval_s=0.05)
@@ -95,10 +96,11 @@ def test_kvtierd_blocks_are_announced_under_vllms_own_hashes_and_removed_when_ev
             (h,) = e.block_hashes
             assert gpu_first.get(h) == e.token_ids, "a CPU-tier event under a hash vLLM did not give those tokens"
         assert cpu[0].parent_block_hash is None and cpu[1].parent_block_hash == cpu[0].block_hashes[0]
-        # Four more prompts of three blocks each: kvtierd (4 + 8 blocks) must let some go. Which ones is
-        # its policy's choice; a router following the events must end up believing as many blocks as it holds.
-        for c in (1, 2, 3, 4):
-            engine.generate([convs.prompt(c)], max_tokens=2)
+        # Four more prompts of three blocks each: kvtierd (4 + 8 blocks) must let three go, the first prompt's
+        # (LRU); a router following the events must end up believing as many blocks as kvtierd holds.
+        prompts = [first] + [convs.prompt(c) for c in (1, 2, 3, 4)]
+        for p in prompts[1:]:
+            engine.generate([p], max_tokens=2)
 
         def believed() -> set[Any]:
             held: set[Any] = set()
@@ -107,16 +109,26 @@ def test_kvtierd_blocks_are_announced_under_vllms_own_hashes_and_removed_when_ev
                     (held.add if isinstance(e, BlockStored) else held.discard)(e.block_hashes[0])
             return held
 
-        assert _until(lambda: bool(on("CPU", BlockRemoved))
+        first_blocks = {e.block_hashes[0] for e in cpu}
+        assert _until(lambda: first_blocks <= {e.block_hashes[0] for e in on("CPU", BlockRemoved)}
                       and len(believed()) == pool_stats(daemon.endpoint)["held_blocks"], step), (
             f"a router would believe {len(believed())} blocks in kvtierd's tier; kvtierd: "
             f"{pool_stats(daemon.endpoint)}; CPU events: "
             f"{[(type(e).__name__, e.block_hashes) for e in on('CPU', BlockStored) + on('CPU', BlockRemoved)]}")
         assert pool_stats(daemon.endpoint)["cpu_evictions"] > 0
-        # Every removal names a block announced before it.
-        stored_hashes = {e.block_hashes[0] for e in on("CPU", BlockStored)}
-        assert all(e.block_hashes[0] in stored_hashes for e in on("CPU", BlockRemoved))
-        assert len(stored_hashes) == 15  # five prompts of three full blocks, each announced
+        # Per block, a router sees Stored and Removed alternate, Stored first: never a removal of a block it was
+        # not told of, never a block told twice. How many of the 15 blocks were announced at all depends on when
+        # the connector read kvtierd's journal: one stored and evicted between two reads is never announced (nor
+        # removed). It once asserted all 15, and failed on a fresh clone with 14.
+        for h in {e.block_hashes[0] for e in on("CPU", BlockStored)}:
+            kinds = [type(e) for e in sub.events if e.medium == "CPU" and e.block_hashes[0] == h]
+            assert kinds == [BlockStored, BlockRemoved] * (len(kinds) // 2) + [BlockStored] * (len(kinds) % 2), kinds
+        assert {e.block_hashes[0] for e in on("CPU", BlockRemoved)} <= {e.block_hashes[0] for e in on("CPU", BlockStored)}
+        # Only this engine's blocks, each under the hash vLLM gave it: the five prompts' 15 full blocks.
+        full_blocks = {tuple(p[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]) for p in prompts for i in range(3)}
+        ours = {h for e in on("GPU", BlockStored) for i, h in enumerate(e.block_hashes)
+                if tuple(e.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]) in full_blocks}
+        assert len(ours) == 15 and {e.block_hashes[0] for e in on("CPU", BlockStored)} <= ours
     finally:
         if sub is not None:
             sub.close()

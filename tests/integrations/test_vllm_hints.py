@@ -50,3 +50,11 @@ def test_session_id_and_the_kv_hints_envelope_fill_what_kv_transfer_params_leave
 def test_invalid_values_are_dropped_never_raised(bad: dict[str, Any]) -> None:
     h = hints_of(request(params={"kvtier": {"session": "ok", **bad}} if "session" not in bad else {"kvtier": bad}))
     assert h is None or h == Hints(session="ok")
+
+
+def test_a_session_of_256_characters_from_kv_transfer_params_is_passed_on_whole() -> None:
+    """Any user of ``vllm serve`` can send it; valid by docs/protocol.md 2.6, so it reaches kvtierd unchanged
+    (which once answered it INTERNAL and failed the engine's whole pinned batch: test_vllm_scheduler.py)."""
+    for key in ("x" * 256, "\U0001f600" * 256):
+        assert hints_of(request(params={"kvtier": {"session": key}})) == Hints(session=key)
+        assert hints_of(request(session_id=key)) == Hints(session=key)

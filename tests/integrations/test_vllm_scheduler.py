@@ -297,6 +297,78 @@ def test_a_lookup_out_when_the_cache_is_reset_leaves_no_pin_and_no_answer(kvtier
         client.close()
 
 
+def _one_batch(sched: SchedulerSide, reqs: list[FakeRequest]) -> None:
+    """Announce ``reqs`` so that their lookups go out in one pipelined batch (the background thread is held)."""
+    import threading
+
+    gate = threading.Event()
+    sched._jobs.submit(gate.wait)
+    for req in reqs:
+        sched.on_new_request(req)  # type: ignore[arg-type]
+    gate.set()
+
+
+def test_a_256_character_session_from_an_end_user_fails_no_lookup_and_leaks_no_pin(daemon) -> None:  # type: ignore[no-untyped-def]
+    """A ``session`` of 256 characters is valid (docs/protocol.md 2.6) and any user of ``vllm serve`` can send it in
+    ``kv_transfer_params``. kvtierd once answered it INTERNAL; that one error failed its whole pinned batch, whose
+    batch-mates' pins the daemon had taken and the connector never recorded: after a few batches every pinned
+    lookup of the engine got TOO_MANY_PINS (a session may pin 64 blocks of this pool; each batch leaked 8)."""
+    sched, client, pool = setup(daemon, "long-session", lookup_wait_ms=0)
+    reqs: list[FakeRequest] = []
+    try:
+        for batch in range(12):
+            long_key = ("\U0001f600" if batch % 2 else "s") * 256  # 1 KiB of UTF-8, or 256 bytes
+            reqs = [FakeRequest(f"plain-{batch}", stored_prompt(client, 200 + batch, 4)),
+                    FakeRequest(f"long-{batch}", stored_prompt(client, 300 + batch, 4),
+                                {"kvtier": {"session": long_key, "retain_s": 30}}),
+                    FakeRequest(f"mate-{batch}", stored_prompt(client, 400 + batch, 4))]
+            _one_batch(sched, reqs)
+            assert _wait_for(lambda: all(sched._tracked[r.request_id].lookup.done() for r in reqs), timeout_s=30.0)  # type: ignore[union-attr]
+            answers = [sched.get_num_new_matched_tokens(r, 0) for r in reqs]  # type: ignore[arg-type]
+            assert answers == [(4 * BS, False)] * 3, (batch, answers)
+            assert client.stats()["pools"][pool.name]["pinned_blocks"] == 12
+            for r in reqs:
+                sched.request_finished(r)  # type: ignore[arg-type]
+            assert _wait_for(lambda: client.stats()["pools"][pool.name]["pinned_blocks"] == 0), batch
+        reqs = []
+    finally:
+        for r in reqs:
+            sched.request_finished(r)  # type: ignore[arg-type]
+        sched.close()
+        client.close()
+
+
+def test_pins_of_a_batch_whose_answers_were_lost_go_when_its_requests_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The batch times out: kvtierd pins (it reads the requests late), the connector never hears of it and answers
+    0. Those pins once stayed as long as the engine's session: now each request's end drops every pin of its tag."""
+    import signal
+
+    from kvtier.testing.daemon import loopback_tcp_daemon
+
+    daemon = loopback_tcp_daemon(tmp_path / "d", {"gpu_bytes": 64 * BLOCK_BYTES, "cpu_bytes": 64 * BLOCK_BYTES})
+    sched, client, pool = setup(daemon, "lost-batch", lookup_wait_ms=0, timeout_s=0.5, retry_s=0.1)
+    reqs = [FakeRequest(f"r{i}", stored_prompt(client, 500 + i, 4)) for i in range(2)]
+    try:
+        sched._link.call(lambda c: c.sid)  # connected: the batch's requests are written to kvtierd's socket
+        daemon.send_signal(signal.SIGSTOP)  # ... where they wait past their deadline
+        try:
+            _one_batch(sched, reqs)
+            lookups = [sched._tracked[r.request_id].lookup for r in reqs]
+            assert _wait_for(lambda: all(f is not None and f.done() for f in lookups), timeout_s=10.0)
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        assert [f.result() for f in lookups if f is not None] == [0, 0]  # the engine computes
+        assert _wait_for(lambda: client.stats()["pools"][pool.name]["pinned_blocks"] == 8, timeout_s=10.0)
+        time.sleep(0.2)  # past retry_s: the link tries kvtierd again
+        for r in reqs:
+            sched.request_finished(r)  # type: ignore[arg-type]
+        assert _wait_for(lambda: client.stats()["pools"][pool.name]["pinned_blocks"] == 0, timeout_s=10.0)
+    finally:
+        sched.close()
+        client.close()
+        daemon.kill()
+
+
 def test_hits_are_split_by_the_tier_that_held_them(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 

@@ -1,16 +1,21 @@
 """A vLLM engine in its own process, driven by the vLLM tests over stdin/stdout.
 
-``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N] [--tp N] [--kv-events ENDPOINT]``
-starts ``vllm.LLM`` on the random-weight model in DIR (with KvtierConnector
-when ``--socket`` is given; weights from ``context_sensitive_weights``, seed 0),
-prints ``@@ready``, then serves one JSON command
+``python vllm_driver.py --model-dir DIR [--socket ENDPOINT] [--gpu-blocks N] [--tp N] [--layers N]
+[--arch llama|deepseek_v2|gemma3] [--block-size N] [--prompt-embeds] [--kv-events ENDPOINT]``
+writes the random-weight model (``kvtier.testing.vllm_weights``, seed 0: a
+Llama, a DeepSeek-V2 with MLA, or a Gemma 3) into DIR, starts ``vllm.LLM`` on it (with
+KvtierConnector when ``--socket`` is given), prints ``@@ready``, then serves one JSON command
 per stdin line and answers each with one ``@@{json}`` line on stdout (vLLM's
 own logs share stdout; the prefix tells them apart):
 
 - ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}`` ->
   ``{"outputs": [[ids...], ...], "cached": [num_cached_tokens, ...],
   "preemptions": vLLM's count so far}``
-  (greedy, all prompts submitted together);
+  (greedy, all prompts submitted together); with ``"prompt_logprobs": k``
+  the reply also has ``"prompt_logprobs"``: per prompt, the logprob of each
+  prompt token (null for the first); with ``"embeds": [[seed, length],
+  ...]`` instead of ``prompts`` (``--prompt-embeds``), each prompt is
+  ``length`` seeded random embeddings;
 - ``{"op": "abort", "prompts": [[ids...], ...], "steps": k}``: submits the
   prompts, runs ``k`` engine steps, aborts whatever has not finished ->
   ``{"aborted": [...], "finished": [...]}``;
@@ -19,8 +24,9 @@ own logs share stdout; the prefix tells them apart):
   metrics" line carries the connector's counters) -> ``{"logged": true}``;
 - ``{"op": "metrics", "prefix": p}`` -> vLLM's metrics (``LLM.get_metrics``)
   whose name starts with ``p``: ``{"metrics": [[name, labels, value], ...]}``;
-- ``{"op": "perturb_weights", "seed": s}``: changes every weight in the
-  workers (seeded), as a weight update would ->
+- ``{"op": "perturb_weights", "seed": s}``: changes every weight (seeded
+  noise: ``write_update``) and loads the new weights into the workers in
+  place (vLLM's ``reload_weights``), as an RL weight update does ->
   ``{"perturbed": number of tensors}``;
 - ``{"op": "reset", "connector": bool}``: ``LLM.reset_prefix_cache`` (with
   ``reset_connector``) -> ``{"reset": what it returned}``;
@@ -38,19 +44,8 @@ import os
 import sys
 from typing import Any
 
-MODEL_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-}
 BLOCK_SIZE = 128
-
-
-def write_model(model_dir: str) -> None:
-    os.makedirs(model_dir, exist_ok=True)
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(MODEL_CONFIG, f)
+WEIGHT_SEED = 0
 
 
 def cpu_bind(tp: int) -> str:
@@ -67,6 +62,15 @@ def reply(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def embeds_prompt(seed: int, length: int, hidden: int) -> Any:
+    """A prompt of ``length`` seeded random embeddings (std 1, as the model's own)."""
+    import torch
+    from vllm.inputs import EmbedsPrompt
+
+    gen = torch.Generator().manual_seed(seed)
+    return EmbedsPrompt(prompt_embeds=torch.randn(length, hidden, generator=gen).to(torch.bfloat16))
+
+
 def preemptions(llm: Any) -> int:
     """vLLM's cumulative count of preempted requests."""
     return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name.startswith("vllm:num_preemptions")))
@@ -80,6 +84,16 @@ def main() -> None:
                     help="vLLM's own KV cache, in blocks of 128 tokens (one is vLLM's null block)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (each rank's threads get their own cores)")
+    ap.add_argument("--layers", type=int, default=2, help="the model's layers (hidden 256, 4 heads)")
+    ap.add_argument("--arch", choices=("llama", "deepseek_v2", "gemma3"), default="llama",
+                    help="llama (2 KV heads), deepseek_v2 (MLA: kv_lora_rank 512 + rope 64) or gemma3 "
+                         "(5 sliding-window layers of 128 tokens to 1 full; vLLM runs it with kvtier only where "
+                         "the connector supports hybrid KV-cache groups)")
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                    help="vLLM's block size in tokens (vLLM's CPU MLA backend forces 16)")
+    ap.add_argument("--prompt-embeds", action="store_true", help="vLLM's enable_prompt_embeds")
+    ap.add_argument("--max-model-len", type=int,
+                    help="default: what --gpu-blocks hold less one block (a hybrid model needs more blocks a token)")
     ap.add_argument("--kv-events", metavar="ENDPOINT",
                     help="publish vLLM's KV cache events on this ZMQ endpoint (vLLM binds it)")
     args = ap.parse_args()
@@ -87,13 +101,22 @@ def main() -> None:
         # vLLM's CPU backend binds each rank's threads to a NUMA node; one node here, so by hand.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(args.tp))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
-    write_model(args.model_dir)
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtier.testing.vllm_weights import context_sensitive_weights, perturb_weights
+    from kvtier.testing.vllm_weights import (
+        deepseek_v2_config,
+        gemma3_config,
+        llama_config,
+        tensor_specs,
+        write_model,
+        write_update,
+    )
+
+    make_config = {"llama": llama_config, "deepseek_v2": deepseek_v2_config, "gemma3": gemma3_config}[args.arch]
+    config = make_config(num_hidden_layers=args.layers)
+    write_model(args.model_dir, config, WEIGHT_SEED)
 
     kw: dict[str, Any] = {}
     if args.socket:
@@ -106,11 +129,13 @@ def main() -> None:
         from vllm.config import KVEventsConfig
 
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events)
-    llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=(args.gpu_blocks - 1) * BLOCK_SIZE,
-              block_size=BLOCK_SIZE, num_gpu_blocks_override=args.gpu_blocks, enforce_eager=True, seed=0,
+    if args.prompt_embeds:
+        kw["enable_prompt_embeds"] = True
+    llm = LLM(model=args.model_dir, skip_tokenizer_init=True,
+              max_model_len=args.max_model_len or (args.gpu_blocks - 1) * args.block_size,
+              block_size=args.block_size, num_gpu_blocks_override=args.gpu_blocks, enforce_eager=True, seed=0,
               tensor_parallel_size=args.tp,
               disable_log_stats=False, **kw)
-    llm.collective_rpc(context_sensitive_weights, args=(0,))
     reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -129,18 +154,26 @@ def main() -> None:
                                if m.name.startswith(cmd["prefix"]) and hasattr(m, "value")]})
             continue
         if op == "perturb_weights":
-            reply({"perturbed": sum(llm.collective_rpc(perturb_weights, args=(int(cmd["seed"]),)))})
+            update = write_update(args.model_dir, int(cmd["seed"]), base_seed=WEIGHT_SEED)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(update)})
+            reply({"perturbed": len(tensor_specs(config))})
             continue
         if op == "reset":
             reply({"reset": llm.reset_prefix_cache(reset_connector=bool(cmd["connector"]))})
             continue
-        params = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0.0, detokenize=False, ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]]
+        params = SamplingParams(max_tokens=int(cmd.get("max_tokens", 8)), temperature=0.0, detokenize=False, ignore_eos=True,
+                                prompt_logprobs=cmd.get("prompt_logprobs"))
+        prompts: list[Any] = ([embeds_prompt(seed, n, int(config["hidden_size"])) for seed, n in cmd["embeds"]]
+                              if "embeds" in cmd else [TokensPrompt(prompt_token_ids=list(p)) for p in cmd["prompts"]])
         if op == "generate":
             outs = llm.generate(prompts, params, use_tqdm=False)
-            reply({"outputs": [list(o.outputs[0].token_ids) for o in outs],
-                   "cached": [int(o.num_cached_tokens or 0) for o in outs],
-                   "preemptions": preemptions(llm)})
+            out: dict[str, Any] = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                                   "cached": [int(o.num_cached_tokens or 0) for o in outs],
+                                   "preemptions": preemptions(llm)}
+            if cmd.get("prompt_logprobs") is not None:
+                out["prompt_logprobs"] = [[None if lp is None else float(lp[tok].logprob)
+                                           for tok, lp in zip(o.prompt_token_ids, o.prompt_logprobs)] for o in outs]
+            reply(out)
         elif op == "abort":
             engine = llm.llm_engine
             ids = [f"abort-{cmd.get('tag', '')}-{i}" for i in range(len(prompts))]

@@ -758,8 +758,9 @@ def after_checks(victim: Victim, judge: Judge, errors_before: Counter[str], pool
                             f"the fuzzer saw {seen[name]}")
     if delta["INTERNAL"]:
         problems.append(f"{delta['INTERNAL']} INTERNAL errors")
-    if stats["daemon"].get("replies_dropped_total", 0):
-        problems.append(f"{stats['daemon']['replies_dropped_total']} replies dropped")
+    dropped = stats["daemon"].get("replies_dropped_total", {})  # by reason
+    if sum(dropped.values()):
+        problems.append(f"{dropped} replies dropped")
     pool = stats["pools"][c.pool]
     now = {k: int(pool[k]) for k in VICTIM_KEYS}
     if now != pool_before:

@@ -148,8 +148,9 @@ def test_client_killed_with_its_copy_in_flight_is_released_after_the_copy(start_
 
 
 def test_daemon_sigkilled_mid_restore_client_raises_at_its_deadline_then_reconnects_alone(start_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Private CPU tiers: the restart empties the cache (a persistent tier's restart: tests/daemon/test_restart.py).
     daemon = start_daemon(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES, lease_s=1.5,
-                          env={FAULTS_ENV: "load.delay_s=5"})
+                          persist_cpu_tier=False, env={FAULTS_ENV: "load.delay_s=5"})
     deadline_s = 2.0
     with Client(daemon.endpoint, "restart", store_layout(BLOCK_BYTES), timeout_s=5.0) as c:
         hashes = stored_chain(c, "mid-restore", 4)
@@ -244,7 +245,8 @@ def test_unregister_while_its_copy_is_in_flight_is_refused_and_the_copy_lands(st
         c.unregister_kv("kv")
 
 
-def test_engine_example_recomputes_after_the_daemon_dies_mid_allocate(start_daemon) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("persist", [False, True], ids=["private-cpu-tier", "persistent-cpu-tier"])
+def test_engine_example_recomputes_after_the_daemon_dies_mid_allocate(start_daemon, persist: bool) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("transformers")
     import torch
     # examples/engine's modules: pyproject's pytest pythonpath has their folder.
@@ -255,7 +257,7 @@ def test_engine_example_recomputes_after_the_daemon_dies_mid_allocate(start_daem
     torch.set_num_threads(1)
     model = build_model("tiny", seed=0)
     geometry = KVGeometry.of(model.config)
-    daemon = start_daemon(cpu_bytes=256 * geometry.block_bytes, lease_s=1.5,
+    daemon = start_daemon(cpu_bytes=256 * geometry.block_bytes, lease_s=1.5, persist_cpu_tier=persist,
                           env={FAULTS_ENV: "restore.delay_s=6"})
     reference = Engine(model, InProcessBackend(PagedKVPool.allocate(geometry, 64), cpu_blocks=0, enable_caching=False))
     prompt = list(range(7, 7 + 100))  # 6 full blocks
@@ -278,12 +280,16 @@ def test_engine_example_recomputes_after_the_daemon_dies_mid_allocate(start_daem
         daemon.env.pop(FAULTS_ENV)
         daemon.spawn()
         wait_for(lambda: backend.client.sid != old_sid, 10.0, "the engine's client to reconnect on its own")
-        # The same request again: the cache is gone, so the engine recomputes it, with the same output.
+        # The same request again, with the same output: a private CPU tier died with the daemon, so the
+        # engine recomputes everything; a persistent one was adopted, so its blocks are restored instead.
         try:
             again = eng.generate(prompt, 4)
         except SessionLost:
             again = eng.generate(prompt, 4)
-        assert again.hit_tier == "miss" and again.num_computed_tokens == len(prompt)
+        if persist:
+            assert again.hit_tier == "cpu" and again.num_computed_tokens < len(prompt)
+        else:
+            assert again.hit_tier == "miss" and again.num_computed_tokens == len(prompt)
         assert again.output_ids == want.output_ids
         assert torch.allclose(again.last_prompt_logits, want.last_prompt_logits, atol=1e-4)
     finally:

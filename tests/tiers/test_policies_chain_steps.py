@@ -231,9 +231,9 @@ def check_consistent(p: ChainPolicy, resident: set[bytes]) -> None:
 def check_balanced(p: ChainPolicy) -> None:
     """After a whole request: the pending counts are exactly the uses not yet resolved."""
     p._fold()
-    unresolved = sum(1 for t, keys in p._pending for key in keys if key in p._meta and p._meta[key].last == t)
+    unresolved = sum(1 for t, uses in p._pending for m in uses if m.last == t and p._meta.get(m.key) is m)
     assert p._pend.min() >= 0
-    assert p._pend.sum() == unresolved
+    assert p._pend.sum() == unresolved == p._history
 
 
 @pytest.mark.parametrize("chunk_keys", [1, 3, 64])

@@ -381,6 +381,7 @@ def test_cli_json_to_stdout(capsys) -> None:
         (["--policy", "nope"], "unknown eviction policy"),
         (["--cpu-blocks", "1,2"], "need --sweep"),
         (["--gpu-blocks", "0"], "at least one block"),
+        (["--policies", "lru+admit2"], "--policies lists the policies of a --sweep"),  # was ignored silently
     ],
 )
 def test_cli_errors(args: list[str], match: str) -> None:

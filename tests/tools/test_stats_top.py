@@ -260,3 +260,59 @@ def test_the_tools_import_no_torch_and_no_daemon() -> None:
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('kvtier.daemon')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_stats_and_top_show_what_a_restarted_daemon_adopted_and_dropped() -> None:
+    from kvtier.tools.stats import format_stats
+
+    adopted = _pool(cpu_adopted_blocks=1200, cpu_adoption_dropped_blocks=3, cpu_adoption_pending_blocks=40)
+    fresh = _pool(cpu_adopted_blocks=0, cpu_adoption_dropped_blocks=0, cpu_adoption_pending_blocks=0)
+    stats = {"pools": {"llama": adopted, "new": fresh}, "daemon": {}, "sessions": 0}
+    for text in (format_stats(stats, "ipc:///x"),
+                 render_frame(None, stats, 0.0, endpoint="ipc:///x", interval_s=1.0, clock="12:00:00")):
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("ADOPTED AT START"))
+        assert lines[start + 1].split() == ["pool", "adopted", "dropped", "verifying"]
+        assert lines[start + 2].split() == ["llama", "1,200", "3", "40"]
+        assert not any(line.split()[:1] == ["new"] for line in lines[start:])  # a pool that adopted nothing
+    quiet = {"pools": {"new": fresh}, "daemon": {}, "sessions": 0}
+    assert "ADOPTED" not in format_stats(quiet, "ipc:///x")
+
+
+def _disk(**kw: float) -> dict[str, Any]:
+    base = {"available": True, "last_error": "", "capacity_blocks": 100, "used_blocks": 40, "disk_hits": 0,
+            "bytes_read": 0, "bytes_written": 0, "writes_dropped_full": 0, "writes_dropped_unavailable": 0,
+            "writes_not_admitted": 0, "read_errors": 0, "write_errors": 0, "disk_corrupt": 0, "adopted_blocks": 30,
+            "torn_records": 1}
+    return {**base, **kw}
+
+
+def test_stats_and_top_show_the_disk_tier_where_a_pool_has_one() -> None:
+    from kvtier.tools.stats import format_stats
+
+    prev = {"pools": {"d": _pool(looked_up_blocks=100, hit_blocks_disk=40, miss_blocks=60, disk=_disk()),
+                      "plain": _pool()}, "daemon": {}, "sessions": 1}
+    cur = {"pools": {"d": _pool(looked_up_blocks=200, hit_blocks_disk=100, miss_blocks=100,
+                                disk=_disk(disk_hits=60, bytes_read=60 << 20, bytes_written=1 << 30,
+                                           writes_dropped_full=3, write_errors=2, available=False,
+                                           last_error="write: [Errno 28] No space left on device")),
+                     "plain": _pool()}, "daemon": {}, "sessions": 1}
+    text = format_stats(cur, "ipc:///x")
+    assert "each is counted once: gpu, cpu, disk, remote or miss" in text
+    (hits,) = [line for line in text.splitlines() if line.startswith("  d ") and "%" in line]
+    assert hits.split()[7:9] == ["100", "50.0%"]  # the disk column: 100 of 200 looked-up blocks
+    (disk_row,) = [line for line in text.splitlines() if line.startswith("  d ") and "DOWN" in line]
+    assert "No space left" in disk_row and "40/100" in disk_row and "60.0 MiB" in disk_row and "1.0 GiB" in disk_row
+    assert disk_row.split()[-3:] == ["30", "(1", "torn)"]
+    (occ,) = [line for line in text.splitlines() if line.split()[:1] == ["disk"]]
+    assert occ.split()[1:3] == ["100", "40"]
+    frame = render_frame(prev, cur, 2.0, endpoint="ipc:///x", interval_s=2.0, clock="12:00:00")
+    assert "DISK TIER" in frame
+    (window,) = [line for line in frame.splitlines() if line.split()[:1] == ["d"] and "last 2.0 s" in line]
+    assert window.split()[8] == "60.0%"  # 60 of the interval's 100 blocks from the disk tier
+    (row,) = [line for line in frame.splitlines() if line.startswith("  d ") and "DOWN" in line]
+    assert "60 +60" in row and "3 +3" in row and "60.0 MiB +60.0 MiB" in row
+    # Without a disk tier anywhere, no disk column and no disk section.
+    plain = {"pools": {"plain": _pool()}, "daemon": {}, "sessions": 0}
+    assert "DISK" not in format_stats(plain, "ipc:///x") and "disk" not in format_stats(plain, "ipc:///x")
+    assert "DISK" not in render_frame(None, plain, 0.0, endpoint="ipc:///x", interval_s=1.0, clock="12:00:00")

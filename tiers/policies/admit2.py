@@ -27,7 +27,7 @@ from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies.base import EvictionPolicy
 
 
-__all__ = ["AdmissionWrapper"]
+__all__ = ["AdmissionWrapper", "SecondSightingAdmission"]
 
 
 @dataclass(slots=True)
@@ -83,9 +83,13 @@ class AdmissionWrapper(EvictionPolicy):
         return len(self._seen)
 
     def admit(self, key: bytes) -> bool:
+        return self.second_sighting(key) and self.inner.admit(key)
+
+    def second_sighting(self, key: bytes) -> bool:
+        """This wrapper's rule alone, without the wrapped policy's word (a rejection counts as above)."""
         sighting = self._touch(key)
         if sighting.requests >= 2 or sighting.rejected_unrequested:
-            return self.inner.admit(key)
+            return True
         if sighting.requests == 0:
             sighting.rejected_unrequested = True
         return False
@@ -128,6 +132,9 @@ class AdmissionWrapper(EvictionPolicy):
     def __len__(self) -> int:
         return len(self.inner)
 
+    def remembered_keys(self) -> int:
+        return len(self._seen) + self.inner.remembered_keys()
+
     def _touch(self, key: bytes) -> _Sighting:
         sighting = self._seen.get(key)
         if sighting is None:
@@ -138,3 +145,16 @@ class AdmissionWrapper(EvictionPolicy):
         else:
             self._seen.move_to_end(key)
         return sighting
+
+
+class SecondSightingAdmission:
+    """An ``AdmissionWrapper``'s rule as an admission filter of its own: a tier below the CPU tier
+    (the disk tier) admits what the pool's ``+admit2`` would, from the same sightings."""
+
+    __slots__ = ("wrapper",)
+
+    def __init__(self, wrapper: AdmissionWrapper) -> None:
+        self.wrapper = wrapper
+
+    def admit(self, key: bytes) -> bool:
+        return self.wrapper.second_sighting(key)

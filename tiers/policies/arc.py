@@ -118,6 +118,9 @@ class ARCPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
 
+    def remembered_keys(self) -> int:
+        return len(self) + self.ghosts
+
     def _trim_ghosts(self) -> None:
         # Ghosts only ever shrink to restore the paper's bounds; resident keys
         # are the tier's to evict, so if residents alone break a bound (a tier

@@ -52,6 +52,13 @@ Who calls what (always from the tier's single owner thread):
                        policy without hints support behaves exactly as
                        before. Wrappers forward it.
 
+- ``remembered_keys()``  how many keys the policy holds state for, resident or
+                       not (a learning policy's history, ghosts, streams' chains):
+                       what its memory grows with. Every policy bounds it by
+                       its capacity (each documents how), whatever the traffic.
+                       Default: ``len(self)``. Wrappers add theirs to the
+                       wrapped policy's.
+
 The GPU tier above (the pool calls these; a policy may ignore both, and
 wrappers forward them):
 
@@ -122,6 +129,9 @@ class EvictionPolicy(ABC):
 
     def record_hints(self, keys: Sequence[bytes], hints: RequestHints) -> None:
         return None
+
+    def remembered_keys(self) -> int:
+        return len(self)
 
     def on_promote(self, keys: Sequence[bytes]) -> None:
         return None

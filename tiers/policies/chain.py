@@ -87,9 +87,35 @@ re-estimate); ``record_request_steps`` does the same work in steps of
 ``chunk_keys`` keys. ``on_insert``/``on_remove``/``admit`` O(1);
 ``victims()`` walks a cached order of groups (one group per class and
 ``bucket_width`` window of last use), re-sorted every ``bucket_width``
-requests (O(G log G), G <= classes × horizon/bucket_width). Memory:
-metadata for each block used within the last ``horizon`` requests or
-resident.
+requests (O(G log G), G <= classes × horizon/bucket_width).
+
+Memory: metadata for each resident block and for each block used within
+the last ``horizon`` requests, but for at most ``history_keys`` of the
+latter (default ``max(HISTORY_KEYS_PER_BLOCK × capacity, MIN_HISTORY_KEYS)``:
+64 per CPU-tier block, at least 4,096; about 280 bytes each), whatever the
+traffic: a flood of never-seen keys (lookups of blocks nobody stores) cannot
+grow it past the pool's share. Past the bound the oldest uses are forgotten
+first (within one request, the deepest first), as if their horizon had
+passed, except that they count as censored, not as "not reused": their
+pending counts are withdrawn without an outcome. A forgotten block that
+comes back is a new sighting. One request's own keys are held while it is
+recorded, however many (up to the protocol's limit per request), and
+trimmed after. The per-request use lists hold each use once (8 bytes);
+uses made stale by a later use of the same block are compacted away once
+they outnumber the live ones plus the bound, and the buffered counts are
+folded into the arrays past ``FOLD_KEYS`` of them. ``remembered_keys()`` is
+the number of blocks with metadata.
+
+The bound changes no decision on the shared traces at the sizes above: the
+peak of blocks used within the horizon is 69,120 on the conversation trace
+(11.8 per CPU-tier block at 5,859 blocks), 40,147 on the synthetic one and
+84,968 on Claude Code's (10.9 at 7,812 blocks). It does below ~1,080
+CPU-tier blocks (conversation) or ~1,330 (Claude Code). Measured (``kvtier
+replay``, block hit rate, bound then none): conversation at 976 blocks (500k
+tokens) 0.0764 against 0.0784 (46,378 uses forgotten). At 32 per block
+instead of 64: conversation at 1,953 blocks (1M tokens) 0.1047 against
+0.1067, Claude Code (GPU 976 blocks) at 1,953 blocks 0.2984 against 0.2957;
+hence 64, which leaves both unchanged at 1M tokens.
 
 Without ``record_request`` calls (a store-only client), every block is one
 class at age 0 and the policy degrades to FIFO with admit-all.
@@ -106,15 +132,24 @@ import numpy as np
 
 from kvtier.tiers.policies.base import EvictionPolicy
 
-__all__ = ["ChainPolicy"]
+__all__ = ["HISTORY_KEYS_PER_BLOCK", "MIN_HISTORY_KEYS", "ChainPolicy"]
+
+# Blocks remembered for their uses (not resident), per CPU-tier block, and at least this many: a
+# measured 11.8 per block on the conversation trace at the README's sizes, 10.9 on Claude Code's.
+HISTORY_KEYS_PER_BLOCK = 64
+MIN_HISTORY_KEYS = 1 << 12
+# Buffered count changes past which they are folded into the arrays at the end of a request (one
+# long request would otherwise hold a Python int per key until the next re-estimate).
+FOLD_KEYS = 1 << 16
 
 
 class _Meta:
     """What the policy remembers about one block."""
 
-    __slots__ = ("last", "cls", "uses", "child", "hub", "depth", "group")
+    __slots__ = ("key", "last", "cls", "uses", "child", "hub", "depth", "group")
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes) -> None:
+        self.key = key  # its key in ``_meta`` (the per-request use lists hold the record, not the key)
         self.last = -1  # request time of the last use
         self.cls = 0  # class at the last use
         self.uses = 0  # requests that used it (while remembered)
@@ -156,12 +191,18 @@ class ChainPolicy(EvictionPolicy):
         return _class_of(turns, uses, new)
 
     def __init__(self, capacity_blocks: int, *, horizon: int = 4096, bucket_width: int = 32,
-                 epochs: int = 3, min_samples: float = 200.0, admission: bool = True) -> None:
+                 epochs: int = 3, min_samples: float = 200.0, admission: bool = True,
+                 history_keys: int | None = None) -> None:
         super().__init__(capacity_blocks)
         if bucket_width < 1 or horizon < bucket_width or horizon % bucket_width:
             raise ValueError("need bucket_width >= 1 and horizon a multiple of bucket_width")
         if epochs < 2:
             raise ValueError(f"epochs must be >= 2, got {epochs}")
+        if history_keys is None:
+            history_keys = max(HISTORY_KEYS_PER_BLOCK * capacity_blocks, MIN_HISTORY_KEYS)
+        if history_keys < 0:
+            raise ValueError(f"history_keys must be >= 0, got {history_keys}")
+        self.history_keys = history_keys
         self.horizon = horizon
         self.width = bucket_width
         self.nb = horizon // bucket_width
@@ -170,8 +211,13 @@ class ChainPolicy(EvictionPolicy):
         self.admission = admission
         self.now = 0
         self._meta: dict[bytes, _Meta] = {}
-        # Uses not yet resolved, one entry per request: (time, keys used).
-        self._pending: deque[tuple[int, list[bytes]]] = deque()
+        # Uses not yet resolved, one entry per request: (time, the records of the blocks it used). A
+        # record is live there while its `last` is that time; a later use or a forgetting leaves a
+        # stale entry behind, skipped (and compacted away past `_entries` > 2 × `_history` + bound).
+        self._pending: deque[tuple[int, list[_Meta]]] = deque()
+        self._history = 0  # blocks with a use pending (`last` >= 0): at most history_keys between requests
+        self._entries = 0  # entries in the lists of `_pending`, live or stale
+        self.forgotten_uses = 0  # uses forgotten before their horizon, to keep history_keys
         nb = self.nb
         # Outcomes of the uses born in each retained epoch (ring of `epochs` slots of `horizon` requests):
         # reuse gaps by bucket, and uses not reused within the horizon. A slot is zeroed when its
@@ -185,6 +231,7 @@ class ChainPolicy(EvictionPolicy):
         # Changes to those arrays, applied vectorized by `_fold` before they are read or zeroed: a
         # numpy scalar update per key cost more than the rest of the per-key work together.
         self._born: list[int] = []  # flat indices into _pend of new uses
+        self._censored: list[int] = []  # flat indices into _pend of forgotten uses (no outcome)
         # Resolved uses, each packed by `_outcome` into one int: its class, its time of birth modulo
         # the retained span (`_ring`) and its gap (up to `horizon`, hence the radix `_span`).
         self._outcomes: list[int] = []
@@ -236,8 +283,7 @@ class ChainPolicy(EvictionPolicy):
         meta = self._meta
         # The request's uses, as parallel lists rather than a tuple per key: fewer objects for the
         # garbage collector, whose passes over them cost as much as the rest of the work.
-        used: list[bytes] = []
-        metas: list[_Meta] = []
+        used: list[_Meta] = []
         lasts: list[int] = []  # time of each one's previous use, or -1
         # Queued now, filled below: the request's uses expire together, `horizon` requests on.
         self._pending.append((now, used))
@@ -252,7 +298,7 @@ class ChainPolicy(EvictionPolicy):
             for key in keys[start:start + chunk_keys]:
                 m = meta.get(key)
                 if m is None:
-                    m = meta[key] = _Meta()
+                    m = meta[key] = _Meta(key)
                     new += 1
                 elif m.last == now:
                     continue  # the same block twice in one request: once is enough
@@ -263,8 +309,7 @@ class ChainPolicy(EvictionPolicy):
                         prev.hub = True
                     if not prev.hub and prev.uses > turns:
                         turns = prev.uses
-                used.append(key)
-                metas.append(m)
+                used.append(m)
                 lasts.append(m.last)
                 m.last = now
                 m.uses += 1
@@ -272,6 +317,8 @@ class ChainPolicy(EvictionPolicy):
             yield
         if prev is not None and not prev.hub and prev.uses > turns:
             turns = prev.uses
+        self._history += lasts.count(-1)  # blocks whose use was not pending before
+        self._entries += len(used)
 
         # Per-key pass. `turns` and `new` are the request's, so a class depends on the key only
         # through its use count: classify once per distinct count (classify is pure).
@@ -281,7 +328,7 @@ class ChainPolicy(EvictionPolicy):
         born, outcomes = self._born, self._outcomes
         for start in range(0, len(used), chunk_keys):
             for depth in range(start, min(start + chunk_keys, len(used))):
-                m = metas[depth]
+                m = used[depth]
                 last = lasts[depth]
                 if last >= 0:
                     # Reused after now - last requests: `_outcome`, inlined. Uses expire after
@@ -297,8 +344,8 @@ class ChainPolicy(EvictionPolicy):
                 born.append(cls * columns + born_at)
                 g = m.group
                 if g is not None:
-                    self._ungroup(used[depth], g)
-                    self._group(used[depth], m)
+                    self._ungroup(m.key, g)
+                    self._group(m.key, m)
             yield
 
         # The uses made `horizon` requests ago that saw no reuse: count them, forget idle blocks.
@@ -306,22 +353,73 @@ class ChainPolicy(EvictionPolicy):
         limit = now - horizon
         while pending and pending[0][0] <= limit:
             t, expired = pending.popleft()
+            self._entries -= len(expired)
             for start in range(0, len(expired), chunk_keys):
-                for key in expired[start:start + chunk_keys]:
-                    m = meta.get(key)
-                    if m is None or m.last != t:
-                        continue  # used again since (already counted)
+                for m in expired[start:start + chunk_keys]:
+                    if m.last != t:
+                        continue  # used again since (already counted), or forgotten
                     outcomes.append(self._outcome(m.cls, t, horizon))
                     m.last = -1  # outcome recorded: a later use is a new sighting, not a gap
+                    self._history -= 1
                     if m.group is None:
-                        del meta[key]
+                        del meta[m.key]
                 yield
+
+        if self._history > self.history_keys:
+            yield from self._forget_oldest(chunk_keys)
+        if self._entries > 2 * self._history + self.history_keys:
+            yield from self._compact(chunk_keys)
+        if len(self._born) + len(self._outcomes) + len(self._censored) > FOLD_KEYS:
+            self._fold()
 
         if now % self.width == 0:
             if now % (self.width * self.REFRESH) == 0:
                 self._recompute()  # re-sorts too
             else:
                 self._resort()  # ages moved on by one bucket
+
+    def _forget_oldest(self, chunk_keys: int) -> Iterator[None]:
+        """Forget pending uses, oldest first (within a request the deepest first), until at most
+        ``history_keys`` blocks have one: censored, not counted as "not reused". In steps of
+        ``chunk_keys`` entries; the counts are right at each step."""
+        pending, meta, censored = self._pending, self._meta, self._censored
+        columns, width = self._columns, self.width
+        while self._history > self.history_keys:
+            t, uses = pending[0]
+            born_at = t // width % columns
+            pop, forget = uses.pop, censored.append
+            excess = self._history - self.history_keys
+            forgotten = popped = 0
+            while uses and forgotten < excess and popped < chunk_keys:
+                m = pop()
+                popped += 1
+                if m.last != t:
+                    continue
+                forget(m.cls * columns + born_at)
+                m.last = -1
+                forgotten += 1
+                if m.group is None:
+                    del meta[m.key]
+            if not uses:
+                pending.popleft()
+            self._history -= forgotten
+            self._entries -= popped
+            self.forgotten_uses += forgotten
+            yield
+
+    def _compact(self, chunk_keys: int) -> Iterator[None]:
+        """Drop the stale entries of the use lists (blocks used again since, or forgotten), a list at a
+        time in steps of about ``chunk_keys`` entries (a list changes only once it is filtered whole)."""
+        for t, uses in self._pending:
+            kept: list[_Meta] = []
+            for start in range(0, len(uses), chunk_keys):
+                kept.extend(m for m in uses[start:start + chunk_keys] if m.last == t)
+                yield
+            self._entries -= len(uses) - len(kept)
+            uses[:] = kept
+
+    def remembered_keys(self) -> int:
+        return len(self._meta)
 
     def _outcome(self, cls: int, born: int, gap: int) -> int:
         """The use of a block of class ``cls`` at time ``born`` was followed by a reuse after ``gap``
@@ -335,6 +433,9 @@ class ChainPolicy(EvictionPolicy):
         if self._born:
             np.add.at(self._pend.reshape(-1), self._born, 1.0)  # reshape of a contiguous array: a view
             self._born.clear()
+        if self._censored:
+            np.add.at(self._pend.reshape(-1), self._censored, -1.0)
+            self._censored.clear()
         if self._outcomes:
             packed = np.array(self._outcomes, dtype=np.int64)
             self._outcomes.clear()
@@ -429,7 +530,7 @@ class ChainPolicy(EvictionPolicy):
     def on_insert(self, key: bytes) -> None:
         m = self._meta.get(key)
         if m is None:
-            m = self._meta[key] = _Meta()
+            m = self._meta[key] = _Meta(key)
         if m.group is not None:
             return
         self._group(key, m)

@@ -112,6 +112,9 @@ class S3FIFOPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
 
+    def remembered_keys(self) -> int:
+        return len(self) + self.ghosts
+
     def _settle(self) -> None:
         """Run S3-FIFO's promotions until a queue head is a true victim.
 

@@ -179,10 +179,28 @@ heap (O(log S) per stream visited) and each stream's chain from a cursor
 that only moves down between requests (amortized O(1) per block). With
 unhinted blocks resident beside hinted ones, it walks the wrapped policy's
 order and skips the hinted keys in it (the wrapped policy cannot filter):
-O(hinted keys ranked before) in that mixed case only. Memory: one record
-per stream seen within the last ``max_streams`` streams (with two rows of 30
-buckets once it came back), one entry per key of a stream's latest chain,
-and the model's tables (168 classes x 30 buckets).
+O(hinted keys ranked before) in that mixed case only.
+
+Memory, bounded by the capacity whatever the traffic (a new session per
+request, chains of the protocol's 65,536 keys): at most ``max_streams``
+stream records (default ``max(1024, capacity)``; two rows of 30 buckets
+once a stream came back); the keys of every stream's latest chain together
+at most ``chain_keys`` (default ``max(CHAIN_KEYS_PER_BLOCK × capacity,
+MIN_CHAIN_KEYS)``: 64 per CPU-tier block, at least 16,384; about 220 bytes a
+key with its owner entry), a single chain cut to its first ``chain_keys``
+keys (its head: prefix-stop hits), past which the least recently active
+streams other than the one just recorded are forgotten as past
+``max_streams``; ownership entries for those keys and for resident orphans;
+at most 4 queued events per stream plus 1,024 (an event of an earlier
+silence, of a forgotten stream, or of a retention since extended or cut,
+changes nothing: they are dropped); spares at most the capacity; and the
+model's tables (168 classes x 30 buckets). A forgotten stream's record may
+outlive it in stale events and spares, its chain does not. Claude Code
+(``claude_code_even``, GPU 976 blocks) holds 280,675 chain keys at its peak
+(1,021 streams): the bound changes nothing at 7,812 CPU-tier blocks (4M
+tokens); at 3,906 blocks it forgets 155 streams and every decision stays
+the same (block hit rate 0.5122 with ``--hints session``, as without the
+bound); at 1,953 blocks it forgets 626 streams, 0.3644 against 0.3634.
 """
 
 from __future__ import annotations
@@ -191,7 +209,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies.base import EvictionPolicy
@@ -200,7 +218,15 @@ from kvtier.tiers.policies.session_returns import (AGE_EDGES_S, NUM_BUCKETS, REF
                                                    stream_class)
 from kvtier.tiers.policies.spares import Spares
 
-__all__ = ["SessionWrapper"]
+__all__ = ["CHAIN_KEYS_PER_BLOCK", "MIN_CHAIN_KEYS", "SessionWrapper"]
+
+# The keys of all streams' latest chains together, per CPU-tier block of the wrapped policy, and at
+# least this many. Claude Code (claude_code_even, 4M tokens of CPU tier): 280,675 at the peak, 36
+# per block, from 1,021 streams.
+CHAIN_KEYS_PER_BLOCK = 64
+MIN_CHAIN_KEYS = 1 << 14
+# Events in the heap past which the stale ones are dropped: 4 per stream plus this many.
+_EVENTS_SLACK = 1024
 
 # Rank tuple: (retained, priority, band, x). Unhinted blocks sit at band 1 of (0, 0).
 _BAND_BELOW_AVERAGE = 0
@@ -218,7 +244,7 @@ class _Stream:
     last_gap_s: float | None = None  # the silence before its latest request (a fork: its parent's)
     priority: int = 0
     retain_until_s: float = 0.0
-    chain: Sequence[bytes] = ()  # the keys of its latest request
+    chain: list[bytes] = field(default_factory=list)  # the keys of its latest request (at most chain_keys)
     cursor: int = -1  # no resident block of its chain lies deeper than this
     resident_blocks: int = 0
     above_blocks: int = 0  # its spares evicted here while the GPU tier still holds them
@@ -240,13 +266,21 @@ class SessionWrapper(EvictionPolicy):
 
     name = "session"
 
-    def __init__(self, inner: EvictionPolicy, *, max_streams: int | None = None, admission: bool = True) -> None:
+    def __init__(self, inner: EvictionPolicy, *, max_streams: int | None = None, admission: bool = True,
+                 chain_keys: int | None = None) -> None:
         super().__init__(inner.capacity_blocks)
         self.inner = inner
         self.admission = admission
         self.model = ReturnModel()
         self._requests_seen = 0
         self.max_streams = max_streams if max_streams is not None else max(1024, inner.capacity_blocks)
+        if chain_keys is None:
+            chain_keys = max(CHAIN_KEYS_PER_BLOCK * inner.capacity_blocks, MIN_CHAIN_KEYS)
+        if chain_keys < 1:
+            raise ValueError(f"chain_keys must be >= 1, got {chain_keys}")
+        self.chain_keys = chain_keys
+        self._chain_entries = 0  # keys of every stream's chain together: at most chain_keys
+        self.forgotten_streams = 0  # streams forgotten to keep chain_keys (not max_streams)
         self.retained_cap_blocks = inner.capacity_blocks // 2
         self.now_s = float("-inf")
         self._streams: OrderedDict[tuple[bytes, bytes], _Stream] = OrderedDict()  # least recently used first
@@ -262,6 +296,7 @@ class SessionWrapper(EvictionPolicy):
         self._retained: OrderedDict[tuple[bytes, bytes], _Stream] = OrderedDict()  # by retention start
         self._retained_blocks = 0
         self._seq = itertools.count()
+        self.events_compacted = 0
 
     # ---- hints and requests ------------------------------------------------------------
 
@@ -301,8 +336,11 @@ class SessionWrapper(EvictionPolicy):
             for other in self._order.live():
                 self._rerank(other)
         self._retain(s, hints)
+        if len(keys) > self.chain_keys:
+            keys = keys[:self.chain_keys]  # a chain longer than the bound keeps its head
         if len(keys) > len(s.chain) or tuple(keys) != tuple(s.chain[:len(keys)]):
             self._take_chain(s, keys)  # a repeat of a prefix keeps the longer chain
+            self._bound_chains(s)
         self._bound_retention()
         self._rerank(s)
 
@@ -314,7 +352,7 @@ class SessionWrapper(EvictionPolicy):
                     self._retained[s.ident] = s
                     self._retained_blocks += s.resident_blocks
                 s.retain_until_s = until_s
-                heapq.heappush(self._events, (until_s, next(self._seq), s, -1))
+                self._push_event((until_s, next(self._seq), s, -1))
 
     def _follow_up(self, keys: Sequence[bytes], hints: RequestHints) -> bool:
         """Hints that follow a recorded request (``hints.continues``: a store of its blocks, its
@@ -334,6 +372,7 @@ class SessionWrapper(EvictionPolicy):
             depth = len(s.chain)
         if depth + len(keys) > len(s.chain) and tuple(s.chain[depth:]) == tuple(keys[:len(s.chain) - depth]):
             self._extend_chain(s, keys[len(s.chain) - depth:])
+            self._bound_chains(s)
         s.priority = hints.priority
         self._retain(s, hints)
         if hints.output_tokens and hints.output_tokens != s.output_tokens:
@@ -380,7 +419,7 @@ class SessionWrapper(EvictionPolicy):
         self.model.on_request(s.cls, _cached(s))
         s.age_bucket = 0
         s.age_epoch += 1
-        heapq.heappush(self._events, (s.last_at_s + AGE_EDGES_S[1], next(self._seq), s, s.age_epoch))
+        self._push_event((s.last_at_s + AGE_EDGES_S[1], next(self._seq), s, s.age_epoch))
 
     def _take_chain(self, s: _Stream, keys: Sequence[bytes]) -> None:
         """Make ``keys`` the stream's latest chain; blocks of its previous chain left out become orphans."""
@@ -420,14 +459,18 @@ class SessionWrapper(EvictionPolicy):
                 self._add_resident(s, 1)
                 deepest = max(deepest, depth)
             owner[key] = (s, depth)
-        s.chain = tuple(keys)  # the caller's list may change after the call
+        self._chain_entries += len(keys) - len(s.chain)
+        s.chain = list(keys)  # a copy: the caller's list may change after the call
         s.cursor = deepest
 
     def _extend_chain(self, s: _Stream, more: Sequence[bytes]) -> None:
         """Append ``more`` to the stream's chain: ``_take_chain(s, chain + more)`` in O(len(more)), since
-        the chain it had stays (an engine stores a long request's blocks a few at a time)."""
+        the chain it had stays (an engine stores a long request's blocks a few at a time). A chain stops
+        growing at ``chain_keys``."""
         owner, resident = self._owner, self._resident
         base = len(s.chain)
+        if base + len(more) > self.chain_keys:
+            more = more[:max(0, self.chain_keys - base)]
         for i, key in enumerate(more):
             own = owner.get(key)
             if own is not None and own[0] is s:
@@ -442,7 +485,8 @@ class SessionWrapper(EvictionPolicy):
                 self._add_resident(s, 1)
                 s.cursor = max(s.cursor, base + i)
             owner[key] = (s, base + i)
-        s.chain = (*s.chain, *more)
+        s.chain.extend(more)
+        self._chain_entries += len(more)
 
     def record_request(self, keys: Sequence[bytes]) -> None:
         self.inner.record_request(keys)
@@ -519,6 +563,9 @@ class SessionWrapper(EvictionPolicy):
     def __len__(self) -> int:
         return len(self.inner)
 
+    def remembered_keys(self) -> int:
+        return len(self._owner) + self.inner.remembered_keys()
+
     def _add_resident(self, s: _Stream, delta: int) -> None:
         """A stream gained or lost a resident block: keep the heap and the retained total in step."""
         before = s.resident_blocks
@@ -569,7 +616,7 @@ class SessionWrapper(EvictionPolicy):
                 s.age_bucket += 1
                 self.model.on_age(s.cls, s.age_bucket, _cached(s))
                 if s.age_bucket + 1 < NUM_BUCKETS:
-                    heapq.heappush(events, (s.last_at_s + AGE_EDGES_S[s.age_bucket + 1], next(self._seq), s, epoch))
+                    self._push_event((s.last_at_s + AGE_EDGES_S[s.age_bucket + 1], next(self._seq), s, epoch))
             if s.retain_until_s <= self.now_s and self._retained.pop(s.ident, None) is not None:
                 self._retained_blocks -= s.resident_blocks
             self._rerank(s)
@@ -585,24 +632,54 @@ class SessionWrapper(EvictionPolicy):
     def _trim_streams(self) -> None:
         """Forget the least recently active stream past ``max_streams``; its resident blocks become orphans."""
         while len(self._streams) > self.max_streams:
-            _, s = self._streams.popitem(last=False)
-            if s.ident in self._retained:
-                del self._retained[s.ident]
-                self._retained_blocks -= s.resident_blocks
-            for depth, key in enumerate(s.chain):
-                own = self._owner.get(key)
-                if own is None or own[0] is not s or own[1] != depth:
-                    continue
-                if key in self._resident:
-                    self._owner[key] = (_ORPHAN, -1)
-                    self._orphans[key] = None
-                else:
-                    del self._owner[key]
-            s.resident_blocks = 0
-            self._order.remove(s)
-            s.age_epoch = -1
-            if self._latest.get(s.ident[0]) is s:
-                del self._latest[s.ident[0]]
+            self._forget(next(iter(self._streams.values())))
+
+    def _bound_chains(self, keep: _Stream) -> None:
+        """Forget the least recently active streams but ``keep`` (whose chain just grew) until the chains
+        hold at most ``chain_keys`` keys together (``keep``'s alone holds at most that many)."""
+        streams = self._streams
+        while self._chain_entries > self.chain_keys and len(streams) > 1:
+            s = next(iter(streams.values()))
+            if s is keep:
+                streams.move_to_end(s.ident)
+                continue
+            self._forget(s)
+            self.forgotten_streams += 1
+
+    def _forget(self, s: _Stream) -> None:
+        """Forget a stream: its chain's keys go, its resident blocks become orphans."""
+        del self._streams[s.ident]
+        if s.ident in self._retained:
+            del self._retained[s.ident]
+            self._retained_blocks -= s.resident_blocks
+        owner, resident, orphans = self._owner, self._resident, self._orphans
+        for depth, key in enumerate(s.chain):
+            own = owner.get(key)
+            if own is None or own[0] is not s or own[1] != depth:
+                continue
+            if key in resident:
+                owner[key] = (_ORPHAN, -1)
+                orphans[key] = None
+            else:
+                del owner[key]
+        self._chain_entries -= len(s.chain)
+        s.chain = []  # stale events and spares may still refer to the record: not to its keys
+        s.resident_blocks = 0
+        self._order.remove(s)
+        s.age_epoch = -1
+        if self._latest.get(s.ident[0]) is s:
+            del self._latest[s.ident[0]]
+
+    def _push_event(self, event: tuple[float, int, _Stream, int]) -> None:
+        """Queue an age or retention event; past 4 per stream (plus a slack) drop the stale ones: age
+        events of an earlier silence or of a forgotten stream, retention events other than the one at
+        the stream's current ``retain_until_s`` (each live stream keeps at most one of each)."""
+        events = self._events
+        heapq.heappush(events, event)
+        if len(events) > 4 * len(self._streams) + _EVENTS_SLACK:
+            events[:] = [e for e in events if _event_live(e)]  # in place: _advance holds the list
+            heapq.heapify(events)
+            self.events_compacted += 1
 
     def _stream_keys(self, s: _Stream) -> Iterator[bytes]:
         """A stream's resident blocks, deepest first. The cursor skips the tail already gone."""
@@ -698,6 +775,16 @@ class SessionWrapper(EvictionPolicy):
 
 # The owner of a hinted resident block whose stream let it go (an older branch, a forgotten stream).
 _ORPHAN = _Stream((b"", b""))
+
+
+def _event_live(event: tuple[float, int, _Stream, int]) -> bool:
+    """Whether an event can still change a rank (``_advance`` skips the others, or finds nothing to do)."""
+    at_s, _, s, epoch = event
+    if s.age_epoch < 0:
+        return False  # a forgotten stream
+    if epoch >= 0:
+        return epoch == s.age_epoch
+    return at_s == s.retain_until_s
 
 
 def _cached(s: _Stream) -> bool:

@@ -15,11 +15,12 @@ class Tier(str, enum.Enum):
     GPU = "gpu"
     CPU = "cpu"
     REMOTE = "remote"
+    DISK = "disk"
 
 
 # One block of a held prefix: the tier it is counted for and what holds it
-# there (a GPU ``Block``; a ``CpuEntry`` for CPU, and for REMOTE once fetched
-# into the CPU tier). Plain tuples: resolution runs on every lookup, and a
+# there (a GPU ``Block``; a ``CpuEntry`` for CPU, and for DISK and REMOTE once
+# fetched into the CPU tier). Plain tuples: resolution runs on every lookup, and a
 # record object per block would cost more than the lookup itself.
 HeldBlock = tuple[Tier, Union[Block, CpuEntry]]
 Held = list[HeldBlock]

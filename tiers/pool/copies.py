@@ -106,6 +106,7 @@ class Copy:
     start_by_ns: int | None = None  # CLOCK_MONOTONIC: not submitted at or after it (see the module docstring)
     read_by_ns: int | None = None  # ... nor finished at or after it
     transfer: Transfer | None = None
+    then: Callable[[], object] | None = None  # run on the copy's worker once it succeeded (TransferEngine.submit)
     finished: bool = False
     error: BaseException | None = None
 
@@ -197,16 +198,30 @@ class CopyScheduler:
         copy.on_done.append(unmark)
 
     def track_cpu_write(self, copy: Copy, cpu: CpuTier, entries: list[CpuEntry]) -> None:
-        """The copy writes these reserved entries: committed when it succeeds, aborted when it fails."""
+        """The copy writes these reserved entries: committed when it succeeds, aborted when it fails.
+
+        With a persistent CPU tier the copy's worker also checksums the slots it
+        wrote (``then``), so the pool's thread only writes the records.
+        """
         writes = self.cpu_writes
         for e in entries:
             writes[e.slot] = copy
+        recorder = cpu.slot_recorder
+        if recorder is not None and copy.dst is cpu.storage and copy.dst_slots == [e.slot for e in entries]:
+            slots = list(copy.dst_slots)
+            copy.then = lambda: recorder.checksums(slots)
 
         def settle(ok: bool) -> None:
-            for e in entries:
+            sums = copy.transfer.then_result if copy.transfer is not None else None
+            if not isinstance(sums, list) or len(sums) != len(entries):
+                sums = [None] * len(entries)  # no worker checksummed them: the recorder does
+            for e, checksum in zip(entries, sums):
                 if writes.get(e.slot) is copy:
                     del writes[e.slot]
-                (cpu.commit if ok else cpu.abort)(e)
+                if ok:
+                    cpu.commit(e, checksum)
+                else:
+                    cpu.abort(e)
 
         copy.on_done.append(settle)
 
@@ -242,7 +257,8 @@ class CopyScheduler:
                     assert self.transfer is not None and copy.src is not None and copy.dst is not None
                     try:
                         transfer = self.transfer.submit(copy.kind, copy.src, copy.src_slots, copy.dst,
-                                                        copy.dst_slots, high_priority=copy.high_priority)
+                                                        copy.dst_slots, high_priority=copy.high_priority,
+                                                        then=copy.then)
                     except (TransferError, ValueError) as exc:
                         self.finish_copy(copy, exc)
                         continue

@@ -21,9 +21,12 @@ class Counters:
     hit_blocks_gpu: int = 0
     hit_blocks_cpu: int = 0
     hit_blocks_remote: int = 0
+    hit_blocks_disk: int = 0
     miss_blocks: int = 0
     remote_fetch_short: int = 0  # fetches that came back shorter than asked (missing or bad values)
     remote_write_backs: int = 0
+    disk_fetch_short: int = 0  # disk reads that came back shorter than asked (a block bad, unreadable or gone)
+    disk_write_backs: int = 0  # CPU-tier evictions the disk tier took (queued, or held already)
     demotions: int = 0  # blocks copied GPU -> CPU
     demotions_skipped_clean: int = 0  # evicted blocks the CPU tier already held
     # Demotions an eviction had to make on the spot (the op waits for them):

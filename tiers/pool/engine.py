@@ -33,9 +33,9 @@ def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tok
         raise PoolError(f"request {request_id!r} is already allocated; free it first")
     cpu = pool.cpu
     copies = pool._copies
-    # Remote blocks land in the CPU tier first (a side effect that survives
+    # Disk and remote blocks land in the CPU tier first (a side effect that survives
     # a failed allocation: the CPU tier is only warmer for it).
-    held = pool._resolve.held_with_remote(hashes, gpu_after_cpu=False)
+    held = pool._resolve.held_with_lower(hashes, gpu_after_cpu=False)
     num_gpu_prefix = sum(1 for tier, _ in held if tier is Tier.GPU)
     try:
         alloc = bm.allocate(request_id, hashes, num_tokens)
@@ -49,7 +49,7 @@ def allocate(pool: TieredPool, request_id: str, hashes: Sequence[bytes], num_tok
         pool._count(hashes, tiers, hints=hints)
     op = Op(pool, "allocate", {"block_ids": alloc.block_ids, "tiers": [t.value for t in tiers],
                                "num_gpu_hits": tiers.count(Tier.GPU), "num_cpu_hits": tiers.count(Tier.CPU),
-                               "num_remote_hits": tiers.count(Tier.REMOTE)})
+                               "num_remote_hits": tiers.count(Tier.REMOTE), "num_disk_hits": tiers.count(Tier.DISK)})
     cpu_hits = [(obj, alloc.block_ids[pos]) for pos, (tier, obj) in enumerate(held) if tier is not Tier.GPU]
     entries = [e for e, _ in cpu_hits]
     # Hold the CPU entries before anything can reserve CPU slots: the

@@ -60,11 +60,31 @@ Contract:
   CPU tier evicts are written back asynchronously (dropped, never waited
   for, when the remote tier is slow or down). The fetch is one pipelined
   round trip on the caller's thread, bounded by the remote tier's timeout.
+- Disk tier (optional, ``disk=DiskTier``): below the CPU tier, above the
+  remote tier (``lower`` is the ordered list of the tiers below the CPU
+  tier). Lookups continue past the CPU tier through the disk tier's
+  in-memory index, then the remote tier; allocate/restore/pin read disk
+  runs straight into reserved CPU slots (in parallel, checksums verified; a
+  bad or unreadable block ends the prefix there) and go on as CPU hits,
+  attributed to ``disk``. Blocks the CPU tier evicts are handed to every
+  lower tier (the disk tier queues them for its writer thread, the remote
+  tier for its own). The disk tier admits what the CPU policy's
+  ``+admit2`` rule admits (a second sighting), everything without it. The
+  read is on the caller's thread. ``clear`` clears the disk tier too (it is
+  the pool's own; the remote tier is shared and left alone). Needs
+  ``data=True``.
 - Bookkeeping mode (``data=False``): no bytes and no transfer engine; every
   copy is complete at once. Trace replay uses it to drive the same code.
 - Key journal (optional, ``journal_events=N``): ``journal`` records the keys
   the pool starts and stops holding, its last N events (``journal.py``), for
   the daemon's ``events`` verb.
+- Persistent CPU tier (optional): ``attach_arena(arena)``, right after
+  construction with ``cpu_storage=arena.layout``, makes the CPU tier
+  restart-safe and adopts the blocks a previous process left in the arena
+  (``adoption.py``: served only once their checksums verify; ``poll()``
+  applies the background verdicts). ``demote_cached(timeout_s)``, before a
+  clean stop, copies the GPU tier's cached blocks the CPU tier lacks into
+  it (as its policy admits them), so they outlive the process too.
 """
 
 from __future__ import annotations
@@ -79,7 +99,9 @@ from kvtier.tiers.copy_types import CopyKind, TransferEngine
 from kvtier.tiers.cpu_tier import CpuTier
 from kvtier.tiers.eviction import EvictionPolicy, make_policy
 from kvtier.tiers.hints import RequestHints
+from kvtier.tiers.policies.admit2 import AdmissionWrapper, SecondSightingAdmission
 from kvtier.tiers.pool import engine, lending, store
+from kvtier.tiers.pool.adoption import Adoption
 from kvtier.tiers.pool.base import Borrowed, Held, PoolError, PoolSpec, Tier
 from kvtier.tiers.pool.copies import CopyScheduler, Op
 from kvtier.tiers.pool.counters import Counters
@@ -90,7 +112,9 @@ from kvtier.tiers.pool.pins import Pins
 from kvtier.tiers.pool.resolve import Resolver
 
 if TYPE_CHECKING:
+    from kvtier.tiers.disk_tier import DiskTier
     from kvtier.tiers.layout import BlockLayout
+    from kvtier.tiers.persistent_arena import PersistentArena
     from kvtier.tiers.remote_store import RemoteStore
 
 # Blocks one idle-time clean-ahead call demotes at most (one batched copy: 256 MiB of 1 MiB blocks).
@@ -124,6 +148,7 @@ class TieredPool:
         clean_ahead_blocks: int = 64,
         idle_clean_blocks: int | None = None,
         remote: RemoteStore | None = None,
+        disk: DiskTier | None = None,
         defer_learning: bool = False,
         policy_wrapper: PolicyWrapper | None = None,
         journal_events: int = 0,
@@ -153,6 +178,14 @@ class TieredPool:
         if policy_wrapper is not None:
             self.cpu.policy = policy_wrapper(self.cpu.policy, self.cpu)
         self.remote = remote  # kvtier.tiers.remote_store.RemoteStore (RemoteTier, replay's stand-in) or None
+        if disk is not None and not data:
+            raise ValueError("a disk tier needs a pool that moves bytes (data=True)")
+        self.disk = disk
+        # The tiers below the CPU tier, in the order lookups and fetches try them.
+        self.lower: tuple[tuple[Tier, Any], ...] = tuple(
+            (tier, store) for tier, store in ((Tier.DISK, disk), (Tier.REMOTE, remote)) if store is not None)
+        if disk is not None and disk.admission is None:
+            disk.admission = second_sighting(self.cpu.policy)
         self.bm: BlockManager | None = None
         self.gpu: BlockLayout | None = None
         self.counters = Counters()
@@ -165,10 +198,36 @@ class TieredPool:
         self.journal = KeyJournal(journal_events) if journal_events > 0 else None
         if self.journal is not None:
             self.cpu.key_observer = self.journal.observer(self._gpu_has)
-        if remote is not None:
+        if self.lower:
             # In bookkeeping mode (replay) the remote tier is a stand-in that
             # tracks keys only: fetch returns placeholders, write_back gets None.
             self.cpu.on_evict = self._resolve.write_back
+        self.adoption: Adoption | None = None
+
+    # ---- persistence (adoption.py) ---------------------------------------------
+
+    def attach_arena(self, arena: PersistentArena, wakeup: Callable[[], None] | None = None) -> None:
+        """Make the CPU tier restart-safe in ``arena`` and adopt what it holds (see the contract)."""
+        if self.adoption is not None:
+            raise PoolError(f"pool {self.spec.name!r} already has an arena")
+        self.adoption = Adoption(self, arena, wakeup)
+
+    def demote_cached(self, timeout_s: float) -> int:
+        """Before a clean stop: demote the GPU tier's cached blocks the CPU tier lacks; returns how many
+        demotions were submitted (the call waits for them up to ``timeout_s``)."""
+        if self.bm is None or not self.data or self.cpu.capacity_blocks == 0:
+            return 0
+        deadline_s = time.monotonic() + timeout_s
+        asked: set[tuple[int, bytes]] = set()  # each block asked once, demoted or refused
+        submitted = 0
+        while time.monotonic() < deadline_s:
+            found, n = self._demoter.clean_ahead(depth_blocks=self.bm.num_blocks,
+                                                 max_blocks=IDLE_CLEAN_BATCH_BLOCKS, asked=asked)
+            submitted += n
+            if not found:
+                break
+        self.wait_idle(max(0.0, deadline_s - time.monotonic()))
+        return submitted
 
     # ---- GPU tier attachment -------------------------------------------------
 
@@ -210,7 +269,8 @@ class TieredPool:
         return self.bm is not None and self.bm.get_cached(key) is not None
 
     def _cpu_has(self, key: bytes) -> bool:
-        return self.cpu.get(key) is not None
+        # The journal asks while a tier changes: an adopted block is not verified (or dropped) here.
+        return self.cpu.peek(key)
 
     # ---- capacity and contents (what the daemon reads) ------------------------------
 
@@ -242,7 +302,7 @@ class TieredPool:
     def lookup(self, hashes: Sequence[bytes], *, count: bool = True, hints: RequestHints | None = None) -> list[Tier]:
         resolve = self._resolve
         tiers = resolve.held_tiers(hashes)
-        tiers += [Tier.REMOTE] * resolve.remote_run(hashes, len(tiers))
+        tiers += resolve.lower_tiers(hashes, len(tiers))
         if count:
             self._count(hashes, tiers, is_lookup=True, hints=hints)
         return tiers
@@ -252,10 +312,10 @@ class TieredPool:
         return self._resolve.held_prefix(hashes)
 
     def pin(self, owner: str, hashes: Sequence[bytes]) -> list[Tier]:
-        # With a remote tier its runs are fetched into the CPU tier and pinned
+        # With lower tiers their runs are fetched into the CPU tier and pinned
         # there: a pin the remote tier cannot honour (its server evicts at will)
         # would be no pin, and a lookup that pins would lose every remote hit.
-        held = self._resolve.held_with_remote(hashes)
+        held = self._resolve.held_with_lower(hashes)
         self._pins.pin(owner, hashes, held)
         return [tier for tier, _ in held]
 
@@ -281,6 +341,7 @@ class TieredPool:
         c.hit_blocks_gpu += tiers.count(Tier.GPU)
         c.hit_blocks_cpu += tiers.count(Tier.CPU)
         c.hit_blocks_remote += tiers.count(Tier.REMOTE)
+        c.hit_blocks_disk += tiers.count(Tier.DISK)
         c.miss_blocks += len(hashes) - len(tiers)
         self._learning.note(hashes, is_lookup=is_lookup, hints=hints)
 
@@ -353,6 +414,8 @@ class TieredPool:
             self._demoter.dropped([ev.block_hash for ev in gone])
             dropped += len(gone)
         dropped += self.cpu.clear()
+        if self.disk is not None:
+            dropped += self.disk.clear()
         return dropped
 
     def clear_matching(self, match: Callable[[bytes], bool], cpu_keys: Iterable[bytes]) -> int:
@@ -372,12 +435,16 @@ class TieredPool:
             dropped += len(gone)
         # Writes in flight are not in cpu_keys (the policy learns a key when its write lands).
         writing = [key for key in self.cpu.writing() if match(key)]
+        if self.disk is not None:
+            dropped += self.disk.clear(match)
         return dropped + self.cpu.discard(itertools.chain(cpu_keys, writing))
 
     def poll(self, wait_s: float = 0.0) -> list[Op]:
         """Apply finished copies; returns the ops that completed."""
         copies = self._copies
         completed = copies.completed = []
+        if self.adoption is not None:
+            self.adoption.apply()
         try:
             copies.poll(wait_s)
             if completed:
@@ -443,6 +510,11 @@ class TieredPool:
             cpu_evictions=self.cpu.evictions,
             cpu_full_failures=self.cpu.full_failures,
             cpu_not_admitted=self.cpu.not_admitted,
+            policy_keys=self.cpu.policy.remembered_keys(),
+            cpu_adopted_blocks=self.cpu.adopted_blocks,
+            cpu_adoption_dropped_blocks=self.cpu.adoption_dropped_blocks,
+            cpu_adoption_pending_blocks=self.cpu.adoption_pending_blocks,
+            cpu_persistent=self.adoption is not None,
             pinned_blocks=self.num_pinned(),
             copies_in_flight=len(self._copies),
             block_bytes=self.spec.block_bytes,
@@ -451,6 +523,8 @@ class TieredPool:
             s["held_blocks"] = self.journal.held
         if self.remote is not None:
             s["remote"] = self.remote.stats()
+        if self.disk is not None:
+            s["disk"] = self.disk.stats()
         if self.transfer is not None:
             for kind in CopyKind:
                 s[f"bytes_{kind.value}"] = self.transfer.bytes_by_kind[kind]
@@ -459,3 +533,13 @@ class TieredPool:
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.wait_idle(timeout_s)
+        if self.adoption is not None:
+            self.adoption.stop()
+
+
+def second_sighting(policy: EvictionPolicy) -> SecondSightingAdmission | None:
+    """The ``+admit2`` rule of ``policy`` (wrapped anywhere inside it), for a lower tier's admission; None without it."""
+    found: Any = policy
+    while found is not None and not isinstance(found, AdmissionWrapper):
+        found = getattr(found, "inner", None)
+    return SecondSightingAdmission(found) if found is not None else None

@@ -26,6 +26,12 @@ Contract
 - ``cursor`` is the number of the last event recorded (0 before any): a new
   reader starts there to follow from now on. ``held`` is the number of keys
   held now (each once, whatever its tiers).
+- ``continue_after(reserved, reserve)``, before any event: a pool whose
+  CPU tier outlived the process that numbered its events (an adopted arena)
+  numbers past ``reserved`` (what that process may have handed out), so a
+  follower's old cursor reads as ``lost``; ``reserve(up_to) -> limit`` is
+  called before a number past the last limit is used, to persist the new
+  limit. ``reserved == 0`` (nothing handed out) leaves no gap.
 - ``observer(other_has)`` returns the object one tier calls
   (``added(key)``/``removed(key)``: ``BlockManager.key_observer``,
   ``CpuTier.key_observer``); ``other_has(key)`` asks the other tier, which
@@ -54,10 +60,22 @@ class KeyJournal:
         self._events: deque[tuple[int, bytes]] = deque(maxlen=capacity_events)
         self.cursor = 0  # the number of the last event recorded
         self.held = 0  # keys held now: stored less removed
+        self._reserve: Callable[[int], int] | None = None
+        self._limit = 0  # numbers up to this are reserved (with _reserve)
+
+    def continue_after(self, reserved: int, reserve: Callable[[int], int]) -> None:
+        if self.cursor or self._events:
+            raise ValueError("continue_after must come before the first event")
+        if reserved:
+            self.cursor = reserved + 1  # a gap: no event has this number, so every cursor <= reserved is lost
+        self._reserve = reserve
+        self._limit = reserve(self.cursor)
 
     def record(self, kind: int, key: bytes) -> None:
         self._events.append((kind, key))
         self.cursor += 1
+        if self.cursor > self._limit and self._reserve is not None:
+            self._limit = self._reserve(self.cursor)
         self.held += 1 if kind == STORED else -1
 
     def since(self, cursor: int, max_events: int) -> tuple[list[tuple[int, bytes]], int, bool]:

@@ -6,7 +6,8 @@ again. The views are held (GPU blocks referenced, CPU entries read-held: not
 evicted, not overwritten) until ``Borrowed.release()``. Declined (None,
 nothing changed) where a view would be unsafe or impossible: bookkeeping
 mode, device memory, a write in flight into a block, a remote tier to
-consult (restore fetches from it), or more runs of slots than ``max_views``.
+consult (restore fetches from it), a disk tier that continues the prefix,
+or more runs of slots than ``max_views``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def borrow(pool: TieredPool, hashes: Sequence[bytes], *, max_views: int | None) 
     cpu_layout = cpu.storage
     cpu_slab = cpu_layout.slab() if cpu_layout is not None and cpu_layout.is_slab else None
     held = pool._resolve.held_prefix(hashes)
+    if pool.disk is not None and pool.enable_caching and pool.disk.exists_prefix(hashes[len(held):]):
+        return None  # the disk tier continues the prefix: restore() reads it into the CPU tier
     blocks = [obj for tier, obj in held if tier is Tier.GPU]
     entries = [obj for tier, obj in held if tier is Tier.CPU]
     if blocks:

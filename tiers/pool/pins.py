@@ -60,6 +60,9 @@ class Pins:
                 dropped.add(i)
         if dropped:
             pins[:] = [pin for i, pin in enumerate(pins) if i not in dropped]
+            if not pins:
+                # Owners come and go (a pin tag per request): none is kept once it holds nothing.
+                del self.by_owner[owner]
         return len(dropped)
 
     def unpin_all(self, owner: str) -> int:

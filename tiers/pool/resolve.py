@@ -3,15 +3,18 @@
 - ``held_prefix(hashes)`` -> the longest prefix some tier holds, each block
   from the first tier holding it (GPU, then CPU), as ``Held`` (``(Tier,
   holder)`` per block). ``held_tiers`` is the same without holders (a
-  lookup's path).
-- ``held_with_remote`` goes on past the local tiers through the remote
-  tier, fetching its runs into the CPU tier (they come back as ``(Tier.REMOTE,
-  CpuEntry)``).
+  lookup's path); ``lower_tiers`` continues a lookup's path through the
+  tiers below the CPU tier (``pool.lower``: disk, then remote).
+- ``held_with_lower`` goes on past the local tiers through the lower
+  tiers, pulling their runs into the CPU tier (they come back as
+  ``(Tier.DISK or Tier.REMOTE, CpuEntry)``).
 - ``holds(key)``: whether the GPU tier has it cached or the CPU tier has an
   entry for it (ready or being written).
+- ``write_back(entry)``: the CPU tier's eviction hook, handing the block to
+  every lower tier.
 
-Nothing here changes what the tiers hold except ``pull_remote`` (and so
-``held_with_remote``), which fills CPU slots from the remote tier.
+Nothing here changes what the tiers hold except ``pull`` (and so
+``held_with_lower``), which fills CPU slots from a lower tier.
 """
 
 from __future__ import annotations
@@ -84,53 +87,104 @@ class Resolver:
             tiers += [tier for tier, _ in self.held_after(hashes, n, True)]
         return tiers
 
-    def remote_run(self, hashes: Sequence[bytes], start: int) -> int:
-        """How many hashes from ``start`` on the remote tier holds (one round trip)."""
-        pool = self.pool
-        if pool.remote is None or start >= len(hashes) or not pool.enable_caching:
-            return 0
-        return pool.remote.exists_prefix(hashes[start:])  # type: ignore[no-any-return]
+    def lower_tiers(self, hashes: Sequence[bytes], start: int) -> list[Tier]:
+        """The tiers of the prefix from ``start`` on, where the local tiers' run ended (a lookup's: nothing is fetched).
 
-    def pull_remote(self, hashes: Sequence[bytes], protected: frozenset[bytes] = frozenset()) -> list[CpuEntry]:
-        """Fetch blocks from the remote tier into the CPU tier; the verified prefix only.
+        Each lower tier in order (disk, then remote) is asked how far it
+        continues the prefix; after its run the local tiers may continue it
+        again, then the lower tiers, until none does. The disk's answer is in
+        memory; the remote tier's costs a round trip.
+        """
+        tiers: list[Tier] = []
+        pool = self.pool
+        if not pool.lower or not pool.enable_caching:
+            return tiers
+        pos = start
+        while pos < len(hashes):
+            for tier, store in pool.lower:
+                n = store.exists_prefix(hashes[pos:])
+                if n:
+                    tiers += [tier] * n
+                    pos += n
+                    break
+            else:
+                break
+            local = [t for t, _ in self.held_after(hashes, pos, True)] if pos < len(hashes) else []
+            tiers += local
+            pos += len(local)
+        return tiers
+
+    def pull(self, tier: Tier, hashes: Sequence[bytes], protected: frozenset[bytes] = frozenset()) -> list[CpuEntry]:
+        """Fetch blocks from a lower tier into the CPU tier; the verified prefix only.
 
         ``protected``: the calling request's keys, which the room made for the
-        fetched blocks must not evict.
+        fetched blocks must not evict. The remote tier hands back payloads,
+        copied into the reserved slots; the disk tier reads straight into them.
         """
         pool = self.pool
-        assert pool.remote is not None
         cpu = pool.cpu
+        counters = pool.counters
+        if tier is Tier.DISK:
+            assert pool.disk is not None
+            entries = self._reserve_most(hashes, protected)
+            if not entries:
+                return []
+            hashes = hashes[: len(entries)]
+            storage = cpu.storage
+            if storage is None:
+                raise ValueError("a disk tier needs a pool that moves bytes")
+            slab = storage.slab()
+            good = pool.disk.read_into(hashes, [slab[e.slot].numpy() for e in entries])
+            if good < len(hashes):
+                counters.disk_fetch_short += 1
+            for entry in entries[good:]:
+                cpu.abort(entry)
+            return self._filled(entries[:good], None)
+        assert pool.remote is not None
         payloads = pool.remote.fetch(hashes)
         good = 0
         while good < len(payloads) and payloads[good] is not None:
             good += 1
         if good < len(hashes):
-            pool.counters.remote_fetch_short += 1
+            counters.remote_fetch_short += 1
         if good == 0:
             return []
-        try:
-            entries = cpu.reserve(list(hashes[:good]), protected)
-        except CpuTierFull:
-            return []
-        slab = cpu.storage.slab() if cpu.storage is not None else None
-        for entry, payload in zip(entries, payloads):
+        return self._filled(self._reserve_most(hashes[:good], protected), payloads)
+
+    def _reserve_most(self, hashes: Sequence[bytes], protected: frozenset[bytes]) -> list[CpuEntry]:
+        """CPU entries for the longest prefix of ``hashes`` the CPU tier can make room for (halving on refusal):
+        a run longer than the room there is still gives the prefix that fits."""
+        cpu = self.pool.cpu
+        n = len(hashes)
+        while n:
+            try:
+                return cpu.reserve(list(hashes[:n]), protected)
+            except CpuTierFull:
+                n //= 2
+        return []
+
+    def _filled(self, entries: list[CpuEntry], payloads: Sequence[object] | None) -> list[CpuEntry]:
+        """Reserved entries whose bytes are in place (``payloads`` copied in first, if given): committed."""
+        cpu = self.pool.cpu
+        slab = cpu.storage.slab() if cpu.storage is not None and payloads is not None else None
+        for i, entry in enumerate(entries):
             if slab is not None:
-                slab[entry.slot].numpy()[:] = memoryview(payload)
+                slab[entry.slot].numpy()[:] = memoryview(payloads[i])  # type: ignore[index, arg-type]
             cpu.commit(entry)
         return entries
 
-    def held_with_remote(self, hashes: Sequence[bytes], *, gpu_after_cpu: bool = True) -> Held:
-        """The held prefix with remote runs pulled into the CPU tier.
+    def held_with_lower(self, hashes: Sequence[bytes], *, gpu_after_cpu: bool = True) -> Held:
+        """The held prefix with the runs of lower tiers (disk, remote) pulled into the CPU tier.
 
-        Blocks fetched from the remote tier come back as ``(Tier.REMOTE,
-        CpuEntry)``: they are CPU-tier entries now, attributed to the remote
-        tier. A remote run stops at a block the CPU tier already has (it is
-        not fetched twice); the prefix then goes on through the local tiers
-        and, past them, through the remote tier again.
+        Blocks pulled from a lower tier come back as ``(Tier.DISK or
+        Tier.REMOTE, CpuEntry)``: they are CPU-tier entries now, attributed to
+        the tier they came from. A lower run stops at a block the CPU tier
+        already has (it is not fetched twice); the prefix then goes on through
+        the local tiers and, past them, through the lower tiers again.
         """
         pool = self.pool
         held = self.held_prefix(hashes, gpu_after_cpu=gpu_after_cpu)
-        if pool.remote is None:
+        if not pool.lower or not pool.enable_caching:
             return held
         cpu = pool.cpu
         bm = pool.bm if gpu_after_cpu else None
@@ -143,15 +197,22 @@ class Resolver:
         try:
             while len(held) < len(hashes):
                 pos = len(held)
-                run = self.remote_run(hashes, pos)
-                cut = next((i for i in range(run) if cpu.get(hashes[pos + i]) is not None), run)
-                entries = self.pull_remote(hashes[pos : pos + cut], protected) if cut else []
-                for e in entries:
-                    cpu.begin_read(e)
-                    reading.append(e)
-                    held.append((Tier.REMOTE, e))
-                if len(entries) < cut:
-                    break  # a block missing or bad in the remote tier ends the prefix
+                entries: list[CpuEntry] = []
+                short = False
+                for tier, store in pool.lower:
+                    run = store.exists_prefix(hashes[pos:])
+                    if not run:
+                        continue
+                    cut = next((i for i in range(run) if cpu.get(hashes[pos + i]) is not None), run)
+                    entries = self.pull(tier, hashes[pos : pos + cut], protected) if cut else []
+                    for e in entries:
+                        cpu.begin_read(e)
+                        reading.append(e)
+                        held.append((tier, e))
+                    short = len(entries) < cut
+                    break
+                if short:
+                    break  # a block missing or bad in a lower tier ends the prefix
                 extended = False
                 for h in hashes[len(held):]:
                     entry = cpu.get_ready(h)
@@ -173,10 +234,12 @@ class Resolver:
         return held
 
     def write_back(self, entry: CpuEntry) -> None:
-        """The CPU tier's eviction hook with a remote tier: hand the block to it (never waited for)."""
+        """The CPU tier's eviction hook with lower tiers: hand the block to each (never waited for)."""
         pool = self.pool
-        assert pool.remote is not None
         storage = pool.cpu.storage
         data = None if storage is None else memoryview(storage.slab()[entry.slot].numpy())
-        if pool.remote.write_back(entry.key, data, copy=True):
-            pool.counters.remote_write_backs += 1
+        counters = pool.counters
+        if pool.disk is not None and data is not None and pool.disk.write_back(entry.key, data, copy=True):
+            counters.disk_write_backs += 1
+        if pool.remote is not None and pool.remote.write_back(entry.key, data, copy=True):
+            counters.remote_write_backs += 1

@@ -10,7 +10,7 @@
   evict one raises ``NoSpace`` and changes nothing but ``stores_failed``.
 - ``cpu_spill(hashes)`` says how many of a store's new blocks would go to
   the CPU tier, by the same split (the daemon's tenant quotas check it).
-- ``restore`` copies the longest held prefix (remote runs fetched first)
+- ``restore`` copies the longest held prefix (disk and remote runs fetched first)
   into the caller's slots. Lending in place is ``lending.borrow``.
 - ``read_by_ns`` (store) and ``start_by_ns`` (restore) are the client's
   deadline where ``src`` / ``dst`` is the client's own memory (see
@@ -171,7 +171,7 @@ def restore(pool: TieredPool, hashes: Sequence[bytes], dst: BlockLayout | None, 
         raise PoolError(f"{len(hashes)} hashes but only {len(dst_slots)} destination slots")
     if pool.data and (dst is None or dst.block_bytes != pool.spec.block_bytes):
         raise PoolError(f"destination blocks must be {pool.spec.block_bytes} bytes")
-    held = pool._resolve.held_with_remote(hashes)
+    held = pool._resolve.held_with_lower(hashes)
     tiers = [tier for tier, _ in held]
     if count:
         pool._count(hashes, tiers)

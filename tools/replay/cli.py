@@ -116,7 +116,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="sweep CPU capacities (--cpu-tokens/--cpu-blocks lists; default 0..20M tokens) and "
                         "policies (--policies): the miss-ratio curve")
     p.add_argument("--policies", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
-                   help=f"policies for --sweep (default {','.join(DEFAULT_SWEEP_POLICIES)})")
+                   help=f"policies for --sweep, comma-separated (default {','.join(DEFAULT_SWEEP_POLICIES)}); "
+                        "refused without --sweep (one replay: --policy)")
     p.add_argument("--hints", type=_hint_sets, default=["none"], metavar="SET[,SET]",
                    help="which request hints to replay with; a comma-separated list needs --sweep (one curve per "
                         "policy and set): 'none' (default) passes nothing; 'session' passes the trace's session "
@@ -162,6 +163,10 @@ def main(args: argparse.Namespace) -> int:
     from kvtier.tiers.policies import make_policy
     from kvtier.tools.traces import TraceError
 
+    if args.policies is not None and not args.sweep:
+        # Once ignored without a word: the replay ran --policy's default instead.
+        raise SystemExit("kvtier replay: --policies lists the policies of a --sweep; for one replay use "
+                         f"--policy NAME (add --sweep to compare {','.join(args.policies) or 'them'})")
     policies = (args.policies or list(DEFAULT_SWEEP_POLICIES)) if args.sweep else [args.policy]
     for name in policies:
         try:
