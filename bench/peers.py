@@ -78,6 +78,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -158,8 +159,30 @@ def apply_quick(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Time left
+# Stopping, and time left
 # ---------------------------------------------------------------------------
+
+class StopFlag:
+    """SIGTERM (a background run ignores SIGINT) only sets the flag; the run stops before its next request
+    or engine, through the same ``finally`` blocks as an error: engines closed, kvtierd and Redis stopped,
+    what was measured written beside the results (``.partial.json``)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise SystemExit(f"stopped by signal {self.signum}")
+
+
+STOP = StopFlag()
+
 
 class Eta:
     """Planned seconds of work (rough constants); as it runs, the estimate is scaled by how fast it went."""
@@ -276,6 +299,7 @@ class Run:
     # -- engines ----------------------------------------------------------
 
     def start(self, sidecar: Sidecar, sharing: bool, name: str) -> tuple[EngineProc, dict[str, Any]]:
+        STOP.check()
         a = self.args
         ec = sidecar.engine(sharing)
         kw: dict[str, Any] = model_kwargs(self.model_dir) | dict(
@@ -314,6 +338,7 @@ class Run:
 
     def ask(self, proc: EngineProc, prompt: Prompt, *, system: str, phase: str, round_no: int, salt: str | None = None,
             reset: bool = False, pid: str | None = None, est_cached: bool = True, record: bool = True) -> dict[str, Any]:
+        STOP.check()
         r = proc.call(REQUEST_TIMEOUT_S, op="run", pid=pid or prompt.pid, tokens=prompt.tokens,
                       max_tokens=prompt.max_tokens, salt=salt, reset=reset)
         r |= {"system": system, "phase": phase, "round": round_no, "engine": proc.name, "key": prompt.key(),
@@ -644,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--shims {args.shims}: needs native_cpu_spec.py and lmcache_cpu/sitecustomize.py")
     if "lmcache" in systems:
         check_lmcache(args.peers_python, sys.prefix)
+    STOP.install()
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-"))
     log_path = args.log or Path(tempfile.gettempdir()) / "kvtier-bench-peers.log"
     log_path.write_text("")
