@@ -143,3 +143,42 @@ def test_without_lmcache_the_error_says_how_to_set_it_up(tmp_path: Path) -> None
     assert out.returncode != 0
     assert "pip install --no-deps lmcache==0.5.6" in out.stderr and "--peers-python" in out.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def run_json(systems: list[str], records: list[dict], **args: object) -> dict:
+    base = {k: "0" for k in ("seed", "prefix_tokens", "suffix_tokens", "reps", "convs", "turns", "doc_tokens",
+                             "user_tokens", "reply_tokens", "answer_tokens")}
+    return {"args": base | {k: str(v) for k, v in args.items()}, "machine": {}, "systems": {s: {"name": s} for s in systems},
+            "records": records,
+            "phases": [{"system": s, "phase": "single", "round": 0, "load_before": [1.0]} for s in systems],
+            "engines": [], "sidecars": [{"round": 0, "system": s} for s in systems], "wall_s": 1.0}
+
+
+def test_merged_runs_keep_their_rounds_apart_and_share_one_reference() -> None:
+    import peers_merge
+
+    main = run_json(["kvtier", "lmcache", "native"],  # stopped early: native never measured
+                    [record("kvtier", "single", "single/r0", "k0", [5], ttft_s=0.1),
+                     record("lmcache", "single", "single/r0", "k0", [6], ttft_s=0.3)])
+    again = run_json(["lmcache", "kvtier"], [record("kvtier", "single", "single/r0", "k0", [5], ttft_s=0.2),
+                                             record("lmcache", "single", "single/r0", "k0", [5], ttft_s=0.5)])
+    ref = run_json(["recompute"], [record("recompute", "single", "single/r0", "k0", [5])])
+    out = peers_merge.merge([("main.partial.json", main), ("again.json", again), ("ref.json", ref)], [0, 1, 0])
+    assert list(out["systems"]) == ["kvtier", "lmcache", "recompute"]  # native: no record, not a system
+    assert [m["rounds"] for m in out["merged_from"]] == [[0], [1], [0]]
+    assert [m["partial"] for m in out["merged_from"]] == [True, False, False]
+    assert sorted(r["round"] for r in out["records"] if r["system"] == "kvtier") == [0, 1]
+    assert main["records"][0]["round"] == 0  # the inputs are left alone
+    s = peers.summarize(out["records"], out["phases"], list(out["systems"]))
+    assert s["kvtier"]["single"]["rounds"] == 2 and s["kvtier"]["single"]["same_answer"] == "2/2"
+    assert s["lmcache"]["single"]["same_answer"] == "1/2"  # the reference came from a third run
+    assert s["kvtier"]["single"]["ttft_ms_median"] == pytest.approx(150.0)
+
+
+def test_runs_of_other_prompts_are_not_merged() -> None:
+    import peers_merge
+
+    a = run_json(["kvtier"], [record("kvtier", "single", "single/r0", "k0", [5])], convs=3)
+    b = run_json(["recompute"], [record("recompute", "single", "single/r0", "k0", [5])], convs=4)
+    with pytest.raises(ValueError, match="convs"):
+        peers_merge.merge([("a.json", a), ("b.json", b)], [0, 0])
