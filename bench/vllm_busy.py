@@ -66,26 +66,19 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-# As a script this file's folder is sys.path[0], where bench/vllm.py would shadow vLLM.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# As a script this file's folder is sys.path[0], where bench/vllm.py would shadow vLLM; at the end of
+# sys.path it still holds the benches' shared modules.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent] + [
+    str(Path(__file__).resolve().parent)]
+
+from vllm_engine import BLOCK_SIZE, RESULT_TAG, model_config, model_kwargs, progress, write_model  # noqa: E402
 
 from kvtier.testing.daemon import KvtierDaemon  # noqa: E402
 from kvtier.testing.vllm_trace import take_events as _take_events  # noqa: E402
 
 CASES = ("sync", "adaptive", "async", "recompute")
-RESULT_TAG = "@@BENCH-RESULT@@ "
-BLOCK_SIZE = 128
-WEIGHT_SEED = 7
 DECODER_PROMPT_TOKENS = 64
-MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
-         "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-         "vocab_size": 8192, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
-         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
-
-
-def progress(msg: str) -> None:
-    sys.stderr.write(f"[bench] {msg}\n")
-    sys.stderr.flush()
+MODEL = model_config()  # bench/vllm.py's model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,8 +145,7 @@ def child_main(spec: dict[str, Any]) -> int:
     prefix = spec["prefix"]
     max_len = -(-(len(prefix) + BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE
     blocks = max_len // BLOCK_SIZE * 2 + spec["decoders"] * 2 + 1  # the arriving request, the decoders, spare
-    kw: dict[str, Any] = dict(model=spec["model_dir"], skip_tokenizer_init=True,
-                              max_model_len=max_len, max_num_batched_tokens=max_len, block_size=BLOCK_SIZE,
+    kw: dict[str, Any] = model_kwargs(Path(spec["model_dir"])) | dict(max_model_len=max_len, max_num_batched_tokens=max_len, block_size=BLOCK_SIZE,
                               num_gpu_blocks_override=blocks, enforce_eager=True, seed=0, dtype="float32",
                               enable_prefix_caching=False)
     if case != "recompute":
@@ -328,9 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     log_path = args.log or Path(tempfile.gettempdir()) / "kvtier-bench-vllm-busy.log"
     log_path.write_text("")
     model_dir = workdir / "model"
-    from kvtier.testing.vllm_weights import write_model
-
-    write_model(model_dir, MODEL | {"max_position_embeddings": max(8192, 2 * args.prefix_tokens)}, WEIGHT_SEED)
+    model_dir.mkdir()
+    write_model(model_dir, model_config(max_positions=2 * args.prefix_tokens))
     suffixes = [toks(args.suffix_tokens) for _ in range(args.reps)]
     base = {"model_dir": str(model_dir), "prefix": toks(args.prefix_tokens), "warm_suffix": toks(args.suffix_tokens),
             "suffixes": suffixes, "warmup": toks(256), "decoders": args.decoders,
