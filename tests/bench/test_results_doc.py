@@ -1,0 +1,63 @@
+"""docs/results.md is what bench/results_doc.py makes of bench/results/*.json, and no result is left out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "results_doc.py"
+RESULTS = REPO / "bench" / "results"
+DOC = REPO / "docs" / "results.md"
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_committed_doc_is_current() -> None:
+    done = run_script("--check")
+    assert done.returncode == 0, f"{done.stderr}\nrun `python bench/results_doc.py` and commit docs/results.md"
+
+
+def test_every_result_has_a_section_and_renders_without_fallback() -> None:
+    done = run_script("--out", "/dev/stdout")
+    assert done.returncode == 0, done.stderr
+    # No committed result may need the generic fallback because its renderer broke on it.
+    assert "cannot read" not in done.stderr, done.stderr
+    text = DOC.read_text()
+    names = sorted(p.name for p in RESULTS.glob("*.json"))
+    assert names, "bench/results holds no JSON"
+    for name in names:
+        assert f"`bench/results/{name}`" in text, f"{name} has no section in docs/results.md"
+
+
+def test_check_fails_on_stale_doc_and_new_file_gets_generic_section(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    for p in RESULTS.glob("*.json"):
+        (results / p.name).write_text(p.read_text())
+    out = tmp_path / "results.md"
+    assert run_script("--results", str(results), "--out", str(out)).returncode == 0
+    assert run_script("--results", str(results), "--out", str(out), "--check").returncode == 0
+    # A result no renderer knows, as another branch would add it: it must appear, numbers and all.
+    (results / "peers-cpu.json").write_text(json.dumps({"ratio_vs_alone": 0.8125, "passed": True,
+                                                         "machine": {"cpu_count": 2}}))
+    stale = run_script("--results", str(results), "--out", str(out), "--check")
+    assert stale.returncode == 1 and "stale" in stale.stderr
+    assert run_script("--results", str(results), "--out", str(out)).returncode == 0
+    text = out.read_text()
+    assert "`bench/results/peers-cpu.json`" in text and "0.8125" in text and "No renderer matches" in text
+
+
+def test_a_number_changed_in_json_changes_the_doc(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    src = json.loads((RESULTS / "tiers-vm.json").read_text())
+    src["memory"]["results"]["kvtier"]["rss_bytes_per_block"] = 123.0
+    (results / "tiers-vm.json").write_text(json.dumps(src))
+    out = tmp_path / "results.md"
+    assert run_script("--results", str(results), "--out", str(out)).returncode == 0
+    assert "**123**" in out.read_text()
