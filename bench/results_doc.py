@@ -706,8 +706,18 @@ def render_vllm(d: Result) -> str:
             "equality says nothing about the restored KV (the timings stand: the shapes and the work are the "
             "same). `bench/vllm.py` now writes a real checkpoint (`kvtier.testing.vllm_weights`); a short run "
             "with it (`--reps 2 --rounds 1`) again gave the recompute's token in every case, and there the first "
-            "token does depend on the prefix. The two targets missed here were met in the run before (0.98× "
-            "and 0.92×). Earlier runs that missed by far kept all engines alive at once on 2 cores.")
+            "token does depend on the prefix: 4 prompts whose 4,096-token prefixes differ and whose 32-token "
+            "suffixes are equal got 4 different first tokens (twice), and one block of the 32 changed changed "
+            "that token in 3 cases of 4. One token per repetition can miss a wrong block; the repetitions "
+            "together would not. The two targets missed here were met in the run before (0.98× and 0.92×, "
+            "under vLLM's dummy weights).\n\nWhere the difference lies: kvtier's own share is the smallest "
+            "of the connectors. An idle engine's first ask waits up to 3 ms for the lookup instead of an "
+            "empty engine step; kvtierd writes the blocks from its tiers into vLLM's shared KV with "
+            "`process_vm_writev`, two threads. The per-repetition ratios range from 0.90× to 1.56×. What "
+            "made earlier runs miss by far (988 ms restored against 151 ms) was different: all engines were "
+            "kept alive at once on 2 cores (idle vLLM engines skew the measured one several-fold); vLLM gave "
+            "engines without a connector one compute thread and those with one two; and a 32 MiB restore "
+            "went through a staging buffer and a copy worker (35-107 ms; now 6-10 ms).")
     return out
 
 
@@ -725,9 +735,12 @@ def render_vllm_busy(d: Result) -> str:
             f"prefix kvtierd holds arrives; {a['reps']} repetitions × {a['rounds']} rounds, medians.\n\n"
             + md_table(["case", "decoders' longest gap", "decoders' delay", "arriving request's TTFT",
                         "synchronous load in the step", "token as recompute"], rows)
-            + f"\n\nLoading beside the forward on this 2-core VM saved the decoders nothing and made the arriving "
+            + "\n\nWith kvtier the decoders' longest gap is the arriving request's own 32-token forward (a few ms "
+              "of the synchronous step is the restore). "
+            + f"Loading beside the forward on this 2-core VM saved the decoders nothing and made the arriving "
               f"request's TTFT {ratio(ratios.get('ttft_ms'))} that of a synchronous load, so the default "
-              "`load_mode` weighs the two costs from what it measures (the restore rate and step period). "
+              "`load_mode` weighs the two costs from what it measures (the restore rate and step period): it "
+              "chose a synchronous load in every repetition here. "
               "What an asynchronous load costs the arriving request, in engine steps, is the connector setting "
               "`async_extra_steps` (2.5, measured here; unmeasured on a GPU). Run under the old weights (issue 33, "
               "see the vLLM section); not re-run since.")
@@ -744,16 +757,47 @@ def render_gpu_bandwidth(d: Result) -> str:
                        f"{x['demote_gbps_during']:.1f}"] for x in d["interference"]])
     peak = d["peak"]
     some = next(iter(peak.values()))["peak"]
+    kernel32 = {b["direction"]: b["ratio"] for b in d["bandwidth"]
+                if b["layout"] == "layers32-kv32KiB" and b["method"] == "kernel" and b["batch"] == 128}
+    kernel_text = (f"The copy kernel on 32 KiB fragments, which restores fragmented blocks by default: "
+                   f"**{pct(kernel32.get('d2h'))} / {pct(kernel32.get('h2d'))}** of peak (D2H / H2D) in this run; "
+                   "45–48% on the busy host of the second run, 74–75% in the first. " if kernel32 else "")
     return (f"Batches of blocks to random slots, per layout and direction, against one `cudaMemcpyAsync` "
             f"of the same bytes with pinned memory (peak ≈ {some['d2h']:.0f} GB/s each way) in the same run; "
             "best copy method per layout.\n\n"
             + md_table(["layout", "direction", "of peak", "target", "best method", "verdict"], rows)
             + "\n\nA bf16 8192³ matmul loop while demotions run back to back:\n\n" + inter
-            + "\n\nThe copy kernel is host-bound (its plan is built and uploaded from the CPU per launch), so a "
-              "busy host halves its rate on fragmented blocks. " + GPU_TESTS_PROSE)
+            + "\n\n" + kernel_text + "It is host-bound (its plan is built and uploaded from the CPU per "
+              "launch), so a busy host halves it. Kernel demotions beside the matmul move little (its SMs are "
+              "busy; 27.4 GB/s in the first run); the default demotes with the copy engines.\n\n"
+            + GPU_TESTS_PROSE)
 
 
-GPU_TESTS_PROSE = """Tests on the same lent H100 (`pytest -m cuda tests/`): 135 passed, 8 skipped (every copy method × direction × `BlockLayout` byte-exact, chunked `cudaHostRegister`, IPC events ordering another process, CUDA IPC registration from a separate engine process in every layout, the vLLM worker half over vLLM's CUDA KV layouts); the daemon, client and example tests with the daemon on CUDA: 603 passed, 1 failed, 3 skipped, and what failed was fixed (`clear` and demotions in flight, shared-memory sweeps across xdist workers, a fair-lock assumption); after those fixes not rerun on a GPU. Rerun everything: `OUT=/tmp/out bash bench/gpu_check.sh` (about 4 minutes)."""
+GPU_TESTS_PROSE = """Three runs on the lent H100, on 2026-11-26, 2026-11-27 early and 2026-11-27 08:05 UTC: torch
+2.11 + CUDA 13.0, CuPy 14.2, driver 580.159, 16 cores, one NUMA node; `bench/gpu_check.sh` runs it all in
+one call (`OUT=/tmp/out bash bench/gpu_check.sh`, about 4 minutes; pyzmq carried as a wheel). The JSON
+here is the third run's, on an idle host; the second run's, on a busy host (load average 11), differed
+where noted in docs/gpu-data-path.md.
+
+Tests (`pytest -m cuda tests/`): **135 passed**, 8 skipped (every copy method × direction ×
+`BlockLayout` byte-exact, chunked `cudaHostRegister`, IPC events ordering another process, CUDA IPC
+registration from a separate engine process in every layout, the vLLM worker half over vLLM's CUDA KV
+layouts on both data planes). The daemon, client and example tests with the daemon on CUDA (15
+workers): **603 passed**, 1 failed, 3 skipped; after the fix, 602 passed, 2 failed (below); after
+those fixes, not rerun on a GPU (the lease was spent). What the GPUs found, and what changed:
+
+- kvtierd creates its CUDA context, compiles the copy kernel and self-tests the copy methods before it
+  answers (second run: the first pool used to do it inside an engine's first hello, past the
+  connector's timeout);
+- `clear` left the CPU copies of blocks whose demotion was still in flight (third run: an events
+  follower still held 4 blocks after `clear`). A discarded write in flight now goes when it lands; the
+  fixed test passed 5 of 5 times on the H100 and in the daemon step; `clear` at random points in the
+  pool's Hypothesis state machine then found an allocation handed a block a cleared demotion was still
+  reading (no hash left, so no eviction to wait for): a new block now waits for any copy touching it;
+- tests' shared-memory sweeps with `min_age_s=0` took other xdist workers' files (third run, 2
+  failures in one of its two daemon steps; the second run had a like race in a leak check): each test
+  sweeps its own prefix now;
+- a thread test assumed a fair lock (second run; it passed in the third)."""
 
 
 def render_gpu_qos(d: Result) -> str:
@@ -786,7 +830,8 @@ def render_gpu_repeats(d: Result) -> str:
                         "demotions alone (median)"], rows)
             + "\n\nTarget (≤ 1.5×) met by the default at the median. Smaller pieces keep every run under 1.5× but "
               "cost clean-ahead a third of its throughput, so the default stays; kernel demotions are the "
-              "fastest alone but take the model's SMs (see the bandwidth section).")
+              "fastest alone but take the model's SMs (see the bandwidth section). The 1.70× reported before was "
+              "measured on the busy host.")
 
 
 RENDERERS: list[Renderer] = [
