@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +23,11 @@ def test_committed_doc_is_current() -> None:
     assert done.returncode == 0, f"{done.stderr}\nrun `python bench/results_doc.py` and commit docs/results.md"
 
 
-def test_every_result_has_a_section_and_renders_without_fallback() -> None:
-    done = run_script("--out", "/dev/stdout")
+def test_every_result_has_a_section_and_renders_without_fallback(tmp_path: Path) -> None:
+    done = run_script("--out", str(tmp_path / "results.md"), "--readme", str(tmp_path / "README.md"))
     assert done.returncode == 0, done.stderr
     # No committed result may need the generic fallback because its renderer broke on it.
-    assert "cannot read" not in done.stderr, done.stderr
+    assert "cannot read" not in done.stderr and "left out" not in done.stderr, done.stderr
     text = DOC.read_text()
     names = sorted(p.name for p in RESULTS.glob("*.json"))
     assert names, "bench/results holds no JSON"
@@ -40,14 +41,17 @@ def test_check_fails_on_stale_doc_and_new_file_gets_generic_section(tmp_path: Pa
     for p in RESULTS.glob("*.json"):
         (results / p.name).write_text(p.read_text())
     out = tmp_path / "results.md"
-    assert run_script("--results", str(results), "--out", str(out)).returncode == 0
-    assert run_script("--results", str(results), "--out", str(out), "--check").returncode == 0
+    readme = tmp_path / "README.md"
+    readme.write_text((REPO / "README.md").read_text())
+    args = ("--results", str(results), "--out", str(out), "--readme", str(readme))
+    assert run_script(*args).returncode == 0
+    assert run_script(*args, "--check").returncode == 0
     # A result no renderer knows, as another branch would add it: it must appear, numbers and all.
     (results / "peers-cpu.json").write_text(json.dumps({"ratio_vs_alone": 0.8125, "passed": True,
                                                          "machine": {"cpu_count": 2}}))
-    stale = run_script("--results", str(results), "--out", str(out), "--check")
+    stale = run_script(*args, "--check")
     assert stale.returncode == 1 and "stale" in stale.stderr
-    assert run_script("--results", str(results), "--out", str(out)).returncode == 0
+    assert run_script(*args).returncode == 0
     text = out.read_text()
     assert "`bench/results/peers-cpu.json`" in text and "0.8125" in text and "No renderer matches" in text
 
@@ -59,5 +63,22 @@ def test_a_number_changed_in_json_changes_the_doc(tmp_path: Path) -> None:
     src["memory"]["results"]["kvtier"]["rss_bytes_per_block"] = 123.0
     (results / "tiers-vm.json").write_text(json.dumps(src))
     out = tmp_path / "results.md"
-    assert run_script("--results", str(results), "--out", str(out)).returncode == 0
+    readme = tmp_path / "README.md"
+    readme.write_text((REPO / "README.md").read_text())
+    # The README's restart row reads restart-cpu.json: a changed number there moves the README too.
+    restart = json.loads((RESULTS / "restart-cpu.json").read_text())
+    restart["adopt"]["served"] = 2047
+    (results / "restart-cpu.json").write_text(json.dumps(restart))
+    assert run_script("--results", str(results), "--out", str(out), "--readme", str(readme)).returncode == 0
     assert "**123**" in out.read_text()
+    assert "2047/2048 blocks served" in readme.read_text()
+    assert "2047/2048" not in (REPO / "README.md").read_text()
+
+
+def test_readme_is_for_users_and_short() -> None:
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300, "README.md is over 300 lines: move detail into docs/"
+    assert "bash scripts/demo.sh" in text and "bash scripts/test.sh" in text
+    assert "python bench/results_doc.py" in text
+    for anchor in re.findall(r"docs/results\.md#([\w-]+)", text):
+        assert f'<a id="{anchor}"></a>' in DOC.read_text(), f"README links to a missing section #{anchor}"
