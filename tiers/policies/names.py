@@ -2,7 +2,7 @@
 
 The default for the daemon and the replay tool: on the Mooncake traces it
 beats LRU by 3.6 points (conversation) and 2 points (synthetic) at 100k GPU +
-3M CPU tokens (README, "Hit rates"). Measured with `kvtier replay --sweep`.
+3M CPU tokens (docs/results.md, "Hit rates per policy"). Measured with `kvtier replay --sweep`.
 """
 
 __all__ = ["DEFAULT_POLICY"]
