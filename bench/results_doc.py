@@ -47,8 +47,14 @@ Result = dict[str, Any]
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> str:
-    """A Markdown table; ``align`` is one letter per column (``l`` or ``r``), numbers right-aligned by default."""
-    spec = align or "l" + "r" * (len(headers) - 1)
+    """A Markdown table; ``align`` is one letter per column (``l`` or ``r``); by default a column whose
+    cells all read as numbers is right-aligned, any other left-aligned."""
+    def numeric(cell: object) -> bool:
+        text = str(cell).lstrip("*~≈+-−–(")
+        return text == "" or text[0].isdigit()
+
+    spec = align or "".join("r" if i and rows and all(numeric(r[i]) for r in rows) else "l"
+                            for i in range(len(headers)))
     sep = ["---" if a == "l" else "---:" for a in spec]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(sep) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -243,7 +249,7 @@ def render_chat(d: Result) -> str:
                             f"(**{t['ttft_speedup']}×**)"],
         ["largest logit difference from the recompute", f"{ex['max_abs_logit_diff']:.1e}"],
         ["identical greedy answers", f"{ex['same_greedy_outputs']}/{ex['requests']}"],
-    ], "lr")
+    ], "ll")
     turns = md_table(["conv.turn", "prompt tokens", "hit", "GPU blocks", "CPU blocks", "TTFT",
                       "recompute TTFT", "speed-up"], rows)
     return summary + "\n\nPer turn:\n\n" + turns + "\n\n" + (
@@ -335,8 +341,13 @@ def render_replay_points(d: Result) -> str:
             rows.append(row)
         bel = {b["capacity_blocks"]: b["block_hit_rate"] for b in d.get("belady", [])}
         headers.append("Belady MIN")
+        gain = len(policies) == 1 and hint_sets[0] == "none" and len(hint_sets) == 2
+        if gain:
+            headers.append(f"hints add ({hint_sets[1]} − none)")
         for row, c in zip(rows, cpu_sizes):
             row.append(rate(bel.get(c + d["gpu_blocks"])))
+            if gain and "–" not in row[1:3]:
+                row.append(f"{float(row[2]) - float(row[1]):+.3f}")
         out.append(md_table(headers, rows))
         return "\n".join(out)
     for c in cpu_sizes:
@@ -586,7 +597,7 @@ def render_restart(d: Result) -> str:
     ]
     return (f"SIGKILL a kvtierd holding a full CPU tier ({mib(d['cpu_tier_bytes'])} of {mib(d['block_bytes'])} "
             f"blocks in `{d['arena_dir']}`), start another on the same socket, restore every block and "
-            "compare it byte for byte.\n\n" + md_table(["", "value"], rows, "lr"))
+            "compare it byte for byte.\n\n" + md_table(["", "value"], rows, "ll"))
 
 
 def render_stress_fuzz(d: Result) -> str:
@@ -601,7 +612,7 @@ def render_stress_fuzz(d: Result) -> str:
             ["daemon exit code", str(d["daemon_exit_code"])],
             ["passed", "yes" if d["passed"] else "**no**"]]
     return (f"{d['what']}: every frame gets one well-formed reply and the counters account for every "
-            "rejection.\n\n" + md_table(["", "value"], rows, "lr")
+            "rejection.\n\n" + md_table(["", "value"], rows, "ll")
             + "\n\nCases by category: " + ", ".join(f"{k} {num(v)}" for k, v in d["cases_by_category"].items()) + ".")
 
 
@@ -626,7 +637,7 @@ def render_stress_churn(d: Result) -> str:
             ["failures", str(len(d["failures"]))],
             ["daemon RSS start → peak (bound)", f"{mib(rss['start_bytes'])} → {mib(rss['max_bytes'])} ({mib(rss['bound_bytes'])})"],
             ["/dev/shm files left", str(len(d["shm_files_left"]))]]
-    return f"{d['what']}.\n\n" + md_table(["", "value"], rows, "lr")
+    return f"{d['what']}.\n\n" + md_table(["", "value"], rows, "ll")
 
 
 def render_stress_hostile(d: Result) -> str:
@@ -647,7 +658,7 @@ def render_stress_hostile(d: Result) -> str:
             ["daemon exit code", str(dm["exit_code"])],
             ["passed", "yes" if d["passed"] else "**no**"]]
     return (f"{d['what']}: careless pinned batches with 256-character sessions abandoned at their deadline, "
-            "non-reading clients and a session flood beside a busy loop.\n\n" + md_table(["", "value"], rows, "lr")
+            "non-reading clients and a session flood beside a busy loop.\n\n" + md_table(["", "value"], rows, "ll")
             + "\n\nThe same run before issue 32 item 1's fix peaked at 2,940 MiB. The bugs it found are in "
               "tests/stress/README.md.")
 
@@ -1080,7 +1091,7 @@ def sections_for(results: list[tuple[str, Any]], warn: Callable[[str], None]) ->
                 out.append(Section(anchor=r.anchor, title=r.title, body=body))
                 continue
             except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
-                warn(f"results_doc: renderer {r.pattern!r} cannot read its files together "
+                warn(f"results_doc: renderer {r.pattern!r} cannot read {', '.join(n for n, _ in files)} together "
                      f"({type(exc).__name__}: {exc}); one section per file instead")
         for i, (name, data) in enumerate(files):
             anchor = r.anchor if i == 0 else f"{r.anchor}-{name.removesuffix('.json')}"
