@@ -104,6 +104,12 @@ def mib(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
+def sentence(text: str) -> str:
+    """``text`` with a capital first letter (the benches' ``what`` fields start in lower case)."""
+    first = text.split(" ", 1)[0]
+    return text if "/" in first or "." in first else text[:1].upper() + text[1:]
+
+
 def load_text(load: Any) -> str | None:
     """A load average (one number or the 1/5/15 triple) as text."""
     if isinstance(load, (int, float)):
@@ -552,7 +558,7 @@ def render_remote(d: Result) -> str:
         [name.replace("_", " "), f"{x['p50_us']:.0f} µs", f"{x['p99_us']:.0f} µs"]
         for name, x in lk.items() if isinstance(x, dict) and "p50_us" in x])
     return ("Fetching blocks through `RemoteTier.fetch` (every value's MAC verified) against plain "
-            "pipelined GETs of the same keys, alternating; `overhead` is the bench's target measure.\n\n"
+            "pipelined GETs of the same keys, alternating. `overhead` is the median over repetitions of kvtier / plain − 1 (each repetition runs both back to back), the steadier estimate on a busy box and the one the target is on; `overhead of medians` compares the two medians.\n\n"
             + md_table(["block", "blocks", "reps", "plain GET (median)", "kvtier (median)", "overhead",
                         "overhead of medians", "target"], rows)
             + "\n\n" + probe + "\n\nThe MAC costs about 5% of a fetch on this machine (docs/remote-tier.md). "
@@ -611,7 +617,7 @@ def render_stress_fuzz(d: Result) -> str:
             ["daemon RSS before → after", f"{mib(d['daemon_rss_bytes']['before'])} → {mib(d['daemon_rss_bytes']['after'])}"],
             ["daemon exit code", str(d["daemon_exit_code"])],
             ["passed", "yes" if d["passed"] else "**no**"]]
-    return (f"{d['what']}: every frame gets one well-formed reply and the counters account for every "
+    return (f"{sentence(d['what'])}: every frame gets one well-formed reply and the counters account for every "
             "rejection.\n\n" + md_table(["", "value"], rows, "ll")
             + "\n\nCases by category: " + ", ".join(f"{k} {num(v)}" for k, v in d["cases_by_category"].items()) + ".")
 
@@ -625,7 +631,7 @@ def render_stress_load(d: Result) -> str:
             f"byte for byte, {len(d['failures'])} failures, daemon RSS {mib(rss['max_bytes'])} peak against a "
             f"{mib(rss['limit_bytes'])} bound.\n\n"
             + md_table(["verb", "calls", "per second", "p50 ms", "p99 ms", "max ms"], rows)
-            + f"\n\n{d.get('latency_note', '')}")
+            + (f"\n\nLatencies: {d['latency_note']}." if d.get("latency_note") else ""))
 
 
 def render_stress_churn(d: Result) -> str:
@@ -637,7 +643,7 @@ def render_stress_churn(d: Result) -> str:
             ["failures", str(len(d["failures"]))],
             ["daemon RSS start → peak (bound)", f"{mib(rss['start_bytes'])} → {mib(rss['max_bytes'])} ({mib(rss['bound_bytes'])})"],
             ["/dev/shm files left", str(len(d["shm_files_left"]))]]
-    return f"{d['what']}.\n\n" + md_table(["", "value"], rows, "ll")
+    return f"{sentence(d['what'])}.\n\n" + md_table(["", "value"], rows, "ll")
 
 
 def render_stress_hostile(d: Result) -> str:
@@ -657,7 +663,7 @@ def render_stress_hostile(d: Result) -> str:
              f"{mib(rss['start_bytes'])} → {mib(rss['max_bytes'])} ({mib(rss['bound_bytes'])})"],
             ["daemon exit code", str(dm["exit_code"])],
             ["passed", "yes" if d["passed"] else "**no**"]]
-    return (f"{d['what']}: careless pinned batches with 256-character sessions abandoned at their deadline, "
+    return (f"{sentence(d['what'])}: careless pinned batches with 256-character sessions abandoned at their deadline, "
             "non-reading clients and a session flood beside a busy loop.\n\n" + md_table(["", "value"], rows, "ll")
             + "\n\nThe same run before issue 32 item 1's fix peaked at 2,940 MiB. The bugs it found are in "
               "tests/stress/README.md.")
@@ -841,7 +847,7 @@ def render_gpu_repeats(d: Result) -> str:
     rows = [[labels.get(k, k), " ".join(f"{r:.2f}" for r in x["ratios"]), f"**{x['ratio_median']:.2f}×**",
              f"{x['runs_met']} of {x['runs']}", f"{statistics.median(x['demote_gbps_alone']):.1f} GB/s"]
             for k, x in d["summary"].items()]
-    return (f"{d['what']}\n\n"
+    return (f"{sentence(d['what'])}.\n\n"
             + md_table(["engine (restore / demote)", "loaded / idle per run", "median", "runs ≤ 1.5×",
                         "demotions alone (median)"], rows)
             + "\n\nTarget (≤ 1.5×) met by the default at the median. Smaller pieces keep every run under 1.5× but "
