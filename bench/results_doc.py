@@ -390,7 +390,8 @@ REPLAY_POLICY_PROSE = (
     "per-request feature tried separates reused from non-reused requests much better than chance "
     "(AUC ≤ 0.55). `chain` ranks CPU blocks by expected hits per unit of space and time, with "
     "statistics learned from every request by chain-derived class (turns served, uses, new blocks "
-    "per request). `chain+session` decides exactly as `chain` here: these traces name no sessions. "
+    "per request). `lru+admit2` admits a block on its second sighting. `chain+session` decides exactly as "
+    "`chain` here: these traces name no sessions. "
     "Miss-ratio curves: `docs/replay/*.png` (the conversation and synthetic curves predate the "
     "tail-first restore order: lru and ARC at most 0.003 lower there).")
 
