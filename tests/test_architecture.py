@@ -1,6 +1,6 @@
 """The import contracts, as code: pyproject's ``[tool.importlinter]`` checked by ``lint-imports``.
 
-What the contracts say (the README's "Dependencies point one way"):
+What the contracts say (docs/architecture.md, "Who imports whom"):
 
 - ``kvtier.tiers`` imports no ``daemon``, ``client``, ``tools`` or
   ``integrations``, and neither ``zmq`` nor ``msgpack``: it is a library

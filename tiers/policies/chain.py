@@ -133,7 +133,7 @@ from kvtier.tiers.policies.base import ALL_KEYS, EvictionPolicy, PolicyRequest, 
 __all__ = ["HISTORY_KEYS_PER_BLOCK", "MIN_HISTORY_KEYS", "ChainPolicy"]
 
 # Blocks remembered for their uses (not resident), per CPU-tier block, and at least this many: a
-# measured 11.8 per block on the conversation trace at the README's sizes, 10.9 on Claude Code's.
+# measured 11.8 per block on the conversation trace at docs/results.md's sizes, 10.9 on Claude Code's.
 HISTORY_KEYS_PER_BLOCK = 64
 MIN_HISTORY_KEYS = 1 << 12
 # Buffered count changes past which they are folded into the arrays at the end of a request (one

@@ -4,10 +4,10 @@ The default for the daemon, ``TieredPool`` and the replay tool
 (``kvtier.tiers.pool_defaults``): ``chain+session``. Without hints it decides
 exactly as ``chain`` (the session wrapper forwards every decision: the golden
 digests of ``chain``), which on the Mooncake traces beats LRU by 3.6 points
-(conversation) and 2 points (synthetic) at 100k GPU + 3M CPU tokens (README,
-"Hit rates"); with the session hints an application or vLLM sends, it ranks
+(conversation) and 2 points (synthetic) at 100k GPU + 3M CPU tokens (docs/results.md,
+"Hit rates per policy"); with the session hints an application or vLLM sends, it ranks
 whole sessions' streams: 0.6679 against ``chain``'s 0.5934 on Claude Code
-(README, "Hints from the application"). Measured with ``kvtier replay --sweep``.
+(docs/results.md). Measured with ``kvtier replay --sweep``.
 
 Its cost per request in the daemon, without hints, against ``chain``
 (``bench/policy_cost.py``: two kvtierd side by side, lookup + store of 1,500

@@ -73,78 +73,11 @@ per silence), when its retention ends, and when the model is refreshed
 (every ``REFRESH_REQUESTS`` requests; all ranked streams are re-ranked).
 
 Measured (``kvtier replay claude_code_even --gpu-tokens 500k --cpu-tokens 4M``,
-block hit rate): chain+session with ``--hints session+output`` (the session
-key and each request's output length) 0.6679; with ``--hints session`` (the
-key alone, no output class) 0.6599 (0.6491 before a
-stream's own returns counted, 0.6435 before spares), chain 0.5934, lru 0.5568, Belady 0.7808 (one cache of GPU + CPU
-blocks); the CPU tier ranked by each block's true next use, inside the same
-two tiers, 0.748 (bench/results/replay-claude_code_even.json); this policy
-with each stream ranked by its true next return, 0.7590
-(``bench/session_oracle.py``): the prediction, not the structure, is what
-is left.
-
-Alternatives measured on the way (same setting), so the next engineer need
-not: ranking by the smoothed gap alone (RFC 6298's ``srtt``; slowest first,
-a stream "overdue" past ``last + srtt`` given up first) 0.6085; the same
-with Belady's rule on the estimated next use 0.607, or with later overdue
-lines (``srtt + k rttvar``) 0.55-0.60; a return model without evictions (a
-stream that never comes back then costs the whole horizon) 0.588-0.612; with
-evictions (LHD), learning only from cached streams: classes by smoothed gap
-0.631, by latest silence 0.638, by the last two silences 0.601 (too many
-classes for the data), without the silence 0.607, with the request count or
-the chain length as well 0.639 and 0.638 (no gain, left out), returns
-counted only when they hit the CPU tier 0.640 (no gain worth the coupling),
-refreshes every 32 requests 0.639, admission off 0.621; the main stream's
-silence restarted by its sub-agents' requests 0.595 (old ranking); an
-exclusive CPU tier (a block cached on the GPU is
-the first CPU victim) 0.619 with the old ranking and 0.436 for plain chain,
-whose admission then refuses the re-demotions. The latest request's output
-length as one more class dimension (an engine knows it when the request
-ends; in this trace it explains more of the next gap than the last silence
-does, R^2 0.106 vs 0.063, mostly generation time): 0.6484 with buckets
-< 256 / < 1024 / more tokens, but 0.6428 with five log2 buckets and 0.6421
-with two (< / >= 128): no gain that holds across bucketings, so left out. With
-spares (all at 0.6491 as the reference): the latest request's growth in
-blocks as a class dimension 0.6516 (buckets < 2 / < 8 / more) and 0.6503
-(< 1 / < 4 / < 16 / more), no gain that holds; spares evicted first but
-their eviction counted as the end of the stream's life in the return model
-0.6254 (the model then learns that restored streams are evicted at once);
-any demotion admitted while a spare is evictable 0.6358 (admission off in
-effect); spares after the streams worth less than average, not first,
-0.6441; the earliest promoted spare first 0.6505 (more copies); a stream
-counted as cached while the GPU tier holds any block of its latest chain
-0.6508; a stream's silence started at the end of its latest request's
-generation (arrival + output tokens / 50 or 100 tokens/s, as an engine would
-know it) 0.559-0.566 (a drop this large was not explained; not pursued).
-With spares, before each stream's own returns counted (0.6491), by the prior
-``OWN_PRIOR_SILENCES`` the own returns are shrunk with: 2 0.6566, 4 0.6587,
-8 0.6599, 16 0.6603, 32 0.6583. The prior was chosen on half of the sessions
-(``session % 4 == 0``, at half the capacity, 250k + 2M tokens: 0.5982
-without own returns; 4 0.6089, 8 0.6101, 16 0.6107, 32 0.6063) and checked
-on the other half (0.6404 without, 0.6515 with 16). A fork starting from its
-parent's own returns 0.6583 (prior 4, against 0.6587: no gain); sparse
-classes shrunk towards their gap class before the pool 0.6601 (prior 8,
-against 0.6599: no gain). With the prior at 16 (0.6599): the own returns
-decayed by 1/16 at each return (a window of about the prior) 0.6602; the
-silence still running counted as at risk in its own table 0.6597; the own
-returns smoothed over neighbouring age buckets (1/4, 1/2, 1/4) 0.6587 (half
-``session % 4 == 0``: 0.6082 against 0.6107): no gain. Later, at 0.6599: the
-own returns decayed as above, on the halves (0.6090 against 0.6106, 0.6508
-against 0.6511); finer age buckets (edges 2**(i/3), 2**(i/4)) 0.6083 and
-0.6099 against 0.6106, 0.6506 and 0.6503 against 0.6511: no gain. The output
-length does bound the next gap from below (main-agent requests: 10th
-percentile of the gap 8 s after < 256 output tokens, 44 s after >= 2048), but
-a silence started at the estimated end of generation (100 tokens/s) gave
-0.5999, and 0.645 with the stream ranked p_hit(0) / (life(0) + generation
-left) while it generates (the 0.56 above was partly that: a generating stream
-was ranked as if its whole generation cost one second of cache time).
-The output length as a class dimension instead (``session_returns.
-OUTPUT_EDGES_TOKENS``), measured again once a stream's own returns counted:
-buckets < 256 / < 1024 / more, half ``session % 4 == 0`` 0.6161 and the
-other half 0.6566 (against 0.6106 and 0.6511 without); log2 buckets from
-128 (< 128 / ... / < 1024 / more) 0.6143 and 0.6562. Both gain on both
-halves; the first was kept. Full file: 0.6677 and 0.6624 as measured then (a
-patch), 0.6679 as built, against 0.6599.
+block hit rate; docs/results.md, "Hints from the application"): 0.6679 with
+``--hints session+output``, 0.6599 with ``--hints session``, chain 0.5934,
+Belady 0.7808; each stream ranked by its true next return, 0.7590
+(``bench/session_oracle.py``). The variants measured on the way, and why each
+constant is what it is, are in docs/design-notes.md ("chain+session").
 
 ``retain_s``: a request's stream is retained until ``at_s + retain_s``: its
 blocks go only after every block that is not retained. The retained blocks
