@@ -33,6 +33,9 @@ RENDERED = [
     "replay-nodes-synthetic.json", "replay-synthetic.json", "restart-cpu.json", "session-oracle.json",
     "stress-churn.json", "stress-fuzz.json", "stress-hostile.json", "stress-load.json", "tiers-vm.json",
     "ttft-1b-daemon-cuda-2048-idle0.5.json", "ttft-200m-daemon-cpu.json", "vllm-busy-cpu.json", "vllm-cpu.json",
+    "peers-cpu.json", "policy-cost-cpu.json", "protocol-restore-cpu.json", "protocol-restore-main-cpu.json",
+    "protocol-restore-profile-cpu.json", "side-by-side.json", "upgrade-cpu.json", "vllm-gemma3-cpu.json",
+    "vllm-llama-cpu.json", "vllm-mla-cpu.json", "vllm-nodaemon-cpu.json", "vllm-restore-cpu.json",
 ]
 
 
@@ -61,13 +64,13 @@ def test_check_fails_on_stale_doc_and_new_file_gets_generic_section(tmp_path: Pa
     assert run_script(*args).returncode == 0
     assert run_script(*args, "--check").returncode == 0
     # A result no renderer knows, as another branch would add it: it must appear, numbers and all.
-    (results / "peers-cpu.json").write_text(json.dumps({"ratio_vs_alone": 0.8125, "passed": True,
+    (results / "newbench-cpu.json").write_text(json.dumps({"ratio_vs_alone": 0.8125, "passed": True,
                                                          "machine": {"cpu_count": 2}}))
     stale = run_script(*args, "--check")
     assert stale.returncode == 1 and "stale" in stale.stderr
     assert run_script(*args).returncode == 0
     text = out.read_text()
-    assert "`bench/results/peers-cpu.json`" in text and "0.8125" in text and "No renderer matches" in text
+    assert "`bench/results/newbench-cpu.json`" in text and "0.8125" in text and "No renderer matches" in text
     # A file a renderer's pattern matches but whose shape it cannot read: a generic section and a warning.
     (results / "stress-fuzz-small.json").write_text(json.dumps({"cases_total": 77}))
     done = run_script(*args)
