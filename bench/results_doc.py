@@ -1362,7 +1362,10 @@ def _h_restart(r: dict[str, Result]) -> tuple[str, str, str]:
     d = r["restart-cpu.json"]
     return ("kvtierd killed with SIGKILL and restarted with a full 4 GiB CPU tier",
             f"{d['adopt']['served']}/{d['blocks']} blocks served byte-exact; first hit "
-            f"{ms(d['targets']['first_hit_after_ready_s'], 0)} after ready", "restart")
+            f"{ms(d['targets']['first_hit_after_ready_s'], 0)} after ready, "
+            f"{d['targets']['first_hit_after_spawn_s']:.1f} s after the spawn (target 2 s: "
+            f"{'met' if d['targets']['first_hit_within_2s_of_spawn'] else '**not met**'}; importing torch)",
+            "restart")
 
 
 def _h_families(r: dict[str, Result]) -> tuple[str, str, str]:
