@@ -107,7 +107,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -118,7 +117,15 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 # This file is bench/vllm.py: as a script, its folder is sys.path[0], where "vllm" would be this file.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# At the end of sys.path it still holds the benches' shared modules (vllm_engine, vllm_timing).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent] + [
+    str(Path(__file__).resolve().parent)]
+
+import vllm_timing  # noqa: E402
+from vllm_engine import (BLOCK_SIZE, FAMILIES, WEIGHTS, EngineProc, engine_env, kv_layout,  # noqa: E402
+                         model_kwargs, parameters, progress, reply, serve, write_model)
+from vllm_engine import model_config as _model_config  # noqa: E402
+from vllm_timing import breakdown  # noqa: E402
 
 from kvtier.testing.daemon import KvtierDaemon  # noqa: E402
 from kvtier.testing.vllm_requests import FakeRequest  # noqa: E402
@@ -129,17 +136,8 @@ TARGET_VS_PREFIX_CACHE = 1.2  # kvtier TTFT / vLLM prefix-cache TTFT, at most
 TARGET_VS_EXAMPLE = 1.0  # kvtier TTFT / ExampleConnector TTFT, below
 TARGET_SCHED_US = 50.0  # scheduler-thread us per get_num_new_matched_tokens call, amortized, 64 waiting
 TARGET_MLA_TP_BYTES = 1.05  # MLA: kvtierd's bytes at TP=N over those at TP=1, at most
-MODELS = ("llama", "gemma3", "mla")
-MLA_BLOCK_SIZE = 16  # vLLM's CPU MLA backend forces it
+MODELS = FAMILIES  # --model: vllm_engine's model families
 WARMUP_TOKENS = 256
-RESULT_TAG = "@@BENCH-RESULT@@ "
-BLOCK_SIZE = 128  # vLLM's CPU backend wants a multiple of 32
-WEIGHT_SEED = 7  # every engine of a run gets the same weights (kvtier.testing.vllm_weights)
-
-
-def progress(msg: str) -> None:
-    sys.stderr.write(f"[bench] {msg}\n")
-    sys.stderr.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,57 +221,9 @@ KVTIER_CASES = ("kvtier", "kvtier_pc_evicted", "kvtier_staged")
 
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
-    inter = args.intermediate or int(round(args.hidden * 2.75 / 256)) * 256
-    if args.model == "gemma3":
-        from kvtier.testing.vllm_weights import gemma3_config
-
-        return gemma3_config(hidden_size=args.hidden, intermediate_size=inter, num_hidden_layers=args.layers,
-                             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                             head_dim=args.hidden // args.heads, query_pre_attn_scalar=args.hidden // args.heads,
-                             sliding_window=args.window, vocab_size=args.vocab, torch_dtype=args.dtype,
-                             max_position_embeddings=max(8192, args.prefix_tokens * 2))
-    if args.model == "mla":
-        from kvtier.testing.vllm_weights import deepseek_v2_config
-
-        return deepseek_v2_config(hidden_size=args.hidden, intermediate_size=inter, num_hidden_layers=args.layers,
-                                  num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                                  vocab_size=args.vocab, torch_dtype=args.dtype,
-                                  max_position_embeddings=max(8192, args.prefix_tokens * 2))
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.hidden,
-            "intermediate_size": inter, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-            "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab,
-            "max_position_embeddings": max(8192, args.prefix_tokens * 2), "rms_norm_eps": 1e-5,
-            "torch_dtype": args.dtype, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
-
-
-def parameters(cfg: dict[str, Any]) -> int:
-    """The model's parameters, from the checkpoint's tensors."""
-    from math import prod
-
-    from kvtier.testing.vllm_weights import tensor_specs
-
-    return sum(prod(t.shape) for t in tensor_specs(cfg))
-
-
-def kv_layout(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The family's KV per token, its block size, and the blocks a hit of n blocks restores (the groups' rule)."""
-    elem = 4 if args.dtype == "float32" else 2
-    if args.model == "mla":
-        per_layer = (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * elem  # one latent, every rank
-        return {"block_size": MLA_BLOCK_SIZE, "kv_bytes_per_token": cfg["num_hidden_layers"] * per_layer,
-                "groups": [{"kind": "full", "layers": cfg["num_hidden_layers"]}]}
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_layer = 2 * cfg["num_key_value_heads"] * hd * elem
-    layers = cfg["num_hidden_layers"]
-    if args.model == "gemma3":
-        # vLLM's hybrid manager: one group per layer position of the 5:1 pattern (layers / 6 layers each).
-        per_group = layers // 6
-        groups = [{"kind": "sliding_window", "window": cfg["sliding_window"], "layers": per_group}] * 5
-        groups += [{"kind": "full", "layers": per_group}]
-        return {"block_size": BLOCK_SIZE, "kv_bytes_per_token": layers * per_layer, "groups": groups,
-                "group_block_bytes": per_group * per_layer * BLOCK_SIZE}
-    return {"block_size": BLOCK_SIZE, "kv_bytes_per_token": layers * per_layer,
-            "groups": [{"kind": "full", "layers": layers}]}
+    return _model_config(family=args.model, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                         layers=args.layers, intermediate=args.intermediate, vocab=args.vocab, dtype=args.dtype,
+                         max_positions=args.prefix_tokens * 2, window=args.window)
 
 
 def restore_bound_blocks(layout: dict[str, Any], hit_blocks: int) -> int:
@@ -289,135 +239,12 @@ def restore_bound_blocks(layout: dict[str, Any], hit_blocks: int) -> int:
     return total
 
 
-# The functions below run in vLLM's engine-core process (collective_rpc; on the CPU backend the
-# worker runs in that process, beside the scheduler): they add time stamps to the worker's
-# execute_model / sample_tokens and, with KvtierConnector, to both connector halves. Each
-# wrapper appends one tuple to a list (a few us); nothing else changes.
-
-def _worker_load_stats(worker: Any) -> dict[str, Any]:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    side = get_kv_transfer_group()._worker
-    return {"blocks_loaded": side.blocks_loaded, "blocks_stored": side.blocks_stored, "load_s": side.load_s}
-
-
-def _install_trace(worker: Any, connector: bool) -> dict[str, Any]:
-    from functools import partial
-
-    from kvtier.testing.vllm_trace import timed as _timed, trace_events
-
-    timed = partial(_timed, trace_events(worker))
-    # Instance attributes win over WorkerWrapperBase's methods / __getattr__ in run_method's getattr.
-    worker.execute_model = timed("exec", worker.execute_model, lambda so, *_: int(so.total_num_scheduled_tokens))
-    worker.sample_tokens = timed("sample", worker.sample_tokens)
-    model = worker.worker.model_runner.model
-    model.forward = timed("model", model.forward)  # nn.Module.__call__ finds the instance attribute
-    info: dict[str, Any] = {"pid": os.getpid(), "connector": False}
-    if not connector:
-        return info
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    side = get_kv_transfer_group()._worker
-    side.start_load_kv = timed("load", side.start_load_kv, lambda meta: sum(len(x.keys) for x in meta.loads))
-    side.wait_for_save = timed("save", side.wait_for_save)
-    info["connector"] = True
-    return info
-
-
-def _patch_scheduler_side(path: str) -> None:
-    """Time stamps of the connector's scheduler half, which lives in vLLM's EngineCore process (spawned:
-    vLLM's CPU platform forces spawn): this function's source is the ``sitecustomize`` of the engine's
-    processes (a PYTHONPATH folder in the bench's temp directory, with $BENCH_VLLM_SCHED_EVENTS set), so
-    SchedulerSide's methods are wrapped at the class before vLLM builds it; each event is one line
-    appended to ``path`` (one os.write, a few us)."""
-    import json
-    import os
-    import time as _t
-
-    from kvtier.integrations.vllm.scheduler import SchedulerSide
-
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-
-    def emit(*ev: Any) -> None:
-        os.write(fd, (json.dumps(ev) + "\n").encode())
-
-    on_new, gnmt, alloc = (SchedulerSide.on_new_request, SchedulerSide.get_num_new_matched_tokens,
-                           SchedulerSide.update_state_after_alloc)
-
-    def on_new_request(self: Any, request: Any) -> None:
-        t0 = _t.monotonic()
-        on_new(self, request)
-        emit("new", t0, _t.monotonic(), os.getpid())
-        t = self._tracked.get(request.request_id)
-        if t is not None and t.lookup is not None:
-            t.lookup.add_done_callback(lambda _f: emit("lookup_done", _t.monotonic(), None, None))
-
-    def get_num_new_matched_tokens(self: Any, request: Any, num_computed_tokens: int) -> Any:
-        t0 = _t.monotonic()
-        out = gnmt(self, request, num_computed_tokens)
-        emit("gnmt", t0, _t.monotonic(), out[0])
-        return out
-
-    def update_state_after_alloc(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        t0 = _t.monotonic()
-        alloc(self, request, blocks, num_external_tokens)
-        emit("alloc", t0, _t.monotonic(), num_external_tokens)
-
-    SchedulerSide.on_new_request = on_new_request  # type: ignore[method-assign]
-    SchedulerSide.get_num_new_matched_tokens = get_num_new_matched_tokens  # type: ignore[method-assign]
-    SchedulerSide.update_state_after_alloc = update_state_after_alloc  # type: ignore[method-assign]
-
-
-def breakdown(t_submit: float, t_done: float, events: list[tuple[Any, ...]]) -> dict[str, Any]:
-    """One request's TTFT cut at the time stamps (ms). All on CLOCK_MONOTONIC, shared by the processes."""
-    ms = lambda a, b: round(1e3 * (b - a), 3)  # noqa: E731
-    execs = [e for e in events if e[0] == "exec"]
-    fwd = next((e for e in execs if e[3]), None)
-    out: dict[str, Any] = {"ttft_ms": ms(t_submit, t_done), "engine_steps": len(execs)}
-    if fwd is None:
-        return out
-    samples = [e for e in events if e[0] == "sample" and e[1] >= fwd[1]]
-    fwd_end = samples[0][2] if samples else fwd[2]
-    out |= {"empty_steps_before_forward": sum(1 for e in execs if not e[3] and e[1] < fwd[1]),
-            "submit_to_first_step_ms": ms(t_submit, execs[0][1]),
-            "submit_to_forward_ms": ms(t_submit, fwd[1]),
-            "forward_step_ms": ms(fwd[1], fwd_end),  # execute_model + sample_tokens (the load runs inside)
-            "forward_tokens": fwd[3],
-            "after_forward_ms": ms(fwd_end, t_done)}  # engine output, IPC, front end
-    model = next((e for e in events if e[0] == "model" and e[1] >= fwd[1]), None)
-    if model is not None:
-        out["model_forward_ms"] = ms(model[1], model[2])  # the model's forward alone (attention, MLP)
-    new = next((e for e in events if e[0] == "new"), None)
-    if new is None:
-        return out
-    answer = next((e for e in events if e[0] == "gnmt" and e[3] is not None), None)
-    done = next((e for e in events if e[0] == "lookup_done"), None)
-    load = next((e for e in events if e[0] == "load" and e[3]), None)
-    out |= {"submit_to_on_new_request_ms": ms(t_submit, new[1]),
-            "gnmt_calls": sum(1 for e in events if e[0] == "gnmt"),
-            "gnmt_us_total": round(1e6 * sum(e[2] - e[1] for e in events if e[0] == "gnmt"), 1)}
-    if done is not None:
-        out["lookup_round_trip_ms"] = ms(new[1], done[1])  # on_new_request -> kvtierd's answer landed
-    if answer is not None:
-        out["matched_tokens"] = answer[3]
-        out["on_new_request_to_answer_ms"] = ms(new[1], answer[2])
-        out["arrival_to_answer_ms"] = ms(t_submit, answer[2])  # bench's submit -> scheduler has the answer
-    if load is not None:
-        out["load_ms"] = ms(load[1], load[2])
-        out["load_blocks"] = load[3]
-        if answer is not None:
-            out["answer_to_load_start_ms"] = ms(answer[2], load[1])  # alloc, schedule, meta, dispatch
-        out["forward_without_load_ms"] = round(out["forward_step_ms"] - out["load_ms"], 3)
-    if "arrival_to_answer_ms" in out and "load_ms" in out:
-        out["rest_ms"] = round(out["ttft_ms"] - out["arrival_to_answer_ms"] - out["load_ms"], 3)
-    return out
-
-
 def child_main(spec: dict[str, Any]) -> int:
     """One LLM configuration, alive for the whole run: JSON commands on stdin, one tagged JSON line each on stdout."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
     engine = spec["engine"]
+    import cloudpickle
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -427,10 +254,10 @@ def child_main(spec: dict[str, Any]) -> int:
     blocks_per_req = max_len // bs * spec.get("groups", 1)  # a hybrid model: every group's table (an upper bound)
     # 4 requests' worth: the prefix-cache engine keeps the prefix (LRU) while two salted recomputes
     # pass between two of its hits; the others need one request's worth. 1 MiB a block by default.
-    kw: dict[str, Any] = dict(model=spec["model_dir"], skip_tokenizer_init=True,
-                              max_model_len=max_len, max_num_batched_tokens=max_len, block_size=bs,
-                              num_gpu_blocks_override=blocks_per_req * 4 + 1, enforce_eager=True,
-                              seed=0, dtype=spec["dtype"], tensor_parallel_size=spec.get("tp", 1))
+    kw: dict[str, Any] = model_kwargs(Path(spec["model_dir"])) | dict(
+        max_model_len=max_len, max_num_batched_tokens=max_len, block_size=bs,
+        num_gpu_blocks_override=blocks_per_req * 4 + 1, enforce_eager=True, seed=0, dtype=spec["dtype"],
+        tensor_parallel_size=spec.get("tp", 1))
     # A generous timeout: an engine starting on a loaded 2-core machine once missed kvtierd's hello at 2 s,
     # ran its first requests without it (stored nothing) and so had nothing to restore.
     kvtier_cfg = {"kv_connector": "KvtierConnector", "kv_role": "kv_both",
@@ -455,35 +282,26 @@ def child_main(spec: dict[str, Any]) -> int:
     else:
         raise SystemExit(f"unknown engine {engine!r}")
     connector = engine.startswith("kvtier")
-    sched_events = Path(spec["workdir"]) / f"sched-events-{engine}.jsonl"  # see _patch_scheduler_side
+    sched_events = Path(spec["workdir"]) / f"sched-events-{engine}.jsonl"  # see vllm_timing.scheduler_hook
     sched_events.touch()
     sched_file = open(sched_events)  # noqa: SIM115
     t0 = time.perf_counter()
     llm = LLM(**kw)
     startup_s = time.perf_counter() - t0
-    info = llm.collective_rpc(_install_trace, args=(connector,))[0]
+    cloudpickle.register_pickle_by_value(vllm_timing)  # the worker needs no import of bench/
+    info = llm.collective_rpc(vllm_timing.install_trace, args=("kvtier" if connector else None,))[0]
     progress(f"{engine}: LLM started in {startup_s:.1f} s (engine core pid {info['pid']})")
     sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
 
-    def reply(obj: dict[str, Any]) -> None:
-        sys.stdout.write(RESULT_TAG + json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
     def worker_stats() -> dict[str, Any] | None:
-        return llm.collective_rpc(_worker_load_stats)[0] if connector else None
+        return llm.collective_rpc(vllm_timing.kvtier_worker_stats)[0] if connector else None
 
     prefix, suffixes = spec["prefix"], spec["suffixes"]
     reply({"ready": True, "engine": engine, "startup_s": round(startup_s, 2), "trace": info,
            "engine_kwargs": {k: v for k, v in kw.items() if k != "model"}})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd["op"]
-        if op == "exit":
-            break
-        if op == "stats":
-            reply({"worker": worker_stats()})
-            continue
-        assert op == "gen", op
+
+    def gen(cmd: dict[str, Any]) -> dict[str, Any]:
+        """One request (``which``: warmup, first: the prefix once, rep ``i``), timed and cut at the time stamps."""
         which = cmd["which"]
         tokens = (spec["warmup"] if which == "warmup" else
                   prefix + (spec["warm_suffix"] if which == "first" else suffixes[cmd["i"]]))
@@ -513,117 +331,32 @@ def child_main(spec: dict[str, Any]) -> int:
         if before is not None:
             after = worker_stats()
             res["worker_delta"] = {k: round(after[k] - before[k], 6) for k in after}
-        reply(res)
+        return res
+
+    serve({"stats": lambda _cmd: {"worker": worker_stats()}, "gen": gen})
     reply({"bye": True})
     return 0
 
 
-class EngineProc:
-    """One child (``--child SPEC``): a live LLM answering JSON commands."""
-
-    def __init__(self, spec: dict[str, Any], log_path: Path) -> None:
-        import queue
-        import threading
-
-        spec_path = Path(spec["workdir"]) / f"spec-{spec.get('name', spec['engine'])}.json"
-        spec_path.write_text(json.dumps(spec))
-        self.name = spec.get("name", spec["engine"])
-        self.log_path = log_path
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
-        env = dict(os.environ)
-        # vLLM reserves a core for its scheduler process, and one more when a
-        # KV connector is configured; on 2 cores that gave the engines without
-        # a connector 1 compute thread and those with one 2. Every engine gets
-        # the same reservation.
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(spec["reserved_cpus"])
-        tp = int(spec.get("tp", 1))
-        if tp > 1:  # vLLM's CPU backend binds each rank to a NUMA node; one node here, so each its cores
-            cores = sorted(os.sched_getaffinity(0))
-            share = max(1, len(cores) // tp)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cores[i * share:(i + 1) * share]))
-                                                        for i in range(tp))
-        self.name = spec.get("name", spec["engine"])
-        if spec["engine"].startswith("kvtier"):
-            import inspect
-
-            hook = Path(spec["workdir"]) / "pyhook"
-            hook.mkdir(exist_ok=True)
-            (hook / "sitecustomize.py").write_text(
-                "# bench/vllm.py: time stamps of KvtierConnector's scheduler half\nfrom typing import Any\n\n"
-                + inspect.getsource(_patch_scheduler_side)
-                + "\n\nimport os as _os\nif _os.environ.get('BENCH_VLLM_SCHED_EVENTS'):\n"
-                "    _patch_scheduler_side(_os.environ['BENCH_VLLM_SCHED_EVENTS'])\n")
-            env["PYTHONPATH"] = os.pathsep.join([str(hook)] + [x for x in [env.get("PYTHONPATH")] if x])
-            env["BENCH_VLLM_SCHED_EVENTS"] = str(Path(spec["workdir"]) / f"sched-events-{spec['engine']}.jsonl")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, cwd=REPO, start_new_session=True, env=env)
-        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        with open(self.log_path, "a") as log:
-            for line in self.proc.stdout:
-                log.write(f"[{self.name}] {line}")
-                log.flush()
-                if line.startswith(RESULT_TAG):
-                    self._replies.put(json.loads(line[len(RESULT_TAG):]))
-                elif line.startswith("[bench]"):
-                    sys.stderr.write(line)
-                    sys.stderr.flush()
-
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def recv(self, timeout_s: float) -> dict[str, Any]:
-        import queue
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return self._replies.get(timeout=1.0)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    self._reader.join(5)
-                    if not self._replies.empty():
-                        continue
-                    raise RuntimeError(f"{self.name}: the engine exited with {self.proc.returncode}; "
-                                       f"see {self.log_path}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name}: no answer in {timeout_s} s; see {self.log_path}") from None
-
-    def call(self, timeout_s: float, **cmd: Any) -> dict[str, Any]:
-        self.send(**cmd)
-        return self.recv(timeout_s)
-
-    def close(self) -> int | None:
-        rc = None
-        try:
-            if self.proc.poll() is None:
-                self.send(op="exit")
-            rc = self.proc.wait(60)
-        except (subprocess.TimeoutExpired, OSError, ValueError):
-            self.proc.kill()
-            self.proc.wait(10)
-        finally:
-            try:  # whatever of its engine is left (its own process group only)
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        return rc
+def start_engine(spec: dict[str, Any], log_path: Path) -> EngineProc:
+    """One child (``--child SPEC``): a live LLM answering JSON commands (``vllm_engine.EngineProc``)."""
+    name = spec.get("name", spec["engine"])
+    spec_path = Path(spec["workdir"]) / f"spec-{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    front: list[str] = []
+    extra: dict[str, str] = {}
+    if spec["engine"].startswith("kvtier"):
+        hook, extra = vllm_timing.scheduler_hook(Path(spec["workdir"]) / "pyhook",
+                                                 Path(spec["workdir"]) / f"sched-events-{spec['engine']}.jsonl")
+        front.append(hook)
+    return EngineProc(name, [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
+                      engine_env(spec["reserved_cpus"], front, extra, tp=int(spec.get("tp", 1))), log_path)
 
 
 def ttft_section(args: argparse.Namespace, daemon: KvtierDaemon, workdir: Path, log_path: Path) -> dict[str, Any]:
     cfg = model_config(args)
     model_dir = workdir / "model"
-    # Weights under which the next token depends on the whole prefix's KV (vLLM's dummy weights: on
-    # the last token only), so "same token as the recompute" can tell right KV from wrong.
-    from kvtier.testing.vllm_weights import write_model
-
-    write_model(model_dir, cfg, WEIGHT_SEED)
+    write_model(model_dir, cfg)  # answers that depend on the whole prefix's KV (vllm_engine.write_model)
     rng = random.Random(args.seed)
     vocab = args.vocab
 
@@ -643,14 +376,14 @@ def ttft_section(args: argparse.Namespace, daemon: KvtierDaemon, workdir: Path, 
     example_dir = args.example_dir or Path(tempfile.mkdtemp(prefix="kvtier-bench-example-",
                                                              dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     base["example_dir"] = str(example_dir)
-    layout = kv_layout(args, cfg)
+    layout = kv_layout(args.model, cfg)
     base |= {"block_size": layout["block_size"], "groups": len(layout["groups"])}
     kv_bytes_per_token = layout["kv_bytes_per_token"]
     hit_blocks = args.prefix_tokens // layout["block_size"]
     out: dict[str, Any] = {"family": args.model, "kv_layout": layout,
                            "restore_bound_blocks": restore_bound_blocks(layout, hit_blocks),
                            "all_groups_blocks": hit_blocks * len(layout["groups"]),
-                           "model": cfg | {"parameters": parameters(cfg), "weights": f"kvtier.testing.vllm_weights.write_model(seed={WEIGHT_SEED}), bfloat16 checkpoint"},
+                           "model": cfg | {"parameters": parameters(cfg), "weights": WEIGHTS},
                            "kv_bytes_per_token": kv_bytes_per_token,
                            "prefix_kv_bytes": kv_bytes_per_token * args.prefix_tokens,
                            "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
@@ -698,7 +431,7 @@ def mla_tp_section(args: argparse.Namespace, base: dict[str, Any], workdir: Path
                                                                   "cpu_bytes": "1GiB", "log_level": "warning"},
                                cwd=REPO)
         name = f"kvtier_tp{tp}"
-        p = EngineProc(base | {"engine": "kvtier", "name": name, "tp": tp, "socket": d.endpoint}, log_path)
+        p = start_engine(base | {"engine": "kvtier", "name": name, "tp": tp, "socket": d.endpoint}, log_path)
         try:
             progress(f"starting engine {name!r} (TP={tp}) on a fresh kvtierd")
             p.recv(1200)
@@ -734,7 +467,7 @@ def _run_group(args: argparse.Namespace, daemon: KvtierDaemon, base: dict[str, A
         # each one's warm-up and first computation of the prefix queued as soon as it is up.
         for name in engines:
             progress(f"starting engine {name!r}")
-            procs[name] = p = EngineProc(base | {"engine": name}, log_path)
+            procs[name] = p = start_engine(base | {"engine": name}, log_path)
             ready = p.recv(900)
             out["engines"][key[name]] = {k: v for k, v in ready.items() if k != "ready"}
             p.send(op="gen", which="warmup", salt="warmup")  # kernels, first-touch memory

@@ -5,17 +5,26 @@ Shared by ``bench/vllm.py`` and ``bench/peers.py`` (the vLLM benches' one copy o
 Contract
 ========
 
-- ``model_config(...)``: the HuggingFace ``config.json`` of a random-weight Llama.
-  ``parameters(cfg)``
-  counts its parameters, ``kv_bytes_per_token(cfg)`` its KV bytes a token.
+- ``model_config(family=..., ...)``: the HuggingFace ``config.json`` of a random-weight
+  model of one family (``FAMILIES``): ``llama`` (the default), ``gemma3`` (sliding-window
+  layers: vLLM's hybrid KV-cache groups; ``vllm_weights.gemma3_config``) or ``mla``
+  (DeepSeek-V2 MLA; ``vllm_weights.deepseek_v2_config``); ``ValueError`` for another.
+  ``parameters(cfg)`` counts its parameters (the checkpoint's tensors);
+  ``kv_layout(family, cfg)`` its KV: bytes a token, block size (``block_size(family)``:
+  ``MLA_BLOCK_SIZE`` for MLA, ``BLOCK_SIZE`` otherwise) and KV-cache groups;
+  ``kv_bytes_per_token(cfg, family)`` the first of those.
 - ``write_model(folder, cfg)``: the folder vLLM loads, ``config.json`` and a checkpoint
   (``kvtier.testing.vllm_weights``); ``model_kwargs(folder)``: the ``LLM(...)`` arguments
   that load it. ``WEIGHTS`` says how, for the results.
-- ``engine_env(reserved_cpus, pythonpath_front, extra)``: the environment of a child
+- ``engine_env(reserved_cpus, pythonpath_front, extra, tp)``: the environment of a child
   engine. Every engine gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=reserved_cpus``: vLLM's CPU
   build reserves a core for its scheduler, and one more when a KV connector is
   configured, which on 2 cores gives engines with a connector twice the compute
-  threads of those without.
+  threads of those without. At ``tp`` > 1 each rank gets its share of our cores
+  (``VLLM_CPU_OMP_THREADS_BIND``).
+- ``serve(ops)``: the child's side: answers each command on stdin (``reply`` of
+  ``ops[cmd["op"]](cmd)``) until ``{"op": "exit"}`` or the end of stdin; an unknown
+  op ends the child (``SystemExit`` naming the known ones).
 - ``EngineProc(name, argv, env, log_path)``: starts ``argv`` (a script serving one
   ``LLM``: JSON commands, one a line, on its stdin; one ``RESULT_TAG`` line of JSON
   per command on its stdout, written with ``reply``) in its own process group, with
@@ -41,13 +50,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "@@BENCH-RESULT@@ "
 BLOCK_SIZE = 128  # vLLM's CPU backend wants a multiple of 32
+MLA_BLOCK_SIZE = 16  # vLLM's CPU MLA backend forces it
+FAMILIES = ("llama", "gemma3", "mla")
 WEIGHT_SEED = 7  # every engine of a run gets the same weights (kvtier.testing.vllm_weights)
 CLOSE_TIMEOUT_S = 60.0
 
@@ -68,30 +79,72 @@ def progress(msg: str) -> None:
 # The model
 # ---------------------------------------------------------------------------
 
-def model_config(*, hidden: int = 1024, heads: int = 8, kv_heads: int = 2, layers: int = 4,
-                 intermediate: int | None = None, vocab: int = 8192, dtype: str = "float32",
-                 max_positions: int = 8192) -> dict[str, Any]:
-    """A Llama's config.json: by default 62M parameters, 8 KiB of float32 KV a token (see bench/vllm.py)."""
+def model_config(*, family: str = "llama", hidden: int = 1024, heads: int = 8, kv_heads: int = 2,
+                 layers: int = 4, intermediate: int | None = None, vocab: int = 8192, dtype: str = "float32",
+                 max_positions: int = 8192, window: int = 1024) -> dict[str, Any]:
+    """A model's config.json. The Llama by default: 62M parameters, 8 KiB of float32 KV a token (see
+    bench/vllm.py). ``gemma3``: 5 sliding-window layers of ``window`` tokens to 1 full (``layers`` a
+    multiple of 6); ``mla``: ``heads`` KV heads (MLA's latent is shared, ``kv_heads`` unused)."""
     inter = intermediate or int(round(hidden * 2.75 / 256)) * 256
+    max_pos = max(8192, max_positions)
+    if family == "gemma3":
+        from kvtier.testing.vllm_weights import gemma3_config
+
+        return gemma3_config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                             query_pre_attn_scalar=hidden // heads, sliding_window=window, vocab_size=vocab,
+                             torch_dtype=dtype, max_position_embeddings=max_pos)
+    if family == "mla":
+        from kvtier.testing.vllm_weights import deepseek_v2_config
+
+        return deepseek_v2_config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                  num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+                                  torch_dtype=dtype, max_position_embeddings=max_pos)
+    if family != "llama":
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
             "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": kv_heads, "vocab_size": vocab,
-            "max_position_embeddings": max(8192, max_positions), "rms_norm_eps": 1e-5,
+            "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5,
             "torch_dtype": dtype, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 
 
 def parameters(cfg: Mapping[str, Any]) -> int:
-    h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    hd = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * hd
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
-    return L * per_layer + 2 * v * h + h
+    """The model's parameters, from the checkpoint's tensors (any family)."""
+    from math import prod
+
+    from kvtier.testing.vllm_weights import tensor_specs
+
+    return sum(prod(t.shape) for t in tensor_specs(dict(cfg)))
 
 
-def kv_bytes_per_token(cfg: Mapping[str, Any]) -> int:
-    hd = cfg["hidden_size"] // cfg["num_attention_heads"]
+def block_size(family: str) -> int:
+    return MLA_BLOCK_SIZE if family == "mla" else BLOCK_SIZE
+
+
+def kv_layout(family: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The family's KV a token, its block size, and its KV-cache groups (vLLM's hybrid manager for gemma3)."""
     elem = 4 if cfg["torch_dtype"] == "float32" else 2
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * hd * elem
+    layers = cfg["num_hidden_layers"]
+    bs = block_size(family)
+    if family == "mla":
+        per_layer = (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * elem  # one latent, every rank
+        return {"block_size": bs, "kv_bytes_per_token": layers * per_layer,
+                "groups": [{"kind": "full", "layers": layers}]}
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_layer = 2 * cfg["num_key_value_heads"] * hd * elem
+    if family == "gemma3":
+        # vLLM's hybrid manager: one group per layer position of the 5:1 pattern (layers / 6 layers each).
+        per_group = layers // 6
+        groups = [{"kind": "sliding_window", "window": cfg["sliding_window"], "layers": per_group}] * 5
+        groups += [{"kind": "full", "layers": per_group}]
+        return {"block_size": bs, "kv_bytes_per_token": layers * per_layer, "groups": groups,
+                "group_block_bytes": per_group * per_layer * bs}
+    return {"block_size": bs, "kv_bytes_per_token": layers * per_layer, "groups": [{"kind": "full", "layers": layers}]}
+
+
+def kv_bytes_per_token(cfg: Mapping[str, Any], family: str = "llama") -> int:
+    return int(kv_layout(family, cfg)["kv_bytes_per_token"])
 
 
 # How every engine of a bench gets its weights: the two functions below are the one place.
@@ -118,10 +171,16 @@ def model_kwargs(folder: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 def engine_env(reserved_cpus: int, pythonpath_front: Sequence[str] = (),
-               extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Our environment, the CPU reservation, ``pythonpath_front`` before $PYTHONPATH, then ``extra``."""
+               extra: Mapping[str, str] | None = None, tp: int = 1) -> dict[str, str]:
+    """Our environment, the CPU reservation, the ranks' cores, ``pythonpath_front`` before $PYTHONPATH,
+    then ``extra``."""
     env = dict(os.environ)
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
+    if tp > 1:  # vLLM's CPU backend binds each rank to a NUMA node; one node here, so each its cores
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cores) // tp)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cores[i * share:(i + 1) * share]))
+                                                    for i in range(tp))
     if pythonpath_front:
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath_front, *[x for x in [env.get("PYTHONPATH")] if x]])
     env.update(extra or {})
@@ -132,6 +191,18 @@ def reply(obj: Mapping[str, Any]) -> None:
     """The child's answer to one command (one tagged JSON line on stdout)."""
     sys.stdout.write(RESULT_TAG + json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+def serve(ops: Mapping[str, Callable[[dict[str, Any]], Mapping[str, Any]]]) -> None:
+    """The child's command loop: one ``reply`` of ``ops[op](cmd)`` a command, until ``exit`` or end of stdin."""
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            return
+        handler = ops.get(cmd["op"])
+        if handler is None:
+            raise SystemExit(f"unknown command {cmd['op']!r}; known: exit, {', '.join(ops)}")
+        reply(handler(cmd))
 
 
 class EngineProc:

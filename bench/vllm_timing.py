@@ -173,7 +173,9 @@ def breakdown(t_submit: float, t_first: float, events: list[Event]) -> dict[str,
         out["matched_tokens"] = answer[3]
         out["on_new_request_to_answer_ms"] = ms(new[1], answer[2])
         out["arrival_to_answer_ms"] = ms(t_submit, answer[2])  # submit -> the scheduler has the answer
-    first_load = next((e for e in loads if e[1] >= fwd[1]), None)
+    # The first load after the answer, in the forward step or (a hybrid model's, loaded asynchronously) in an
+    # empty step before it.
+    first_load = next((e for e in loads if answer is not None and e[1] >= answer[2]), None)
     if first_load is not None and answer is not None:
         out["answer_to_load_start_ms"] = ms(answer[2], first_load[1])  # alloc, schedule, meta, dispatch
     if "arrival_to_answer_ms" in out and "load_ms" in out:
