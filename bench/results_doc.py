@@ -384,7 +384,7 @@ def render_replay_points(d: Result) -> str:
 
 
 REPLAY_POLICY_PROSE = (
-    "The default (`chain`) reaches ≥ 0.18 on conversation and beats LRU on synthetic by 2 points "
+    "`chain` (what the default `chain+session` decides without hints) reaches ≥ 0.18 on conversation and beats LRU on synthetic by 2 points "
     "(required: ≥ 0.18, and no more than 1 point below LRU). The goal of 0.25 on conversation is "
     "**not** reached: an oracle that admits only blocks that will be reused gets 0.277, and no "
     "per-request feature tried separates reused from non-reused requests much better than chance "
