@@ -228,7 +228,7 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def restore_bound_blocks(layout: dict[str, Any], hit_blocks: int) -> int:
     """The group blocks a hit of ``hit_blocks`` blocks needs: every block of a full group, the window's of a
-    sliding one (vLLM's rule, integrations/vllm/groups.py)."""
+    sliding one (vLLM's rule, integrations/adapter/groups.py)."""
     bs, total = layout["block_size"], 0
     for g in layout["groups"]:
         if g["kind"] == "full":

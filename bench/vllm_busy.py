@@ -11,7 +11,7 @@ decoding request waits for it. With ``"async"`` (vLLM's asynchronous loading)
 the restore runs on the worker's load thread beside the decode steps, and
 the arriving request is scheduled in a step after its load ran.
 ``"adaptive"`` (the default) picks one per load from the measured restore
-rate, step period and running requests (``integrations/vllm/load_modes.py``).
+rate, step period and running requests (``integrations/adapter/load_modes.py``).
 ``recompute`` (vLLM without a connector) is the reference: the arriving
 request's whole prefill runs in one step.
 

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from kvtier.client.hashing import hash_token_blocks
-    from kvtier.integrations.vllm.transfers import BlockTransfer, StepTransfers
+    from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
     from kvtier.tiers.layout import BlockLayout
     from kvtier.tiers.transfer import copy_host_blocks
 

@@ -2,7 +2,10 @@
 
 Each adapter is a subpackage named after its engine (``kvtier.integrations.vllm``)
 and imports that engine when it is imported, never before: importing
-``kvtier.integrations`` itself imports no engine. ``client/`` and ``tiers/``
-never import an engine; adapters build on ``kvtier.client`` (and on
-``kvtier.tiers.layout`` for copies they make themselves).
+``kvtier.integrations`` itself imports no engine. Adapters build on
+``kvtier.integrations.adapter``, the engine-free half every adapter shares
+(the link to kvtierd, background lookups, load modes, transfers, data
+planes, hints, stats), and through it on ``kvtier.client``; never on
+``kvtier.tiers`` or ``kvtier.daemon``. ``client/`` and ``tiers/`` never
+import an engine.
 """

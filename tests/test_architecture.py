@@ -50,6 +50,23 @@ def test_client_modules_load_no_torch() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_adapter_half_loads_no_engine() -> None:
+    """The engine-free half of an adapter (``kvtier.integrations.adapter``) must import, every module of it, where no
+    engine is installed: an SGLang adapter built on it must not pull in vLLM, nor vLLM's SGLang."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import kvtier.integrations.adapter as a\n"
+        "names = [m.name for m in pkgutil.iter_modules(a.__path__)]\n"
+        "for n in names:\n"
+        "    importlib.import_module('kvtier.integrations.adapter.' + n)\n"
+        "print(len(names), sorted(n for n in sys.modules if n.split('.')[0] in ('vllm', 'sglang')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    count, engines = out.stdout.strip().split(" ", 1)
+    assert int(count) >= 9, out.stdout  # every module was imported, not an empty package
+    assert engines == "[]", out.stdout
+
+
 def test_bookkeeping_loads_no_torch() -> None:
     """The pool in bookkeeping mode and ``kvtier replay`` move no bytes, so they must not pay torch's import."""
     code = (

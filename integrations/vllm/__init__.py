@@ -2,8 +2,8 @@
 
 vLLM is pointed at this package (``kv_connector_module_path``) and reads
 ``KvtierConnector`` from it; only that attribute imports vLLM (PEP 562), so
-the engine-free parts (``worker``, ``transfers``, ``planes``) import without
-it. See ``connector.py`` for how vLLM is pointed at it and ``docs/vllm.md``
+the parts that do not need it (``worker``, and the engine-free half,
+``kvtier.integrations.adapter``) import without it. See ``connector.py`` for how vLLM is pointed at it and ``docs/vllm.md``
 for the whole story.
 """
 

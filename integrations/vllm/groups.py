@@ -1,4 +1,4 @@
-"""A vLLM engine's KV-cache groups as kvtier holds them, and vLLM's rules for which of a group's blocks a hit needs.
+"""A vLLM engine's KV-cache groups as kvtier holds them (``adapter.groups.KvGroup``), read from vLLM's config.
 
 Contract
 ========
@@ -21,17 +21,19 @@ for the same tokens. kvtier follows:
   of fewer layers: kvtier keeps all groups of an engine in one pool, of one
   block size). Never a silent fallback: an engine kvtier cannot hold does
   not start with the connector.
+
+``KvGroup`` itself, and the rule of which blocks a hit needs, are
+engine-free (``kvtier.integrations.adapter.groups``); this module fills
+them in from vLLM's objects:
+
 - ``KvGroup.domain``: what the group's keys are derived with
   (``BlockHasher.derive``), so no two groups share a key: empty for an
   engine of one group (its keys are the request's, as before hybrid
   support), else the group's kind, window and layer names.
-- ``KvGroup.first_needed_block(hit_blocks)``: the first block of this group
-  a hit of ``hit_blocks`` blocks needs, by vLLM's own rule
-  (``SlidingWindowManager.get_num_skipped_tokens``): 0 for full attention;
-  for a sliding window, the blocks wholly before the window of the hit's
-  next token are skipped (vLLM hands its null block for them). A hit needs
-  blocks ``[first_needed_block(n), n)`` of every group; vLLM's
-  ``find_longest_cache_hit`` asks the same of its own cache.
+- ``KvGroup.window_tokens`` / ``retained_tokens``: the sliding window and
+  vLLM's ``extra_retained_tokens``, which ``KvGroup.first_needed_block``
+  turns into vLLM's own rule (vLLM hands its null block for the blocks
+  skipped); vLLM's ``find_longest_cache_hit`` asks the same of its cache.
 
 Imports nothing from vLLM: it reads vLLM's objects by attribute and type
 name, so its rules are tested on vLLM-shaped stand-ins too.
@@ -39,8 +41,9 @@ name, so its rules are tested on vLLM-shaped stand-ins too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvtier.integrations.adapter.groups import KvGroup, UnsupportedLayout
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -60,37 +63,6 @@ UNSUPPORTED_WHY = {
     "SinkFullAttentionSpec": "attention sinks",
     "UniformTypeKVCacheSpecs": "layers of one attention type with different KV shapes (an MLA indexer)",
 }
-
-
-class UnsupportedLayout(ValueError):
-    """An engine whose KV cache kvtier cannot hold: raised at start-up, naming the part."""
-
-
-@dataclass(frozen=True, slots=True)
-class KvGroup:
-    index: int  # vLLM's group id: the position in KVCacheBlocks.get_block_ids()
-    kind: str  # "full" (MLA included) or "sliding_window"
-    layer_names: tuple[str, ...]  # its layers' KV tensors, in the order their bytes make a block
-    block_size: int  # tokens per block
-    block_bytes: int  # bytes of one block of this group on this rank (every layer)
-    window_tokens: int | None = None  # sliding window, tokens; None: the whole prefix
-    retained_tokens: int = 0  # vLLM's extra_retained_tokens below the window
-    domain: bytes = b""  # keys are derived with it (BlockHasher.derive); b"": the request's keys
-
-    @property
-    def is_window(self) -> bool:
-        return self.window_tokens is not None
-
-    def first_needed_block(self, hit_blocks: int) -> int:
-        """The first block of this group a hit of ``hit_blocks`` blocks needs (see the contract)."""
-        if self.window_tokens is None:
-            return 0
-        skipped_tokens = max(0, hit_blocks * self.block_size - self.window_tokens + 1 - self.retained_tokens)
-        return min(hit_blocks, skipped_tokens // self.block_size)
-
-    def describe(self) -> str:
-        """For pool names and logs: ``full`` or ``swa128`` (window in tokens)."""
-        return "full" if self.window_tokens is None else f"swa{self.window_tokens}"
 
 
 def kv_groups(kv_cache_config: KVCacheConfig) -> list[KvGroup]:

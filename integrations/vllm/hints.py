@@ -16,24 +16,22 @@ a value wins, per field):
 
 Values that are not valid hints (a negative TTL, a priority over 255, a
 session key over 256 characters) are dropped with one log line per kind,
-never failing the request: hints are soft.
+never failing the request: hints are soft (``kvtier.integrations.adapter.hints``
+checks each value).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvtier.client.protocol import MAX_PRIORITY, MAX_RETAIN_S, MAX_STR_LEN, Hints
+from kvtier.client.protocol import MAX_PRIORITY, Hints
+from kvtier.integrations.adapter.hints import hints_or_none, priority_of, retain_s_of, session_of
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvtier.integrations.vllm")
-
 KV_TRANSFER_PARAMS_KEY = "kvtier"
-_warned: set[str] = set()
 
 
 def hints_of(request: Request) -> Hints | None:
@@ -44,11 +42,11 @@ def hints_of(request: Request) -> Hints | None:
     params = getattr(request, "kv_transfer_params", None)
     ours = params.get(KV_TRANSFER_PARAMS_KEY) if isinstance(params, Mapping) else None
     if isinstance(ours, Mapping):
-        session = _session(ours.get("session"))
-        retain_s = _retain(ours.get("retain_s"))
-        priority = _priority(ours.get("priority"))
+        session = session_of(ours.get("session"))
+        retain_s = retain_s_of(ours.get("retain_s"))
+        priority = priority_of(ours.get("priority"))
     if session is None:
-        session = _session(getattr(request, "session_id", None))
+        session = session_of(getattr(request, "session_id", None))
     envelope = getattr(request, "kv_hints", None)
     for action in getattr(envelope, "actions", None) or ():
         kind = str(getattr(action, "action_type", "")).lower()
@@ -56,44 +54,8 @@ def hints_of(request: Request) -> Hints | None:
         if kind not in ("retain", "pin") or not isinstance(payload, Mapping):
             continue
         if retain_s is None:
-            retain_s = _retain(payload.get("ttl_s", payload.get("retain_s")))
+            retain_s = retain_s_of(payload.get("ttl_s", payload.get("retain_s")))
         if priority is None:
-            priority = _priority(payload.get("priority")) if "priority" in payload else (
+            priority = priority_of(payload.get("priority")) if "priority" in payload else (
                 MAX_PRIORITY if kind == "pin" else None)
-    if session is None and retain_s is None and not priority:
-        return None
-    return Hints(session=session, retain_s=retain_s, priority=priority or 0)
-
-
-def _session(value: Any) -> str | None:
-    if value is None or value == "":
-        return None
-    text = str(value)
-    if len(text) > MAX_STR_LEN:
-        _warn("session", f"a session key longer than {MAX_STR_LEN} characters")
-        return None
-    return text
-
-
-def _retain(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_RETAIN_S:
-        _warn("retain_s", f"retain_s / ttl_s {value!r} (a number of seconds in (0, {MAX_RETAIN_S:.0f}] is taken)")
-        return None
-    return float(value)
-
-
-def _priority(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PRIORITY:
-        _warn("priority", f"priority {value!r} (an integer 0..{MAX_PRIORITY} is taken)")
-        return None
-    return value
-
-
-def _warn(kind: str, what: str) -> None:
-    if kind not in _warned:
-        _warned.add(kind)
-        log.warning("kvtier: ignoring the hint %s of a request (logged once)", what)
+    return hints_or_none(session, retain_s, priority)

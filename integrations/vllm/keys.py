@@ -1,4 +1,4 @@
-"""kvtier block keys of a vLLM request, extended as the request grows.
+"""kvtier block keys of a vLLM request, extended as the request grows (``adapter.keys.PrefixKeys``).
 
 Keys are kvtier's canonical chained hashes (``kvtier.client.hashing``) of the
 token ids, with the request's extra keys: its LoRA adapter (by name, which
@@ -24,45 +24,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvtier.client.hashing import BlockHasher, MultiModalItem
+from kvtier.integrations.adapter.keys import PrefixKeys, epoch_salt
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class RequestKeys:
-    """The keys of one request's full blocks, hashed on demand and kept."""
+class RequestKeys(PrefixKeys):
+    """The keys of one vLLM request's full blocks (``PrefixKeys`` over its ``all_token_ids``)."""
 
-    __slots__ = ("_hasher", "_request", "_keys", "_extra", "_derived")
+    __slots__ = ()
 
     def __init__(self, hasher: BlockHasher, request: Request, epoch: bytes | None = None) -> None:
-        self._hasher = hasher
-        self._request = request
-        self._keys: list[bytes] = []
-        self._extra = _extra_keys(request, epoch)
-        self._derived: dict[bytes, list[bytes]] = {}  # domain -> keys of that group, as far as derived
-
-    def upto(self, num_blocks: int) -> list[bytes]:
-        """Keys of blocks ``[0, num_blocks)``; fewer when the request has fewer full blocks."""
-        have = len(self._keys)
-        if num_blocks > have:
-            bs = self._hasher.block_size
-            tokens = self._request.all_token_ids[have * bs: num_blocks * bs]
-            parent = self._keys[-1] if have else None
-            self._keys += self._hasher.hash_blocks(tokens, parent=parent, start_block=have, **self._extra)
-        return self._keys[:num_blocks]
-
-    def of_group(self, domain: bytes, num_blocks: int) -> list[bytes]:
-        """Keys of blocks ``[0, num_blocks)`` in the KV-cache group of ``domain`` (b"": ``upto``)."""
-        if not domain:
-            return self.upto(num_blocks)
-        keys = self._derived.setdefault(domain, [])
-        if num_blocks > len(keys):
-            base = self.upto(num_blocks)
-            keys += self._hasher.derive(base[len(keys):], domain)
-        return keys[:num_blocks]
-
-
-EPOCH_SALT_PREFIX = b"kvtier-epoch:"
+        super().__init__(hasher, lambda: request.all_token_ids, _extra_keys(request, epoch))
 
 
 def _extra_keys(request: Request, epoch: bytes | None) -> dict[str, Any]:
@@ -72,10 +46,7 @@ def _extra_keys(request: Request, epoch: bytes | None) -> dict[str, Any]:
         extra["lora_id"] = str(lora.lora_name)
     salt = getattr(request, "cache_salt", None)
     if epoch is not None:
-        # The hashing spec has no epoch field; block 0's salt chains it into
-        # every key. The epoch is random, so no user salt can forge it.
-        user = salt.encode() if isinstance(salt, str) else bytes(salt or b"")
-        extra["cache_salt"] = EPOCH_SALT_PREFIX + epoch + b"\0" + user
+        extra["cache_salt"] = epoch_salt(epoch, salt)
     elif salt:
         extra["cache_salt"] = salt
     items = []

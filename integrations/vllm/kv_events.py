@@ -61,8 +61,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.client.protocol import FEATURE_EVENTS, ErrorCode
 from kvtier.client.transport import DaemonError
-from kvtier.integrations.vllm.background import Background
-from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.adapter.background import Background
+from kvtier.integrations.adapter.link import DaemonLink
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent

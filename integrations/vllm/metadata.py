@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.integrations.vllm.transfers import BlockTransfer, StepTransfers
+from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.client.client import PoolLayout
 from kvtier.client.protocol import LAYOUT_FIELDS, OPS, ProtocolError
-from kvtier.integrations.vllm.groups import KvGroup, kv_groups
+from kvtier.integrations.adapter.groups import KvGroup
+from kvtier.integrations.vllm.groups import kv_groups
 
 if TYPE_CHECKING:
     import torch

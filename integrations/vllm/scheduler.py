@@ -110,18 +110,18 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.client.hashing import BlockHasher
 from kvtier.client.protocol import MAX_STR_LEN, Hints, KvtierError
-from kvtier.integrations.vllm.background import Background
+from kvtier.integrations.adapter.background import Background
+from kvtier.integrations.adapter.hits import HitQuery, find_hits
+from kvtier.integrations.adapter.link import DaemonLink
+from kvtier.integrations.adapter.load_modes import make_load_mode
+from kvtier.integrations.adapter.transfers import BlockTransfer
 from kvtier.integrations.vllm.hints import hints_of
-from kvtier.integrations.vllm.hits import HitQuery, find_hits
 from kvtier.integrations.vllm.keys import RequestKeys
 from kvtier.integrations.vllm.kv_events import KvEvents
-from kvtier.integrations.vllm.link import DaemonLink
-from kvtier.integrations.vllm.load_modes import make_load_mode
 from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
-from kvtier.integrations.vllm.transfers import BlockTransfer
 from kvtier.integrations.vllm.pool import PoolChoice
 from kvtier.integrations.vllm.prefix_support import SUPPORTED, PrefixSupport, request_support
-from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.settings import CLIENT_NAME, SOCKET_SETTING, ConnectorSettings
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -185,7 +185,8 @@ class SchedulerSide:
             log.warning("kvtier: this engine: %s, because %s", support.effect(), support.why)
         self._hasher = BlockHasher(pool.block_size, settings.hash_algo)
         self._link = DaemonLink(settings.socket, pool.name, pool.layout, retry_s=settings.retry_s,
-                                client_kwargs=settings.client_kwargs())
+                                client_kwargs=settings.client_kwargs(), client_name=CLIENT_NAME,
+                                socket_setting=SOCKET_SETTING)
         self._link.wait_first_attempt(settings.timeout_s)  # start-up: the first requests may hit
         self._jobs = Background("kvtier-scheduler")
         # vLLM publishes KV cache events: kvtierd's go with them (kv_events.py).

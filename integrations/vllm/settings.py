@@ -12,7 +12,7 @@ hello refuses, ``staging_blocks`` past what an arena can hold, CURVE key
 files that do not load. What needs the engine's KV layout is checked when
 vLLM builds the connector, with the same kind of error: the pool name
 ``model_id`` makes (``pool.choose_pool``) and the staged plane's arena
-against ``/dev/shm`` (``planes.StagedPlane``).
+against ``/dev/shm`` (``adapter.planes.StagedPlane``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,17 @@ from kvtier.client.admin import SOCKET_ENV, endpoint_problem, resolve_endpoint
 from kvtier.client.curve import CurveKeys, read_public_key
 from kvtier.client.hashing import HASH_ALGOS
 from kvtier.client.protocol import LAYOUT_FIELDS, OPS, ProtocolError
-from kvtier.integrations.vllm.load_modes import ASYNC_EXTRA_STEPS, LOAD_MODES
+from kvtier.integrations.adapter.load_modes import ASYNC_EXTRA_STEPS, LOAD_MODES
 
 DATA_PLANES = ("auto", "registered", "staged")
+# Where the connector's settings live, for errors that name one.
+SETTING_PREFIX = "kv_connector_extra_config."
+# What the connector's links (adapter.link.DaemonLink) call this engine in hello, and the setting
+# their "no kvtierd here" line names.
+CLIENT_NAME = "vllm"
+SOCKET_SETTING = SETTING_PREFIX + "socket"
+# The registration of vLLM's KV tensors in kvtierd (adapter.planes; "-g<id>" per group of a hybrid engine).
+REGISTRATION = "vllm-kv"
 # Below this, no call to kvtierd answers in time on a loaded host: the engine would run without it for good.
 MIN_TIMEOUT_S = 0.01
 # attach_arena's num_slots (protocol.OPS): an arena of more slots is refused by every kvtierd.

@@ -1,6 +1,6 @@
 """The connector's transfer counters as vLLM's ``KVConnectorStats``, so vLLM's own stats show them.
 
-Each worker's ``WorkerSide.take_stats`` (``worker.STAT_NAMES``, growth since
+Each worker's ``WorkerSide.take_stats`` (``adapter.stats.STAT_NAMES``, growth since
 the last step) travels to vLLM's stats logger as ``KvtierStats.data``;
 vLLM sums the workers' and the steps' with ``aggregate`` and, where stats
 logging is on (``vllm serve`` by default; ``LLM(disable_log_stats=False)``),
@@ -25,21 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvtier.integrations.vllm.worker import STAT_NAMES
+from kvtier.integrations.adapter.stats import STAT_DOCS, STAT_NAMES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["KvtierPromMetrics", "KvtierStats"]
-
-PROM_DOCS = {
-    "blocks_loaded": "KV blocks kvtier restored into this engine (prefill it skipped).",
-    "blocks_load_failed": "KV blocks kvtier was asked for but could not restore (recomputed).",
-    "loads_background": "Requests whose kvtier restore ran beside the forward (vLLM's async loads).",
-    "load_s": "Seconds the forward waited for synchronous kvtier restores.",
-    "blocks_stored": "KV blocks this engine handed to kvtierd to store.",
-}
-assert set(PROM_DOCS) == set(STAT_NAMES)
 
 
 @dataclass
@@ -74,7 +65,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, PromMetric]] = {
             name: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:kvtier_{name}", documentation=PROM_DOCS[name], labelnames=labelnames),
+                self._counter_cls(name=f"vllm:kvtier_{name}", documentation=STAT_DOCS[name], labelnames=labelnames),
                 per_engine_labelvalues)
             for name in STAT_NAMES
         }

@@ -45,7 +45,7 @@ session on the rank's pool.
   drops their pins; ``take_load_timing``: the blocks restored and the
   seconds it took, for the scheduler half's ``load_mode`` (the connector
   wraps both in vLLM's worker metadata).
-- ``take_stats``: the transfer counters (``STAT_NAMES``) since the last
+- ``take_stats``: the transfer counters (``adapter.stats.STAT_NAMES``) since the last
   call, for vLLM's own stats (``stats.KvtierStats``). ``blocks_loaded``,
   ``blocks_stored`` and ``load_s`` are also kept as running totals.
 
@@ -62,22 +62,18 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from kvtier.integrations.vllm.background import Background
-from kvtier.integrations.vllm.link import DaemonLink
-from kvtier.integrations.vllm.planes import CopyDeadline, Plane, make_plane
+from kvtier.integrations.adapter.background import Background
+from kvtier.integrations.adapter.link import DaemonLink
+from kvtier.integrations.adapter.planes import CopyDeadline, Plane, make_plane
+from kvtier.integrations.adapter.stats import STAT_NAMES
+from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
 from kvtier.integrations.vllm.pool import PoolChoice, block_dim_of
-from kvtier.integrations.vllm.settings import ConnectorSettings
-from kvtier.integrations.vllm.transfers import BlockTransfer, StepTransfers
+from kvtier.integrations.vllm.settings import CLIENT_NAME, REGISTRATION, SETTING_PREFIX, SOCKET_SETTING, ConnectorSettings
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("kvtier.integrations.vllm")
-
-# take_stats's keys: blocks restored, blocks that were not (recomputed), loads run
-# beside the forward, seconds the forward waited for synchronous loads, blocks
-# handed to kvtierd to store.
-STAT_NAMES = ("blocks_loaded", "blocks_load_failed", "loads_background", "load_s", "blocks_stored")
 
 STORE_DRAIN_TIMEOUT_S = 60.0
 
@@ -121,10 +117,11 @@ class WorkerSide:
         dims = [d for ds in dims_by_group.values() for d in ds]
         deadline = CopyDeadline(self._settings.timeout_s, self._pool.layout.block_bytes)
         self._plane = plane = make_plane(self._settings.data_plane, by_group, dims_by_group,
-                                         self._settings.staging_blocks, deadline)
+                                         self._settings.staging_blocks, deadline, registration=REGISTRATION,
+                                         setting_prefix=SETTING_PREFIX)
         self._link = DaemonLink(self._settings.socket, self._pool.name, self._pool.layout,
                                 retry_s=self._settings.retry_s, client_kwargs=self._settings.client_kwargs(),
-                                on_connect=plane.connect)
+                                on_connect=plane.connect, client_name=CLIENT_NAME, socket_setting=SOCKET_SETTING)
         log.info("kvtier: %d KV tensors in %d KV-cache groups (block dim %s, %d blocks) on the %s plane, pool %s%s",
                  len(tensors), len(by_group), sorted(set(dims)), self._num_blocks, plane.name, self._pool.name,
                  "" if self._pool.stores else f" (the KV of {self._pool.replicas} ranks: another rank stores it)")

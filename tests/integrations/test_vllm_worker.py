@@ -21,9 +21,9 @@ import torch
 
 from kvtier.client.client import PoolLayout
 from kvtier.client.hashing import hash_token_blocks
+from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
 from kvtier.integrations.vllm.pool import PoolChoice, block_dim_of
 from kvtier.integrations.vllm.settings import ConnectorSettings
-from kvtier.integrations.vllm.transfers import BlockTransfer, StepTransfers
 from kvtier.integrations.vllm.worker import WorkerSide
 
 NUM_BLOCKS, BS, HEADS, HEAD_DIM, LAYERS = 12, 32, 2, 16, 3
@@ -240,7 +240,7 @@ def test_cpu_kv_moves_into_shared_memory_in_place() -> None:
 
 
 def test_transfer_counters_are_taken_as_growth_since_the_last_take(daemon: Any) -> None:
-    from kvtier.integrations.vllm.worker import STAT_NAMES
+    from kvtier.integrations.adapter.stats import STAT_NAMES
 
     kv = _kv(LAYOUTS["cpu_attn [0]"](), "cpu", torch.bfloat16, seed=7)
     keys = hash_token_blocks(list(range(4 * BS)), BS)

@@ -1,11 +1,11 @@
-"""The connector's line to kvtierd: a Client that may come and go, connected off the request path.
+"""An engine adapter's line to kvtierd: a Client that may come and go, connected off the request path.
 
 Contract
 ========
 
 ``DaemonLink.call(fn)`` runs ``fn(client)`` and returns its result, or
 ``None`` when kvtierd cannot serve it now; it never raises a kvtier error
-into vLLM, and it never connects, reconnects or waits for a daemon that is
+into the engine, and it never connects, reconnects or waits for a daemon that is
 not up. A cache that is down must cost the engine a recompute, not an
 error, and not a wait on any request's path:
 
@@ -17,7 +17,7 @@ error, and not a wait on any request's path:
 - The first attempt starts with the link; ``wait_first_attempt(timeout_s)``
   lets start-up code wait for it (a daemon that answers takes milliseconds;
   an ``ipc://`` socket file that does not exist fails at once, without a
-  ``hello``). A daemon that is not there at vLLM's start-up is not fatal.
+  ``hello``). A daemon that is not there at the engine's start-up is not fatal.
 - A call that times out or finds the transport broken marks the daemon
   down; the background thread takes over from there. That one call waited
   for its own deadline (a daemon may still act on a store or restore in
@@ -31,8 +31,10 @@ error, and not a wait on any request's path:
 
 One log line per outage and one per recovery, not one per call. The first
 line of an outage that starts before the daemon was ever reached names the
-endpoint tried and how to find the daemon's own. Thread-safe: the Client
-serialises its calls, the link guards its own state.
+endpoint tried and how to find the daemon's own (``socket_setting``: the
+engine's setting that names the socket). ``client_name`` is what the link's
+``hello`` calls the engine. Thread-safe: the Client serialises its calls,
+the link guards its own state.
 """
 
 from __future__ import annotations
@@ -45,13 +47,13 @@ from typing import Any, TypeVar
 
 from kvtier.client.client import Client, DaemonError, KvtierError, PoolLayout, SessionLost
 
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("kvtier.integrations")
 
 T = TypeVar("T")
 
 HOW_TO_FIND = ("kvtierd logs the socket it serves at start-up ('kvtierd serving on ...'; for the unit: "
                "journalctl -u kvtierd@N), and `kvtierd --print-config`, run with the daemon's settings, prints it; "
-               "set kv_connector_extra_config.socket (or $KVTIER_SOCKET) to it")
+               "set {socket_setting} (or $KVTIER_SOCKET) to it")
 
 
 def missing_socket_file(endpoint: str) -> bool:
@@ -65,7 +67,8 @@ class DaemonLink:
     """See the module docstring."""
 
     def __init__(self, endpoint: str, pool: str, layout: PoolLayout, *, retry_s: float,
-                 client_kwargs: dict[str, Any], on_connect: Callable[[Client], None] | None = None) -> None:
+                 client_kwargs: dict[str, Any], on_connect: Callable[[Client], None] | None = None,
+                 client_name: str = "engine", socket_setting: str = "the engine's kvtier socket setting") -> None:
         self.endpoint = endpoint
         self.pool = pool
         self._layout = layout
@@ -73,6 +76,8 @@ class DaemonLink:
         self._timeout_s = float(client_kwargs.get("timeout_s", 1.0))
         self._client_kwargs = client_kwargs
         self._on_connect = on_connect
+        self._client_name = client_name
+        self._socket_setting = socket_setting
         self._lock = threading.Lock()
         self._client: Client | None = None  # replaced only by the background thread
         self._up = False  # calls use the client only while this holds
@@ -133,12 +138,12 @@ class DaemonLink:
             return
         self._outage_logged = True
         if self._ever_up:
-            log.warning("kvtier: kvtierd at %s unavailable (%s); serving without it (vLLM computes what it would "
+            log.warning("kvtier: kvtierd at %s unavailable (%s); serving without it (the engine computes what it would "
                         "have loaded), reconnecting in the background every %.1f s", self.endpoint, why, self._retry_s)
         else:
-            log.warning("kvtier: no kvtierd answering at %s (%s); serving without it (vLLM computes every block), "
+            log.warning("kvtier: no kvtierd answering at %s (%s); serving without it (the engine computes every block), "
                         "connecting in the background every %.1f s. Is kvtierd on another socket? %s",
-                        self.endpoint, why, self._retry_s, HOW_TO_FIND)
+                        self.endpoint, why, self._retry_s, HOW_TO_FIND.format(socket_setting=self._socket_setting))
 
     # ---- the background thread -------------------------------------------------------
 
@@ -165,7 +170,8 @@ class DaemonLink:
         client = self._client
         try:
             if client is None:
-                client = Client(self.endpoint, self.pool, self._layout, client_name="vllm", **self._client_kwargs)
+                client = Client(self.endpoint, self.pool, self._layout, client_name=self._client_name,
+                                **self._client_kwargs)
                 try:
                     if self._on_connect is not None:
                         self._on_connect(client)

@@ -1,11 +1,11 @@
-"""Which prefix of a request kvtierd can serve, in every KV-cache group, by vLLM's rules.
+"""Which prefix of a request kvtierd can serve, in every KV-cache group (vLLM's rules for a hit).
 
 Contract
 ========
 
-``find_hits(call, groups, queries) -> list[Hit]`` runs on the scheduler
-half's background thread, for a batch of requests whose lookups were
-queued together (``scheduler.py``). It looks up and pins, in kvtierd, the
+``find_hits(call, groups, queries) -> list[Hit]`` runs on an adapter's
+background thread, for a batch of requests whose lookups were queued
+together (vLLM's: ``kvtier.integrations.vllm.scheduler``). It looks up and pins, in kvtierd, the
 blocks each request's hit needs, and returns per query:
 
 - ``Hit.blocks``: the longest hit ``n`` (blocks from block 0, at most the
@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 from kvtier.client.client import Client
 from kvtier.client.protocol import Hints, KvtierError
-from kvtier.integrations.vllm.groups import KvGroup
+from kvtier.integrations.adapter.groups import KvGroup
 
 T = TypeVar("T")
 Call = Callable[[Callable[[Client], T]], "T | None"]

@@ -1,31 +1,33 @@
-"""How block bytes move between vLLM's KV tensors and kvtierd.
+"""How block bytes move between an engine's KV tensors and kvtierd.
 
 Contract
 ========
 
 A plane has ``connect(client)`` (run on every new session: register or
 attach), ``restore(client, keys, block_ids, group) -> int`` (blocks written
-into vLLM's slots, a prefix of ``keys``) and ``store(client, keys,
+into the engine's slots, a prefix of ``keys``) and ``store(client, keys,
 block_ids, hints, group)``. Both raise the client's errors; ``DaemonLink``
 turns those into misses.
 
-A plane is made over vLLM's KV tensors group by group (``tensors`` maps
-vLLM's KV-cache group id to its layers' tensors, in block byte order): a
-block id names memory in one group's layers at a time (vLLM's groups
-overlay one allocation), so each group is a registration of its own
-(``vllm-kv`` for an engine of one group, ``vllm-kv-g<id>`` otherwise), or
-a block layout of its own in the staged arena.
+A plane is made over the engine's KV tensors group by group (``tensors``
+maps the engine's KV-cache group id to its layers' tensors, in block byte
+order): a block id names memory in one group's layers at a time (vLLM's
+groups overlay one allocation), so each group is a registration of its own
+(``registration``, e.g. vLLM's ``vllm-kv``, for an engine of one group;
+``vllm-kv-g<id>`` otherwise), or a block layout of its own in the staged
+arena.
 
-- ``RegisteredPlane``: vLLM's KV tensors are registered with kvtierd once
+- ``RegisteredPlane``: the engine's KV tensors are registered with kvtierd once
   (CUDA IPC on a GPU; on a CPU-only machine their storage is first moved
   into ``/dev/shm`` in place), and kvtierd gathers and scatters blocks
-  straight between them and its tiers: no copy in vLLM's process at all.
+  straight between them and its tiers: no copy in the engine's process at all.
 - ``StagedPlane``: for KV memory that cannot be shared (CUDA's expandable
   segments, a backend whose storage cannot move): the worker copies blocks
   through a shared-memory arena, ``staging_blocks`` at a time. One call at a
   time uses the arena (the worker's store and background-load threads take
-  turns). An arena ``/dev/shm`` cannot hold when the plane is made (vLLM's
-  start-up) is a ``ValueError`` naming ``staging_blocks``: it would fail
+  turns). An arena ``/dev/shm`` cannot hold when the plane is made (the
+  engine's start-up) is a ``ValueError`` naming ``staging_blocks`` (after
+  ``setting_prefix``, where the engine's settings keep it): it would fail
   every connect.
 
 ``make_plane`` picks one per ``data_plane`` (``auto``: registered, falling
@@ -38,7 +40,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from kvtier.client.client import Client
 from kvtier.client.kv_share import KvShareError, export_kv, share_kv_in_place
@@ -50,12 +52,11 @@ from kvtier.tiers.transfer import copy_host_blocks
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("kvtier.integrations")
 
-REGISTRATION = "vllm-kv"
 # A copy's deadline grows with its size at this rate, so a large restore on a
 # busy host is not declared failed (and recomputed) while kvtierd still writes
-# into vLLM's slots; a daemon that is gone is still noticed within timeout_s.
+# into the engine's slots; a daemon that is gone is still noticed within timeout_s.
 MIN_COPY_BYTES_PER_S = 200 * 1024 * 1024
 
 
@@ -81,23 +82,23 @@ class Plane(Protocol):
               group: int = 0) -> None: ...
 
 
-GroupTensors = Mapping[int, Sequence["torch.Tensor"]]  # vLLM group id -> its layers' KV tensors
-GroupDims = Mapping[int, Sequence[int]]  # vLLM group id -> the block dimension of each tensor
+GroupTensors: TypeAlias = "Mapping[int, Sequence[torch.Tensor]]"  # the engine's group id -> its layers' KV tensors
+GroupDims = Mapping[int, Sequence[int]]  # the engine's group id -> the block dimension of each tensor
 
 
-def registration_name(group: int, groups: int) -> str:
+def registration_name(registration: str, group: int, groups: int) -> str:
     """The registration of one group's tensors in kvtierd."""
-    return REGISTRATION if groups == 1 else f"{REGISTRATION}-g{group}"
+    return registration if groups == 1 else f"{registration}-g{group}"
 
 
 class RegisteredPlane:
     name = "registered"
 
-    def __init__(self, tensors: GroupTensors, block_dims: GroupDims, deadline: CopyDeadline) -> None:
+    def __init__(self, tensors: GroupTensors, block_dims: GroupDims, deadline: CopyDeadline, registration: str) -> None:
         self._deadline = deadline
         self._tensors = {g: list(ts) for g, ts in tensors.items()}
         self._dims = {g: list(block_dims[g]) for g in tensors}
-        self._names = {g: registration_name(g, len(tensors)) for g in tensors}
+        self._names = {g: registration_name(registration, g, len(tensors)) for g in tensors}
         every = [t for ts in self._tensors.values() for t in ts]
         if every[0].device.type == "cpu":
             share_kv_in_place(every)  # a storage the groups share moves once; every view follows
@@ -120,11 +121,11 @@ class StagedPlane:
     name = "staged"
 
     def __init__(self, tensors: GroupTensors, block_dims: GroupDims, staging_blocks: int,
-                 deadline: CopyDeadline) -> None:
+                 deadline: CopyDeadline, setting_prefix: str = "") -> None:
         self._deadline = deadline
         self._engines = {g: BlockLayout(list(ts), list(block_dims[g])) for g, ts in tensors.items()}
         self._slots = staging_blocks
-        _check_arena_fits(staging_blocks, max(e.block_bytes for e in self._engines.values()))
+        _check_arena_fits(staging_blocks, max(e.block_bytes for e in self._engines.values()), setting_prefix)
         self._arena: BlockLayout | None = None
         # A restore and a store must not share the arena's slots, nor a reconnect swap the arena under them.
         self._arena_lock = threading.RLock()
@@ -174,25 +175,26 @@ class StagedPlane:
             client.store(chunk, slots=slots, hints=hints, timeout_s=self._deadline(len(chunk)))
 
 
-def _check_arena_fits(staging_blocks: int, block_bytes: int) -> None:
+def _check_arena_fits(staging_blocks: int, block_bytes: int, setting_prefix: str) -> None:
     """Refuse (ValueError naming staging_blocks) an arena ``/dev/shm`` cannot hold now: every connect would fail."""
     need = staging_blocks * block_bytes
     st = os.statvfs(SHM_DIR)
     free = st.f_bavail * st.f_frsize
     if need > free:
-        raise ValueError(f"kv_connector_extra_config.staging_blocks: the staged plane's arena of {staging_blocks} "
+        raise ValueError(f"{setting_prefix}staging_blocks: the staged plane's arena of {staging_blocks} "
                          f"blocks x {block_bytes} bytes ({need / 2**30:.1f} GiB) does not fit the {free / 2**30:.1f} GiB "
                          f"free in {SHM_DIR}: lower staging_blocks (loads and stores go in chunks of that many)")
 
 
 def make_plane(choice: str, tensors: GroupTensors, block_dims: GroupDims, staging_blocks: int,
-               deadline: CopyDeadline) -> Plane:
+               deadline: CopyDeadline, *, registration: str, setting_prefix: str = "") -> Plane:
+    """The plane ``choice`` names (``auto``, ``registered``, ``staged``; see the contract)."""
     if choice in ("auto", "registered"):
         try:
-            return RegisteredPlane(tensors, block_dims, deadline)
+            return RegisteredPlane(tensors, block_dims, deadline, registration)
         except KvShareError as exc:
             if choice == "registered":
                 raise
-            log.warning("kvtier: vLLM's KV tensors cannot be registered with kvtierd (%s); "
+            log.warning("kvtier: the engine's KV tensors cannot be registered with kvtierd (%s); "
                         "staging copies through a shared-memory arena instead", exc)
-    return StagedPlane(tensors, block_dims, staging_blocks, deadline)
+    return StagedPlane(tensors, block_dims, staging_blocks, deadline, setting_prefix)

@@ -1,4 +1,4 @@
-"""One thread that runs a connector half's daemon calls in order, off vLLM's own threads."""
+"""One thread that runs an adapter's daemon calls in order, off the engine's own threads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("kvtier.integrations")
 
 
 class Background:
