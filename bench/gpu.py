@@ -91,7 +91,7 @@ def say(msg: str) -> None:
 def device_layout(name: str, num_blocks: int):  # -> BlockLayout
     import torch  # noqa: PLC0415
 
-    from kvtier.tiers.layout import BlockLayout  # noqa: PLC0415
+    from kvtier.blocks.layout import BlockLayout  # noqa: PLC0415
 
     if name == "contig-2MiB":
         layout = BlockLayout.contiguous(num_blocks, 2 * MiB, "cuda")

@@ -66,7 +66,7 @@ def say(msg: str) -> None:
 def fragmented_layout(num_blocks: int, device: str):  # -> BlockLayout
     import torch  # noqa: PLC0415
 
-    from kvtier.tiers.layout import BlockLayout  # noqa: PLC0415
+    from kvtier.blocks.layout import BlockLayout  # noqa: PLC0415
 
     tensors = [torch.randint(0, 256, (2, num_blocks, FRAG_BYTES), dtype=torch.uint8, device=device)
                .view(torch.bfloat16) for _ in range(LAYERS)]

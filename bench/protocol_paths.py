@@ -10,7 +10,7 @@ sizes can be compared with one another and with a round trip.
   reply encoding, in the array form (hashes as 256 bins, tiers as 256
   strings) and the packed form (one bin each way) side by side; the
   ``total`` rows add up each form's protocol pieces (the pool lookup aside).
-- Host copy path (``kvtier.tiers.transfer.copy_host_blocks``: a copy plan
+- Host copy path (``kvtier.blocks.copy_plan.copy_host_blocks``: a copy plan
   of merged byte runs executed with ``ctypes.memmove``) into an arena, a new
   staging buffer and vLLM's per-layer tensors, and its parts, beside one
   ``memmove`` of all the bytes and ``np.copyto``: GB/s at the median.
@@ -28,16 +28,16 @@ from report import percentile, table
 
 
 def copy_path_breakdown(spec: Spec, reps: int) -> dict[str, dict[str, Any]]:
-    """The daemon's host copy path (``tiers.transfer.copy_host_blocks``: a copy plan of merged
+    """The daemon's host copy path (``blocks.copy_plan.copy_host_blocks``: a copy plan of merged
     byte runs executed with ctypes.memmove) and its parts, timed in this process."""
     import ctypes
 
     import numpy as np
     import torch
 
-    from kvtier.tiers.copy_plan import execute_plan_cpu, plan_block_copy
-    from kvtier.tiers.layout import BlockLayout
-    from kvtier.tiers.transfer import copy_host_blocks
+    from kvtier.blocks.copy_plan import execute_plan_cpu, plan_block_copy
+    from kvtier.blocks.layout import BlockLayout
+    from kvtier.blocks.copy_plan import copy_host_blocks
 
     name, bb, batch, heads = spec
     src = BlockLayout.contiguous(batch * 2, bb, "cpu")  # the store-mode "GPU" tier: a host slab

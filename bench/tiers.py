@@ -456,7 +456,7 @@ def bench_transfer(args) -> dict:
     if not torch.cuda.is_available():
         print("GPU transfer section skipped: no CUDA")
         return {"skipped": True, "reason": "no CUDA"}
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
     from kvtier.tiers.transfer import CopyKind, CudaTransferEngine
 
     total = args.transfer_mib << 20

@@ -107,8 +107,8 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
 
     from kvtier.client.hashing import hash_token_blocks
     from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
-    from kvtier.tiers.layout import BlockLayout
-    from kvtier.tiers.transfer import copy_host_blocks
+    from kvtier.blocks.layout import BlockLayout
+    from kvtier.blocks.copy_plan import copy_host_blocks
 
     n = args.blocks
     block_bytes = LAYERS * 2 * KV_HEADS * BLOCK_TOKENS * HEAD_DIM * 4

@@ -49,7 +49,7 @@ Contract:
   ``process_vm_readv``), ``available()`` is False and the copies fall back to
   plain memory copies, which fault as before; the daemon logs this once.
 
-Canonical block bytes follow ``kvtier.tiers.layout``: tensor by tensor, the
+Canonical block bytes follow ``kvtier.blocks.layout``: tensor by tensor, the
 bytes of ``t.select(block_dim, s)`` in C order, decomposed here into
 contiguous runs (one per block for a slab such as an arena).
 """

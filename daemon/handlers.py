@@ -84,7 +84,7 @@ from kvtier.daemon.pin_releases import PinReleases
 from kvtier.daemon.pools import PoolEntry, PoolRegistry
 from kvtier.daemon.sessions import Closeable, Registration, Session, SessionTable
 from kvtier.daemon.tenants import ANONYMOUS, TenantRegistry
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import Op, Tier
 from kvtier.tiers.pool.journal import REMOVED, STORED
 

@@ -9,7 +9,7 @@ run, is ``kvtier.client.kv_description``. This module opens what a validated
 description names, in the daemon's process:
 
 - ``import_kv(desc) -> (tensors, block_dims, closer)``: a whole layout, ready
-  for ``kvtier.tiers.layout.BlockLayout(tensors, block_dims)``;
+  for ``kvtier.blocks.layout.BlockLayout(tensors, block_dims)``;
 - ``import_tensor(desc) -> (tensor, closer)``: one ``export_tensor``
   description (what ``register_kv`` carries per tensor; kvtierd's
   ``HandlerContext.kv_import``, wired in ``daemon/__main__.py``).

@@ -80,7 +80,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.tiers.host_memory import HostMemoryError, allocate_host_slab
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.persistent_arena import ArenaDirectory, PersistentArena
 from kvtier.tiers.slot_index import SlotIndexBusy
 from kvtier.tiers.pool import PoolSpec, TieredPool, WrapPolicy

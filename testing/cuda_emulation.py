@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-from kvtier.tiers.copy_plan import CopyPlan
+from kvtier.blocks.copy_plan import CopyPlan
 from kvtier.tiers.cuda_copy import PIECE_BYTES
 
 __all__ = ["execute_plan_emulated", "kernel_run_split", "kernel_thread_writes"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvtier.tiers.layout import copy_blocks
+from kvtier.blocks.layout import copy_blocks
 from kvtier.tiers.transfer import CopyKind, TransferEngine, TransferError, _Job
 
 

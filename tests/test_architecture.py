@@ -2,14 +2,18 @@
 
 What the contracts say (docs/architecture.md, "Who imports whom"):
 
+- ``kvtier.blocks`` (block bytes in memory: layouts, copy plans) imports
+  nothing else of kvtier, and neither ``zmq`` nor ``msgpack``.
 - ``kvtier.tiers`` imports no ``daemon``, ``client``, ``tools`` or
   ``integrations``, and neither ``zmq`` nor ``msgpack``: it is a library
   that knows nothing of the wire or of processes.
-- ``kvtier.client`` imports no ``daemon``, ``tiers``, ``tools`` or
+- ``kvtier.client`` imports no ``daemon``, ``tiers``, ``blocks``, ``tools`` or
   ``integrations``, and no torch at module level (checked here at run time
   too: ``kv_share`` imports torch inside the functions that need it).
 - ``kvtier.tools`` imports no ``daemon``; ``kvtier.integrations`` imports no
-  ``daemon``.
+  ``daemon`` and no ``tiers`` (the copies an adapter makes go through
+  ``kvtier.blocks``); its engine-free half, ``kvtier.integrations.adapter``,
+  imports no engine (checked here at run time).
 - Bookkeeping (``kvtier.tiers.pool`` without bytes, ``kvtier replay``) loads no
   torch: the copy interface is ``kvtier.tiers.copy_types``, layouts are
   imported where bytes move (checked here at run time).

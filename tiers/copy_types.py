@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
 
 __all__ = ["CopyKind", "Transfer", "TransferEngine", "TransferError"]
 

@@ -65,7 +65,7 @@ from kvtier.tiers.policies.base import EvictionPolicy
 
 if TYPE_CHECKING:
     from kvtier.tiers.block_manager import KeyObserver
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
 
 
 class CpuTierFull(RuntimeError):

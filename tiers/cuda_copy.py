@@ -58,8 +58,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.tiers.copy_plan import CopyPlan, plan_block_copy
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.copy_plan import CopyPlan, plan_block_copy
+from kvtier.blocks.layout import BlockLayout
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.units import format_gib
 
 log = logging.getLogger(__name__)

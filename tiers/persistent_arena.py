@@ -70,7 +70,7 @@ from kvtier.tiers.arena_files import (
     list_arenas,
 )
 from kvtier.tiers.host_memory import HostMemoryError, map_shared_slab
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.slot_index import (
     FORMAT,
     MAX_KEY_BYTES,

@@ -31,34 +31,14 @@ import torch
 from kvtier.tiers.copy_types import CopyKind, Transfer, TransferEngine, TransferError, _Job
 
 __all__ = ["CopyKind", "CudaTransferEngine", "ThreadTransferEngine", "Transfer", "TransferEngine", "TransferError",
-           "BACKGROUND", "copy_host_blocks", "make_transfer_engine"]
-from kvtier.tiers.layout import BlockLayout, copy_blocks
+           "BACKGROUND", "make_transfer_engine"]
+from kvtier.blocks.copy_plan import copy_host_blocks
+from kvtier.blocks.layout import copy_blocks
 
 if TYPE_CHECKING:
     from kvtier.tiers.cuda_copy import CudaPlanExecutor
 
 log = logging.getLogger(__name__)
-
-
-def copy_host_blocks(
-    src: BlockLayout, src_slots: Sequence[int], dst: BlockLayout, dst_slots: Sequence[int]
-) -> int:
-    """Copy blocks between host layouts as memmoves of merged byte runs.
-
-    torch's uint8 index_copy_ moves a byte at a time on the CPU: 20-100x
-    slower than memmove over the same runs (48 MiB: ~500 ms against ~4 ms,
-    measured with the engine example). ctypes releases the GIL for memmove, so
-    copies overlap with the caller's thread. Layouts a plan cannot describe
-    (and any device memory) fall back to ``copy_blocks``.
-    """
-    from kvtier.tiers.copy_plan import NotPlannable, execute_plan_cpu, plan_block_copy
-
-    if src.device.type == "cpu" and dst.device.type == "cpu" and len(src_slots):
-        try:
-            return execute_plan_cpu(plan_block_copy(src, src_slots, dst, dst_slots))
-        except NotPlannable:
-            pass
-    return copy_blocks(src, src_slots, dst, dst_slots)
 
 
 class ThreadTransferEngine(TransferEngine):
@@ -110,7 +90,7 @@ class CudaTransferEngine(TransferEngine):
 
     Data path, per transfer, the first that applies:
 
-    - Planned (``kvtier.tiers.copy_plan`` + ``kvtier.tiers.cuda_copy``): when
+    - Planned (``kvtier.blocks.copy_plan`` + ``kvtier.tiers.cuda_copy``): when
       CuPy is present and both layouts are addressable from this GPU (device
       tensors here, pinned host memory through its UVA mapping), the whole
       batch is one kernel launch (``copy_method="kernel"``) or a run of
@@ -337,7 +317,7 @@ class CudaTransferEngine(TransferEngine):
         Appends to ``keep`` what must stay alive until the stream passes the
         copy, as it goes: after a failure part-way, what was launched is kept.
         """
-        from kvtier.tiers.copy_plan import NotPlannable, plan_block_copy
+        from kvtier.blocks.copy_plan import NotPlannable, plan_block_copy
 
         src, dst = job.src, job.dst
         executor = self._executors[high]

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.tiers.host_memory import allocate_host_slab
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, TieredPool
 from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY
 from kvtier.tiers.transfer import make_transfer_engine

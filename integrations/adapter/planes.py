@@ -42,12 +42,12 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
+from kvtier.blocks.copy_plan import copy_host_blocks
+from kvtier.blocks.layout import BlockLayout
 from kvtier.client.client import Client
 from kvtier.client.kv_share import KvShareError, export_kv, share_kv_in_place
 from kvtier.client.protocol import Hints
 from kvtier.client.shm_arena import SHM_DIR
-from kvtier.tiers.layout import BlockLayout
-from kvtier.tiers.transfer import copy_host_blocks
 
 if TYPE_CHECKING:
     import torch

@@ -170,7 +170,7 @@ def run_cross_process(layout: str, device: str) -> None:
             assert got.dtype == exp.dtype and got.device.type == device.split(":")[0]
             assert same_bytes(got.cpu(), exp), "daemon side does not see the engine's bytes"
 
-        layout_mod = pytest.importorskip("kvtier.tiers.layout")
+        layout_mod = pytest.importorskip("kvtier.blocks.layout")
         imported = layout_mod.BlockLayout(tensors, block_dims)
         local = layout_mod.BlockLayout(want, want_dims)
         assert imported.num_blocks == NUM_BLOCKS and imported.block_bytes == local.block_bytes

@@ -141,7 +141,7 @@ def test_fault_safe_copies_move_canonical_block_bytes_of_any_layout(shape, block
     import torch
 
     from kvtier.daemon import client_memory
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
 
     src = BlockLayout([torch.randn(shape).to(torch.bfloat16) for _ in range(3)], [block_dim] * 3)
     staging = BlockLayout.contiguous(4, src.block_bytes)
@@ -159,7 +159,7 @@ def test_lent_views_land_byte_exact_in_any_layout(available, monkeypatch) -> Non
     import torch
 
     from kvtier.daemon import client_memory
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
 
     monkeypatch.setattr(client_memory, "_available", available)
     shape, block_dim = (2, 40, 4, 3, 8), 1
@@ -181,7 +181,7 @@ def test_moves_split_at_the_iovec_limit() -> None:
     import torch
 
     from kvtier.daemon import client_memory
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
 
     if not client_memory.available():
         pytest.skip("process_vm_writev is not permitted here")
@@ -200,7 +200,7 @@ def test_a_large_move_from_a_hugepage_tier_lands_byte_exact() -> None:
     import torch
 
     from kvtier.daemon import client_memory
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
 
     if not client_memory.available():
         pytest.skip("process_vm_writev is not permitted here")
@@ -219,7 +219,7 @@ def test_a_large_move_from_a_hugepage_tier_lands_byte_exact() -> None:
 _TRUNCATED_COPIES = r'''
 import mmap, os, sys, torch
 from kvtier.daemon import client_memory
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 assert client_memory.available()
 bb, n = 64 << 10, 64  # 4 MiB of client memory in a /dev/shm file, 2 MiB left after the truncation
 path = f"/dev/shm/kvtier-test-trunc-{os.getpid()}"
@@ -271,7 +271,7 @@ def test_runs_and_pieces_match_a_block_by_block_model() -> None:
     from hypothesis import strategies as st
 
     from kvtier.daemon import client_memory
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
 
     shapes = [((2, 9, 4, 3, 8), 1), ((9, 2, 4, 8), 0), ((5, 9, 6), 1), ((9, 64), 0)]
 

@@ -14,7 +14,7 @@ import torch
 
 from kvtier.client.hashing import BlockHasher
 from kvtier.tiers.block_manager import Block, BlockManager, Evicted, NoFreeBlocks
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, Tier, TieredPool
 from kvtier.tiers.transfer import ThreadTransferEngine
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvtier.tiers.cpu_tier import CpuEntry, CpuTier, CpuTierFull
 from kvtier.tiers.policies.lru import LRUPolicy
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 
 
 def k(i: int) -> bytes:

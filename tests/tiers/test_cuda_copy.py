@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 
 from kvtier.testing import cuda_emulation
 from kvtier.tiers import cuda_copy, host_memory
-from kvtier.tiers.copy_plan import execute_plan_cpu, plan_block_copy
-from kvtier.tiers.layout import BlockLayout, copy_blocks
+from kvtier.blocks.copy_plan import execute_plan_cpu, plan_block_copy
+from kvtier.blocks.layout import BlockLayout, copy_blocks
 from kvtier.tiers.transfer import CopyKind, TransferError
 
 CUDA = torch.cuda.is_available()

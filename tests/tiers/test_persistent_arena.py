@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.tiers.host_memory import HostMemoryError
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.arena_files import list_arenas, remove_arena
 from kvtier.tiers.persistent_arena import ArenaDirectory
 from kvtier.tiers.pool import PoolSpec, Tier, TieredPool

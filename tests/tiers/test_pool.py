@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvtier.tiers.block_manager import BlockManager
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import NoSpace, PoolSpec, Tier, TieredPool
 from kvtier.tiers.copy_types import DeadlinePassed
 from kvtier.tiers.transfer import CopyKind, ThreadTransferEngine, Transfer, TransferError

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, TieredPool
 from kvtier.tiers.pool.journal import STORED
 from tests.stepped_engine import SteppedEngine

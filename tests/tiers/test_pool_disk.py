@@ -10,7 +10,7 @@ import torch
 
 from kvtier.tiers.disk_settings import DiskTierSettings
 from kvtier.tiers.disk_tier import DiskTier
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, Tier, TieredPool
 from kvtier.tiers.transfer import ThreadTransferEngine
 

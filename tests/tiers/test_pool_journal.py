@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, TieredPool
 from kvtier.tiers.pool.journal import REMOVED, STORED, KeyJournal
 from kvtier.tiers.transfer import ThreadTransferEngine

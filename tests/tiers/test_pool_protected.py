@@ -23,7 +23,7 @@ from kvtier.tiers.block_manager import BlockManager, NoFreeBlocks
 from kvtier.tiers.cpu_tier import CpuTier, CpuTierFull
 from kvtier.tiers.policies import make_policy
 from kvtier.tiers.policies.lru import LRUPolicy
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import NoSpace, PoolSpec, Tier, TieredPool
 from kvtier.tiers.transfer import ThreadTransferEngine
 

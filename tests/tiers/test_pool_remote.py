@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.testing import redis_servers as rs
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, Tier, TieredPool
 from kvtier.tiers.remote_tier import RemoteTier, RemoteTierSettings
 from kvtier.tiers.transfer import ThreadTransferEngine

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.client.hashing import BlockHasher
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import NoSpace, Op, PoolSpec, Tier, TieredPool
 from kvtier.tiers.pool.journal import REMOVED, STORED
 from kvtier.tiers.transfer import CopyKind, TransferError

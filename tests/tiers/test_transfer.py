@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtier.tiers.host_memory import allocate_host_slab
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.transfer import (
     CopyKind,
     ThreadTransferEngine,

@@ -41,7 +41,7 @@ from kvtier.tiers.cpu_tier import CpuEntry, CpuTier
 from kvtier.tiers.copy_types import CopyKind, DeadlinePassed, Transfer, TransferEngine, TransferError
 
 if TYPE_CHECKING:
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
     from kvtier.tiers.pool.counters import Counters
     from kvtier.tiers.pool.facade import TieredPool
 

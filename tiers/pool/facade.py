@@ -115,7 +115,7 @@ from kvtier.tiers.pool.resolve import Resolver
 
 if TYPE_CHECKING:
     from kvtier.tiers.disk_tier import DiskTier
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
     from kvtier.tiers.persistent_arena import PersistentArena
     from kvtier.tiers.remote_store import RemoteStore
 

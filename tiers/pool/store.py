@@ -31,7 +31,7 @@ from kvtier.tiers.pool.copies import Copy, Op
 from kvtier.tiers.copy_types import CopyKind
 
 if TYPE_CHECKING:
-    from kvtier.tiers.layout import BlockLayout
+    from kvtier.blocks.layout import BlockLayout
     from kvtier.tiers.pool.facade import TieredPool
 
 

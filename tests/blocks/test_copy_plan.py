@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.copy_plan import NotPlannable, execute_plan_cpu, plan_block_copy
-from kvtier.tiers.layout import BlockLayout, copy_blocks
+from kvtier.blocks.copy_plan import NotPlannable, execute_plan_cpu, plan_block_copy
+from kvtier.blocks.layout import BlockLayout, copy_blocks
 
 KINDS = (
     "slab",  # [nb, block_bytes] uint8: kvtier's own tiers

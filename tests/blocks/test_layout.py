@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvtier.tiers.layout import BlockLayout, copy_blocks
+from kvtier.blocks.layout import BlockLayout, copy_blocks
 
 LAYERS, BS, HEADS, DIM = 4, 4, 2, 8
 PER_LAYER = 2 * BS * HEADS * DIM * 2  # K and V, float16
@@ -241,7 +241,7 @@ def test_from_buffer_writes_through_to_the_buffer() -> None:
 
 
 def test_a_hugepage_slab_is_aligned_sized_and_usable_like_any_other() -> None:
-    from kvtier.tiers.layout import HUGE_PAGE_BYTES
+    from kvtier.blocks.layout import HUGE_PAGE_BYTES
 
     n, bb = 3, HUGE_PAGE_BYTES + 4096  # not a multiple of the huge page: the tail is in small pages
     layout = BlockLayout.contiguous(n, bb, hugepages=True)

@@ -35,6 +35,11 @@ Contract:
   ``ValueError``; slots out of range raise ``IndexError``; both before any
   plan exists (nothing is written by planning).
 - A plan keeps references to both layouts, so their memory outlives it.
+- ``copy_host_blocks(src, src_slots, dst, dst_slots)``: the copy every host
+  copy uses (the daemon's transfer engines, an engine adapter's staging
+  arena): a plan executed by ``execute_plan_cpu`` where both layouts are in
+  host memory and plannable, else ``layout.copy_blocks``; returns the bytes
+  copied.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.tiers.layout import BlockLayout
+from kvtier.blocks.layout import BlockLayout, copy_blocks
 
 # Below this many bytes per fragment a run-list costs more than the torch
 # gather/scatter it replaces (descriptor traffic, tiny DMA/kernel work items).
@@ -306,3 +311,22 @@ def execute_plan_cpu(plan: CopyPlan) -> int:
     for s, d, n in zip(plan.src_ptrs.tolist(), plan.dst_ptrs.tolist(), plan.sizes.tolist()):
         ctypes.memmove(d, s, n)
     return plan.nbytes
+
+
+def copy_host_blocks(
+    src: BlockLayout, src_slots: Sequence[int], dst: BlockLayout, dst_slots: Sequence[int]
+) -> int:
+    """Copy blocks between host layouts as memmoves of merged byte runs.
+
+    torch's uint8 index_copy_ moves a byte at a time on the CPU: 20-100x
+    slower than memmove over the same runs (48 MiB: ~500 ms against ~4 ms,
+    measured with the engine example). ctypes releases the GIL for memmove, so
+    copies overlap with the caller's thread. Layouts a plan cannot describe
+    (and any device memory) fall back to ``copy_blocks``.
+    """
+    if src.device.type == "cpu" and dst.device.type == "cpu" and len(src_slots):
+        try:
+            return execute_plan_cpu(plan_block_copy(src, src_slots, dst, dst_slots))
+        except NotPlannable:
+            pass
+    return copy_blocks(src, src_slots, dst, dst_slots)

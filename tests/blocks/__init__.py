@@ -1,0 +1,1 @@
+"""Tests of kvtier.blocks (a package: see tests/__init__.py)."""
