@@ -141,8 +141,8 @@ class DaemonLink:
             log.warning("kvtier: kvtierd at %s unavailable (%s); serving without it (the engine computes what it would "
                         "have loaded), reconnecting in the background every %.1f s", self.endpoint, why, self._retry_s)
         else:
-            log.warning("kvtier: no kvtierd answering at %s (%s); serving without it (the engine computes every block), "
-                        "connecting in the background every %.1f s. Is kvtierd on another socket? %s",
+            log.warning("kvtier: no kvtierd answering at %s (%s); serving without it (the engine computes every "
+                        "block), connecting in the background every %.1f s. Is kvtierd on another socket? %s",
                         self.endpoint, why, self._retry_s, HOW_TO_FIND.format(socket_setting=self._socket_setting))
 
     # ---- the background thread -------------------------------------------------------

@@ -3,8 +3,8 @@
 vLLM is pointed at this package (``kv_connector_module_path``) and reads
 ``KvtierConnector`` from it; only that attribute imports vLLM (PEP 562), so
 the parts that do not need it (``worker``, and the engine-free half,
-``kvtier.integrations.adapter``) import without it. See ``connector.py`` for how vLLM is pointed at it and ``docs/vllm.md``
-for the whole story.
+``kvtier.integrations.adapter``) import without it. See ``connector.py``
+for how vLLM is pointed at it and ``docs/vllm.md`` for the whole story.
 """
 
 from __future__ import annotations

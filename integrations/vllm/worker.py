@@ -68,7 +68,8 @@ from kvtier.integrations.adapter.planes import CopyDeadline, Plane, make_plane
 from kvtier.integrations.adapter.stats import STAT_NAMES
 from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
 from kvtier.integrations.vllm.pool import PoolChoice, block_dim_of
-from kvtier.integrations.vllm.settings import CLIENT_NAME, REGISTRATION, SETTING_PREFIX, SOCKET_SETTING, ConnectorSettings
+from kvtier.integrations.vllm.settings import (CLIENT_NAME, REGISTRATION, SETTING_PREFIX, SOCKET_SETTING,
+                                              ConnectorSettings)
 
 if TYPE_CHECKING:
     import torch
