@@ -78,7 +78,7 @@ LATE_MODULES = (
     "encodings.idna",  # the metrics exporter's bind: socket.getfqdn decodes the host name with it
     "prometheus_client",
     "prometheus_client.core",
-    "redis",  # tiers/remote_connection.py, tiers/remote_tier.py
+    "redis",  # tiers/remote/connection.py, tiers/remote/tier.py
     "redis.cluster",
     "redis.exceptions",
     "redis.backoff",

@@ -68,8 +68,8 @@ def test_bookkeeping_loads_no_torch() -> None:
 def test_both_remote_stores_implement_the_protocol_the_pool_uses() -> None:
     import inspect
 
-    from kvtier.tiers.remote_store import RemoteStore
-    from kvtier.tiers.remote_tier import RemoteTier
+    from kvtier.tiers.remote import RemoteStore
+    from kvtier.tiers.remote.tier import RemoteTier
     from kvtier.tools.replay.nodes import SimulatedRemoteTier
 
     wanted = {name for name, _ in inspect.getmembers(RemoteStore) if not name.startswith("_")}

@@ -70,7 +70,7 @@ from kvtier.daemon.config.units import (
 )
 from kvtier.daemon.tenant_ids import tenant_tag
 from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY  # stdlib only: config stays fast
-from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings  # stdlib only
+from kvtier.tiers.remote.settings import RemoteTierError, RemoteTierSettings  # stdlib only
 from kvtier.tiers.units import GiB, KiB, MiB, format_byte_size, format_gib
 
 CPU_AUTO_FRACTION = 0.25
@@ -378,8 +378,8 @@ def _check_remote_url(key: str, value: object) -> None:
         return
     # The remote tier's own parser (stdlib only), the one it connects with: a URL it
     # refuses would otherwise be retried forever in the background.
-    from kvtier.tiers.remote_settings import RemoteTierError
-    from kvtier.tiers.remote_url import parse_url
+    from kvtier.tiers.remote.settings import RemoteTierError
+    from kvtier.tiers.remote.url import parse_url
 
     try:
         parse_url(value)  # type: ignore[arg-type]

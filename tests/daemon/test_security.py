@@ -76,7 +76,7 @@ def test_keygen_writes_a_private_secret_and_refuses_to_overwrite(tmp_path: Path)
 
 
 def test_keygen_writes_a_remote_tier_secret_that_kvtierd_reads(tmp_path: Path) -> None:
-    from kvtier.tiers.remote_secret import load_secret
+    from kvtier.tiers.remote.secret import load_secret
     from kvtier.tools.cli import main
 
     old = os.umask(0o002)  # a permissive umask: the file must be 0600 whatever it says

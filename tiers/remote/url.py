@@ -26,7 +26,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.tiers.remote_settings import RemoteTierError
+from kvtier.tiers.remote.settings import RemoteTierError
 
 __all__ = ["SCHEMES", "Endpoint", "parse_url"]
 
