@@ -74,7 +74,7 @@ LATE_MODULES = (
     "socket",
     "socketserver",
     "wsgiref.simple_server",  # daemon/prometheus.py
-    "importlib.metadata",  # client/version.py (--version, daemon_version)
+    "importlib.metadata",  # tiers/version.py (--version, daemon_version)
     "encodings.idna",  # the metrics exporter's bind: socket.getfqdn decodes the host name with it
     "prometheus_client",
     "prometheus_client.core",

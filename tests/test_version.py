@@ -1,6 +1,6 @@
 """kvtier's version comes from the package metadata, with a source tree's pyproject.toml as the fallback.
 
-One answer (``kvtier.client.version.kvtier_version``) for ``kvtierd --version``,
+One answer (``kvtier.tiers.version.kvtier_version``) for ``kvtierd --version``,
 ``kvtier --version`` and the daemon's ``daemon_version`` in its ``hello`` and
 ``health`` replies (how an upgrade's successor is told apart).
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.client import version as version_module
-from kvtier.client.version import kvtier_version
+from kvtier.tiers import version as version_module
+from kvtier.tiers.version import kvtier_version
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -29,13 +29,17 @@ def test_the_version_is_the_installed_distributions() -> None:
 
 
 def test_a_source_tree_that_is_not_installed_reports_its_pyproject_version(tmp_path: Path) -> None:
-    # -S: no site-packages, so no kvtier distribution; the checkout comes in through PYTHONPATH
-    # (where this test's kvtier came from). Run from an empty folder: no stray *.egg-info on sys.path.
-    kvtier_dir = Path(version_module.__file__).parents[1]
+    # -S: no site-packages, so no kvtier distribution; the checkout's tiers/ comes in through a
+    # PYTHONPATH folder of our own. Run from an empty folder: no stray *.egg-info on sys.path.
+    tiers_dir = Path(version_module.__file__).resolve().parent
+    if not (tiers_dir.parent / "pyproject.toml").exists():
+        pytest.skip("kvtier is installed from a wheel here, not run from a source tree")
+    (tmp_path / "path" / "kvtier").mkdir(parents=True)
+    (tmp_path / "path" / "kvtier" / "tiers").symlink_to(tiers_dir)
     code = ("import importlib.metadata as m\n"
             "try:\n    m.version('kvtier'); print('installed')\nexcept m.PackageNotFoundError:\n    pass\n"
-            "from kvtier.client.version import kvtier_version\nprint(kvtier_version())\n")
-    env = {**os.environ, "PYTHONPATH": str(kvtier_dir.parent)}
+            "from kvtier.tiers.version import kvtier_version\nprint(kvtier_version())\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "path")}
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.split() == [PYPROJECT_VERSION], out.stdout + out.stderr

@@ -34,6 +34,7 @@ docs/tiers-api.md is the walk-through.
   ``RemoteTierSettings``, ``RemoteTierError`` (``remote.settings``),
   ``parse_url`` (``remote.url``), ``load_secret``, ``write_secret``
   (``remote.secret``).
+- ``kvtier_version`` (``version``): the kvtier package's version.
 - ``kvtier.tiers.units`` is public as a whole (its ``__all__``: byte sizes
   and their formats).
 
@@ -72,6 +73,7 @@ _PUBLIC: dict[str, str] = {
     **dict.fromkeys(("RemoteTierSettings", "RemoteTierError"), "remote.settings"),
     "parse_url": "remote.url",
     **dict.fromkeys(("load_secret", "write_secret"), "remote.secret"),
+    "kvtier_version": "version",
 }
 # Modules public as a whole: their own __all__ is part of the API.
 PUBLIC_MODULES: tuple[str, ...] = ("units",)

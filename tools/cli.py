@@ -21,7 +21,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from kvtier.client.version import kvtier_version
+from kvtier.tiers.version import kvtier_version
 
 # (subcommand, module that registers it). The order is the order of `kvtier --help`.
 SUBCOMMANDS: list[tuple[str, str]] = [

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn, TextIO
 
-from kvtier.client.version import kvtier_version
+from kvtier.tiers.version import kvtier_version
 from kvtier.daemon.config.cautions import cautions
 from kvtier.daemon.config.errors import ConfigError
 from kvtier.daemon.config.host import check_device

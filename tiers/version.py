@@ -11,7 +11,10 @@ Contract:
 
 Callers: the daemon (``daemon_version`` in the ``hello`` and ``health``
 replies, which is how an upgrade's successor is told apart, and
-``kvtierd --version``) and ``kvtier --version``. Stdlib only.
+``kvtierd --version``), the persistent arena's identity (which kvtier wrote
+the files a restarted or upgraded daemon adopts) and ``kvtier --version``.
+In tiers because tiers, the daemon and tools all need it, and tiers is the
+one package the other two may import. Stdlib only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 __all__ = ["DIST_NAME", "kvtier_version"]
 
 DIST_NAME = "kvtier"
-# client/version.py -> the checkout's root, where pyproject.toml names the distribution.
+# tiers/version.py -> the checkout's root, where pyproject.toml names the distribution.
 _SOURCE_ROOT = Path(__file__).resolve().parents[1]
 
 
