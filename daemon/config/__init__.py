@@ -142,7 +142,6 @@ from kvtier.daemon.config.schema import (
     resolve_cpu_budget_bytes,
 )
 from kvtier.daemon.config.units import MemoryFraction, parse_byte_size
-from kvtier.tiers.units import format_byte_size  # noqa: F401 - tests import it from here
 
 __all__ = [
     "ConfigError",
