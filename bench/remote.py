@@ -56,8 +56,8 @@ import redis
 import xxhash
 
 from kvtier.testing import redis_servers as rs
-from kvtier.tiers.remote_tier import RemoteTier, RemoteTierSettings
-from kvtier.tiers.remote_values import OK, ValueMac, decode
+from kvtier.tiers.remote.tier import RemoteTier, RemoteTierSettings
+from kvtier.tiers.remote.values import OK, ValueMac, decode
 
 from report import git, utc_now, write_json
 

@@ -16,7 +16,7 @@ Contract
 - ``endpoint_problem(endpoint)``: why a client could never reach a
   kvtierd at ``endpoint`` (a string saying what is wrong and what is
   expected), or None when it is a well-formed ``ipc://`` (an absolute path
-  of at most ``MAX_IPC_PATH_BYTES``, or an ``@name``) or ``tcp://HOST:PORT``
+  of at most ``kvtier.client.endpoint.MAX_IPC_PATH_BYTES``, or an ``@name``) or ``tcp://HOST:PORT``
   endpoint: the forms kvtierd binds (``kvtier.daemon.config``'s rule, less
   what only the daemon decides: CURVE or ``insecure_tcp``).
 - ``request(endpoint, op, timeout_s=...)`` sends one session-less request
@@ -33,7 +33,6 @@ Importing this module imports no torch and nothing from ``kvtier.daemon``.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,14 +41,13 @@ import zmq
 
 from kvtier.client.curve import CurveKeys
 from kvtier.client.protocol import OPS, ErrorCode, ProtocolError, decode, encode, request_header
+from kvtier.client.endpoint import EndpointError, check_endpoint, ipc_socket_file
 from kvtier.client.transport import DaemonError, KvtierTimeout
 
 __all__ = ["DaemonUnavailable", "default_socket", "endpoint_problem", "request", "resolve_endpoint"]
 
 SOCKET_ENV = "KVTIER_SOCKET"
 DEFAULT_ADMIN_TIMEOUT_S = 2.0
-MAX_IPC_PATH_BYTES = 107  # sun_path, less its terminating NUL (the daemon's limit too)
-_TCP_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9*._-]+):([0-9]{1,5})")
 
 
 class DaemonUnavailable(KvtierTimeout):
@@ -85,32 +83,10 @@ def resolve_endpoint(explicit: str | None = None, environ: Mapping[str, str] | N
 
 def endpoint_problem(endpoint: object) -> str | None:
     """What makes ``endpoint`` one no kvtierd can be at, or None; see the module docstring."""
-    expected = "an endpoint like ipc:///path/kvtierd.sock, ipc://@name or tcp://HOST:PORT"
-    if not isinstance(endpoint, str):
-        return f"expected {expected}, got {endpoint!r}"
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if path.startswith("@"):
-            return None if len(path) > 1 else "an abstract ipc socket needs a name after '@'"
-        if not os.path.isabs(path):
-            return f"an ipc:// endpoint needs an absolute path after ipc://, got {endpoint!r}"
-        if path.endswith("/"):
-            return f"the ipc:// path names a directory, not a socket: {endpoint!r}"
-        if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
-            return f"the ipc:// path is {len(os.fsencode(path))} bytes, at most {MAX_IPC_PATH_BYTES}: {endpoint!r}"
-        return None
-    if endpoint.startswith("tcp://"):
-        match = _TCP_RE.fullmatch(endpoint)
-        if not match or not 1 <= int(match.group(2)) <= 65535:
-            return f"a tcp:// endpoint is tcp://HOST:PORT with PORT in 1..65535, got {endpoint!r}"
-        return None
-    return f"expected {expected}, got {endpoint!r}"
-
-
-def _ipc_file(endpoint: str) -> str | None:
-    # ipc://@name is Linux's abstract namespace: no file to look for.
-    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
-        return endpoint[len("ipc://"):]
+    try:
+        check_endpoint(endpoint)
+    except EndpointError as exc:
+        return str(exc)
     return None
 
 
@@ -121,7 +97,10 @@ def request(endpoint: str, op: str, *, timeout_s: float = DEFAULT_ADMIN_TIMEOUT_
     spec = OPS.get(op)
     if spec is None or spec.session != "optional":
         raise ValueError(f"{op!r} is not a session-less verb")
-    path = _ipc_file(endpoint)
+    try:
+        path = ipc_socket_file(endpoint)  # None for tcp:// and ipc://@name (no file to look for)
+    except EndpointError as exc:
+        raise DaemonUnavailable(endpoint, str(exc)) from None
     if path is not None and not os.path.exists(path):
         raise DaemonUnavailable(endpoint, "no socket file")
     zctx = zmq.Context()

@@ -39,6 +39,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvtier.client.endpoint import EndpointError, ipc_socket_file
 from kvtier.client.protocol import ErrorCode, KvtierError, ProtocolError, frame_nbytes
 from kvtier.client.shm_arena import SHM_DIR, ShmArena
 
@@ -111,10 +112,14 @@ def share_with_daemon(endpoint: str, shm_names: Sequence[str]) -> None:
     member (the documented set-up: engines in the daemon's group). Where
     it cannot, the daemon answers ACCESS_DENIED with the file's mode.
     """
-    if not (endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@")):
+    try:
+        path = ipc_socket_file(endpoint)
+    except EndpointError:
+        return  # no kvtierd binds such an endpoint
+    if path is None:
         return  # tcp: the daemon maps no client file; abstract: the daemon serves its own user only
     try:
-        st = os.stat(endpoint[len("ipc://"):])
+        st = os.stat(path)
     except OSError:
         return
     if st.st_uid == os.getuid():

@@ -104,6 +104,8 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kvtier.client.protocol import HASH_ALGOS  # the wire schema owns the names
+
 __all__ = [
     "ENCODING_VERSION",
     "HASH_ALGOS",
@@ -115,7 +117,6 @@ __all__ = [
 ]
 
 HASH_BYTES = 16
-HASH_ALGOS = ("xxh3_128", "sha256")
 ENCODING_VERSION = 1
 ROOT_TAG = b"kvtier/block-hash/v1"
 DERIVE_TAG = b"kvtier/derived-key/v1"

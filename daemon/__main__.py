@@ -98,7 +98,7 @@ def remote_secret_from_config(cfg: DaemonConfig) -> bytes | None:
     except ImportError as exc:
         exit_on_config_error(ConfigError(cfg.remote_url_keys[0], f"the remote tier needs {exc.name}: "
                                          "pip install 'kvtier[remote]'"))
-    from kvtier.tiers.remote_secret import load_secret
+    from kvtier.tiers.remote.secret import load_secret
 
     assert cfg.remote_secret_key_file is not None  # the configuration requires it with a remote tier
     try:

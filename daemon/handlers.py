@@ -73,6 +73,7 @@ from kvtier.client.protocol import (
     pack_tiers,
 )
 from kvtier.client.shared_clock import daemon_clock
+from kvtier.tiers.version import kvtier_version
 from kvtier.client.shm_arena import ShmAccessError, ShmArena, ShmArenaError, ShmSparseError
 from kvtier.daemon import client_memory, deadlines
 from kvtier.daemon.auth_limits import AuthFailureLimiter
@@ -90,7 +91,7 @@ from kvtier.tiers.pool.journal import REMOVED, STORED
 
 log = logging.getLogger(__name__)
 
-DAEMON_VERSION = "0.1.0"
+DAEMON_VERSION = kvtier_version()  # the package metadata (kvtier.tiers.version)
 
 
 @dataclass

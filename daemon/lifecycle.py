@@ -36,6 +36,8 @@ import os
 import signal
 from types import FrameType
 
+from kvtier.client.endpoint import ipc_socket_file
+
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_MS = 300
 
@@ -76,10 +78,8 @@ class StopFlag:
 
 def refuse_if_served(endpoint: str) -> None:
     """See the module docstring."""
-    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
-        return
-    path = endpoint[len("ipc://"):]
-    if not os.path.exists(path):
+    path = ipc_socket_file(endpoint)  # the configuration checked the endpoint
+    if path is None or not os.path.exists(path):
         return
     import msgpack
     import zmq

@@ -53,6 +53,7 @@ import socket
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
+from kvtier.client.endpoint import ipc_socket_file, parse_ipc
 from kvtier.daemon.security import check_socket_dir
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,7 @@ def _file_id(path: str | None) -> tuple[int, int] | None:
 
 def _ipc_path(endpoint: str) -> str | None:
     """The socket file of an ``ipc://`` endpoint; None for tcp and abstract sockets."""
-    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
-        return endpoint[len("ipc://"):]
-    return None
+    return ipc_socket_file(endpoint)
 
 
 def _split_tcp(endpoint: str) -> tuple[str, int]:
@@ -174,9 +173,10 @@ def bind_listener(endpoint: str, socket_mode: int) -> Listener:
             sock.close()
             raise
         return Listener(sock.detach(), endpoint, "bound", owns_file=True, file_id=_file_id(path))
-    if endpoint.startswith("ipc://@"):
+    ipc = parse_ipc(endpoint)
+    if ipc is not None and ipc.name is not None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        address: object = "\0" + endpoint[len("ipc://@"):]
+        address: object = "\0" + ipc.name
     else:
         host, port = _split_tcp(endpoint)
         family, address = _tcp_address(host, port)
@@ -209,9 +209,10 @@ def check_listener(fd: int, endpoint: str) -> None:
         if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             raise ListenerMismatch(f"descriptor {fd} is {_describe(sock)}, not a listening stream socket")
         name = sock.getsockname()
-        path = _ipc_path(endpoint)
-        if endpoint.startswith("ipc://"):
-            want = path if path is not None else "\0" + endpoint[len("ipc://@"):]
+        ipc = parse_ipc(endpoint)
+        path = ipc.path if ipc is not None else None
+        if ipc is not None:
+            want = path if path is not None else f"\0{ipc.name}"
             got = name.decode(errors="replace") if isinstance(name, bytes) else name
             same = got == want or (path is not None and os.path.normpath(got) == os.path.normpath(want))
             if sock.family != socket.AF_UNIX or not same:

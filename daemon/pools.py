@@ -175,7 +175,7 @@ class PoolRegistry:
     ) -> None:
         self.device = device
         self._sizing_for = sizing_for
-        # The remote tier's secret (kvtier.tiers.remote_secret): required by a pool with a remote_url; never printed.
+        # The remote tier's secret (kvtier.tiers.remote.secret): required by a pool with a remote_url; never printed.
         self._remote_secret = remote_secret
         self._fault_hook = fault_hook  # TEST-ONLY copy fault injection (kvtier.daemon.faults); None in production
         self._hash_algo = hash_algo
@@ -347,7 +347,7 @@ class PoolRegistry:
         disk = _disk_tier(sizing, key, spec)
         remote = None
         if sizing.remote_url:
-            from kvtier.tiers.remote_tier import RemoteTier, make_pool_key
+            from kvtier.tiers.remote.tier import RemoteTier, make_pool_key
 
             # Keyed by the whole layout identity: daemons of one model share
             # blocks, other pools (and, through the hashes, tenants) never do.

@@ -129,7 +129,7 @@ class PoolMetric:
 
 
 _TIERS = ("gpu", "cpu", "remote", "disk")
-# The remote tier's stats counters remote_<reason> (kvtier.tiers.remote_tier.COUNTERS).
+# The remote tier's stats counters remote_<reason> (kvtier.tiers.remote.tier.COUNTERS).
 _REMOTE_REJECTIONS = ("unauthentic", "oversized", "corrupt")
 _DIRECTIONS = {
     "demote": "GPU tier to CPU tier (demotions, including clean-ahead)",

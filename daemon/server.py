@@ -94,6 +94,7 @@ from typing import Any
 
 import zmq
 
+from kvtier.client.endpoint import parse_ipc
 from kvtier.client.protocol import (
     MAX_HEADER_BYTES,
     ErrorCode,
@@ -308,10 +309,11 @@ class Server:
         self._upgrade_fd: int | None = None  # the hand-over's control channel, while the poller watches it
         self._curve_guard: CurveGuard | None = None
         self._connection_guard: ConnectionGuard | None = None
-        self._ipc = options.endpoint.startswith("ipc://")  # peers have a uid (SO_PEERCRED)
+        ipc = parse_ipc(options.endpoint)
+        self._ipc = ipc is not None  # peers have a uid (SO_PEERCRED)
         # An abstract socket has no file, hence no permissions: any local user
         # could connect. Without CURVE it serves the daemon's own user (and root).
-        self._same_user_only = options.endpoint.startswith("ipc://@") and options.curve is None
+        self._same_user_only = ipc is not None and ipc.abstract and options.curve is None
         self._next_status_s = 0.0
         self._sweep_every_s = min(0.1, options.lease_s / 10)
         self._next_sweep_s = 0.0

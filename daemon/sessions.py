@@ -96,17 +96,6 @@ class Session:
         # "#" appears in no sid: a tag's pins never mix with the untagged ones.
         return self.sid if tag is None else f"{self.sid}#{tag}"
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "sid": self.sid,
-            "pool": self.pool_name,
-            "client": self.client,
-            "tenant": self.tenant,
-            "requests": len(self.requests),
-            "registrations": sorted(self.registrations),
-            "arena": self.arena is not None,
-        }
-
 
 # (session, reason) -> None; gives back the session's holdings to its pool.
 Releaser = Callable[[Session, str], None]

@@ -93,6 +93,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from kvtier.client.client import KvtierTimeout, probe_health
+from kvtier.client.endpoint import ipc_socket_file
 
 if TYPE_CHECKING:
     from kvtier.client.curve import CurveKeys
@@ -227,6 +228,13 @@ class KvtierDaemon:
     def pid(self) -> int:
         assert self.proc is not None, "never spawned"
         return self.proc.pid
+
+    @property
+    def socket_file(self) -> str:
+        """The socket file of this daemon's ``ipc://`` endpoint (a test of a tcp or abstract one has none)."""
+        path = ipc_socket_file(self.endpoint)
+        assert path is not None, f"{self.endpoint} has no socket file"
+        return path
 
     @property
     def alive(self) -> bool:

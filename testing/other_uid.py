@@ -74,11 +74,11 @@ LATE_MODULES = (
     "socket",
     "socketserver",
     "wsgiref.simple_server",  # daemon/prometheus.py
-    "importlib.metadata",  # daemon/config/cli.py (--version)
+    "importlib.metadata",  # tiers/version.py (--version, daemon_version)
     "encodings.idna",  # the metrics exporter's bind: socket.getfqdn decodes the host name with it
     "prometheus_client",
     "prometheus_client.core",
-    "redis",  # tiers/remote_connection.py, tiers/remote_tier.py
+    "redis",  # tiers/remote/connection.py, tiers/remote/tier.py
     "redis.cluster",
     "redis.exceptions",
     "redis.backoff",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import redis
 
-from kvtier.tiers.remote_secret import write_secret
+from kvtier.tiers.remote.secret import write_secret
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")

@@ -89,8 +89,8 @@ def test_bookkeeping_loads_no_torch() -> None:
 def test_both_remote_stores_implement_the_protocol_the_pool_uses() -> None:
     import inspect
 
-    from kvtier.tiers.remote_store import RemoteStore
-    from kvtier.tiers.remote_tier import RemoteTier
+    from kvtier.tiers.remote import RemoteStore
+    from kvtier.tiers.remote.tier import RemoteTier
     from kvtier.tools.replay.nodes import SimulatedRemoteTier
 
     wanted = {name for name, _ in inspect.getmembers(RemoteStore) if not name.startswith("_")}
@@ -102,3 +102,60 @@ def test_both_remote_stores_implement_the_protocol_the_pool_uses() -> None:
             want = [p for p in inspect.signature(getattr(RemoteStore, name)).parameters if p != "self"]
             have = list(inspect.signature(getattr(impl, name)).parameters)
             assert all(p in have for p in want), (impl.__name__, name, want, have)
+
+
+def _tiers_imports(folders: tuple[str, ...]) -> dict[tuple[str, str], list[str]]:
+    """(module, name) -> the files under ``folders`` that import ``name`` from a ``kvtier.tiers`` module."""
+    import ast
+
+    found: dict[tuple[str, str], list[str]] = {}
+    for folder in folders:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvtier.tiers"):
+                    pairs = [(node.module, a.name) for a in node.names]
+                elif isinstance(node, ast.Import):
+                    pairs = [(a.name, "") for a in node.names if a.name.startswith("kvtier.tiers")]
+                else:
+                    continue
+                for pair in pairs:
+                    found.setdefault(pair, []).append(str(path.relative_to(REPO)))
+    return found
+
+
+def test_daemon_integrations_and_tools_use_only_the_public_tiers_api() -> None:
+    """What kvtier.tiers' docstring and ``__all__`` state is all that daemon/, integrations/ and tools/ import."""
+    import importlib
+
+    import kvtier.tiers as tiers
+
+    public_modules = {f"kvtier.tiers.{m}" for m in tiers.PUBLIC_MODULES}
+    wrong = []
+    for (module, name), files in _tiers_imports(("daemon", "integrations", "tools")).items():
+        if module in public_modules:
+            ok = name in importlib.import_module(module).__all__
+        elif module == "kvtier.tiers" and f"kvtier.tiers.{name}" in public_modules:
+            ok = True
+        else:
+            # The same object whether imported from kvtier.tiers or from the module it came from.
+            ok = name in tiers.__all__ and getattr(importlib.import_module(module), name) is getattr(tiers, name)
+        if not ok:
+            wrong.append(f"{module}.{name or '*'} in {files}")
+    assert not wrong, ("imports of tiers internals; use a public name, or make it public in tiers/__init__.py "
+                       f"(_PUBLIC and the docstring): {wrong}")
+
+
+def test_tiers_public_api_resolves_and_imports_lazily() -> None:
+    import importlib
+
+    import kvtier.tiers as tiers
+
+    for name in tiers.__all__:
+        assert getattr(tiers, name) is getattr(importlib.import_module(tiers.public_module_of(name)), name), name
+    with pytest.raises(AttributeError, match="public API"):
+        tiers.no_such_name  # noqa: B018
+    # Importing the package, or a stdlib-only module of it, loads no submodule it does not need.
+    code = ("import sys\nimport kvtier.tiers, kvtier.tiers.units\n"
+            "print(sorted(n for n in sys.modules if n.startswith(('torch', 'kvtier.tiers.pool'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

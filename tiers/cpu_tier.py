@@ -182,9 +182,6 @@ class CpuTier:
         else:
             self._drop(entry)  # counted there
 
-    def contains(self, key: bytes) -> bool:
-        return self.get_ready(key) is not None
-
     def admit(self, keys: Sequence[bytes]) -> list[bool]:
         """The policy's answers for one batch of demotions, asked before any of them is reserved."""
         answers = self.policy.admit(keys)

@@ -35,10 +35,6 @@ Contract:
   ``wait_s(nbytes)`` before launching ``nbytes``; it returns how long to wait
   first so that launches average at most the rate. Pure logic (testable with
   a fake clock).
-- ``new_interprocess_event``/``export_event``/``import_event``: CUDA IPC
-  events (``torch.cuda.Event(interprocess=True)``), so one process's stream
-  can wait for another's copy without a CPU round trip. See
-  docs/gpu-data-path.md for the protocol.
 - ``host_register``/``host_unregister``: page-lock an existing host range
   (``cudaHostRegister``, CuPy or torch's cudart), used by
   ``host_memory`` to pin the CPU tier in chunks.
@@ -413,36 +409,6 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
             else:
                 lo += extent
     return lo, hi + item
-
-
-# ---- cross-process completion: CUDA IPC events ------------------------------------------------
-
-
-def new_interprocess_event() -> torch.cuda.Event:
-    """An event another process can open. CUDA requires interprocess events to be non-timing."""
-    return torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-
-
-def export_event(event: torch.cuda.Event) -> bytes:
-    """The 64-byte ``cudaIpcEventHandle_t`` of an interprocess event, for a message field.
-
-    The handle names the event, not one recording of it: the importer sees
-    whatever the event's latest record is when it waits. Export once, reuse.
-    """
-    return bytes(event.ipc_handle())
-
-
-def import_event(handle: bytes, device: torch.device | str | int = "cuda") -> torch.cuda.Event:
-    """Open another process's event (``cudaIpcOpenEventHandle``); wait on it with ``stream.wait_event``."""
-    dev = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
-    return torch.cuda.Event.from_ipc_handle(dev, handle)
-
-
-def record_for_export(stream: torch.cuda.Stream, event: torch.cuda.Event | None = None) -> tuple[torch.cuda.Event, bytes]:
-    """Record an interprocess event at the current end of ``stream``; (event, handle)."""
-    event = event if event is not None else new_interprocess_event()
-    event.record(stream)
-    return event, export_event(event)
 
 
 # ---- page-locking existing host memory --------------------------------------------------------

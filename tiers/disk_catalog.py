@@ -68,10 +68,6 @@ class DiskCatalog:
     def __len__(self) -> int:
         return len(self._entries)
 
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
     def load(self, records: Iterable[tuple[bytes, int, int]]) -> list[int]:
         retired: list[int] = []
         with self.lock:

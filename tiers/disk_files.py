@@ -29,7 +29,7 @@ Contract:
 - ``write(slot, buf)``: one slot from an aligned buffer of ``slot_bytes``
   (``aligned_buffer``). ``sync()``: the data on the device (``fdatasync``).
   Both raise ``OSError``. One writer thread.
-- ``resize(slots)``: grows or shrinks the file. ``close()``.
+- ``close()``.
 - ``faults``: a test's seam, ``faults(op, slot)`` called before each
   ``"read"`` / ``"write"`` / ``"sync"`` (slot -1), may raise ``OSError``.
 """
@@ -141,11 +141,6 @@ class BlockFile:
             os.close(fd)
             raise
         return cls(path, fd, slots, slot_bytes, block_bytes, direct, preallocated)
-
-    def resize(self, slots: int) -> None:
-        os.ftruncate(self._fd, slots * self.slot_bytes)
-        self.preallocated = _preallocate(self._fd, slots * self.slot_bytes)
-        self.slots = slots
 
     def close(self) -> None:
         if self._fd >= 0:

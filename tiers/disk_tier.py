@@ -81,7 +81,7 @@ from kvtier.tiers.disk_files import BlockFile, Faults, pool_dir_name, slot_bytes
 from kvtier.tiers.disk_open import DATA_NAME, DISK_FORMAT, INDEX_NAME, DirectoryBusy, open_directory
 from kvtier.tiers.disk_settings import DiskTierError, DiskTierSettings
 from kvtier.tiers.disk_writer import DiskWriter
-from kvtier.tiers.remote_values import byte_view
+from kvtier.tiers.remote.values import byte_view
 from kvtier.tiers.slot_index import MAX_KEY_BYTES, SlotIndex, block_checksum
 
 __all__ = ["COUNTERS", "DATA_NAME", "DISK_FORMAT", "INDEX_NAME", "Admission", "DiskTier", "DiskTierError",

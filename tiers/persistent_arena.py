@@ -80,6 +80,7 @@ from kvtier.tiers.slot_index import (
     block_checksum,
 )
 from kvtier.tiers.units import format_gib
+from kvtier.tiers.version import kvtier_version
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +102,6 @@ def _checksum_workers() -> ThreadPoolExecutor | None:
         if _checksum_pool is None:
             _checksum_pool = ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="kvtier-checksum")
         return _checksum_pool
-
-
-def _kvtier_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("kvtier")
-    except Exception:  # not installed as a distribution
-        return "unknown"
 
 
 @dataclass
@@ -194,7 +186,7 @@ class ArenaDirectory:
         """What the files record about their pool: ``pool`` (its key), ``tenant`` and bare ``name`` (how a
         daemon re-creates it), ``layout``, ``endpoint``, and the ``kvtier`` version and ``format`` that wrote them."""
         return {"pool": pool_key, "tenant": tenant, "name": pool_key if name is None else name,
-                "layout": dict(layout), "endpoint": self.endpoint, "kvtier": _kvtier_version(), "format": FORMAT}
+                "layout": dict(layout), "endpoint": self.endpoint, "kvtier": kvtier_version(), "format": FORMAT}
 
     def open(self, pool_key: str, layout: Mapping[str, Any], slots: int, block_bytes: int, *,
              pin: bool | None = None, progress: Callable[[int, int], None] | None = None, tenant: str = "",

@@ -21,6 +21,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvtier.tiers.version import kvtier_version
+
 # (subcommand, module that registers it). The order is the order of `kvtier --help`.
 SUBCOMMANDS: list[tuple[str, str]] = [
     ("replay", "kvtier.tools.replay"),
@@ -33,7 +35,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier command-line tools")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvtier_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in SUBCOMMANDS:
         sub = importlib.import_module(module).register(subparsers)
@@ -56,15 +58,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. `kvtier replay ... | head`
         return 0
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("kvtier")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        return "unknown"
 
 
 if __name__ == "__main__":

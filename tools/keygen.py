@@ -9,7 +9,7 @@ is ``curve_secret_key_file``; a client's ``NAME.key`` goes into the daemon's
 
 ``kvtier keygen DIR --remote-secret [--name NAME]`` writes
 ``DIR/NAME.remote_secret`` instead (default name ``remote``): 32 random
-bytes as hex, mode 0600 (``kvtier.tiers.remote_secret``), for kvtierd's
+bytes as hex, mode 0600 (``kvtier.tiers.remote.secret``), for kvtierd's
 ``remote_secret_key_file``. Every daemon sharing one Redis/Valkey needs the
 same file: make it once and copy it. Refuses to overwrite (a new secret
 makes every block already stored a miss). See docs/remote-tier.md.
@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     if not directory.exists():
         directory.mkdir(mode=0o700, parents=True)
     if args.remote_secret:
-        from kvtier.tiers.remote_secret import write_secret
+        from kvtier.tiers.remote.secret import write_secret
 
         path = directory / f"{name}.remote_secret"
         try:

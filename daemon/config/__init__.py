@@ -49,7 +49,7 @@ its ``--help`` default, its ``--print-config`` line and its did-you-mean
 follow from that field. A key of the pool tables is a field of
 ``PoolDefaults`` declared the same way, with its name and type repeated in
 ``PoolOverrides`` and ``PoolSettings`` (the module does not import when they
-differ). A setting of the remote tier (``kvtier.tiers.remote_settings.
+differ). A setting of the remote tier (``kvtier.tiers.remote.settings.
 RemoteTierSettings``, which holds its default) is a top-level key named
 ``remote_<field>`` whose default is the field's (checked the same way).
 Put the key in ``systemd/kvtierd.toml`` too (a test loads that file and
@@ -105,7 +105,7 @@ hold, ``clean_ahead_blocks`` past a GPU tier's most blocks, sockets other
 than ``ipc://<absolute path or @abstract>`` and ``tcp://<host>:<port>``,
 ``tcp://`` without ``insecure_tcp = true`` and without both CURVE key
 settings, CURVE key files that do not exist, remote URLs the remote tier
-could not use (``kvtier.tiers.remote_url``: scheme, IPv6 brackets, port
+could not use (``kvtier.tiers.remote.url``: scheme, IPv6 brackets, port
 1..65535, database number) and a remote tier without
 ``remote_secret_key_file``, remote tier settings outside their ranges
 (``remote_retry_max_s`` below ``remote_retry_initial_s``), eviction policies
@@ -142,7 +142,6 @@ from kvtier.daemon.config.schema import (
     resolve_cpu_budget_bytes,
 )
 from kvtier.daemon.config.units import MemoryFraction, parse_byte_size
-from kvtier.tiers.units import format_byte_size  # noqa: F401 - tests import it from here
 
 __all__ = [
     "ConfigError",

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+from kvtier.tiers.version import kvtier_version
 from kvtier.daemon.config.cautions import cautions
 from kvtier.daemon.config.errors import ConfigError
 from kvtier.daemon.config.host import check_device
@@ -124,13 +125,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the effective configuration as TOML (usable as a --config file) and exit",
     )
-    try:
-        from importlib.metadata import version
-
-        kvtier_version = version("kvtier")
-    except Exception:  # noqa: BLE001 - a source checkout without metadata still has --help
-        kvtier_version = "unknown"
-    general.add_argument("--version", action="version", version=f"kvtierd (kvtier) {kvtier_version}")
+    general.add_argument("--version", action="version", version=f"kvtierd (kvtier) {kvtier_version()}")
 
     # Sections in the order of their first key; in a section, flags by rank (ties: field order).
     declared = [(name, name, spec, getattr(defaults, name)) for name, spec in TOP_KEYS.items()]

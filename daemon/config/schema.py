@@ -40,7 +40,8 @@ from typing import Any
 import psutil
 
 from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
-from kvtier.client.protocol import OPS, ProtocolError  # what a hello may send: pool names, leases
+from kvtier.client.endpoint import EndpointError, check_endpoint, ipc_socket_file  # the one endpoint parser
+from kvtier.client.protocol import HASH_ALGOS, OPS, ProtocolError  # what a hello may send: pool names, leases
 from kvtier.daemon.config.errors import ConfigError
 from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer, descriptor_limit
 from kvtier.daemon.config.units import (
@@ -70,7 +71,7 @@ from kvtier.daemon.config.units import (
 )
 from kvtier.daemon.tenant_ids import tenant_tag
 from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY  # stdlib only: config stays fast
-from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings  # stdlib only
+from kvtier.tiers.remote.settings import RemoteTierError, RemoteTierSettings  # stdlib only
 from kvtier.tiers.units import GiB, KiB, MiB, format_byte_size, format_gib
 
 CPU_AUTO_FRACTION = 0.25
@@ -121,8 +122,6 @@ MAX_REMOTE_BACKOFF_S = 3600.0
 MAX_REMOTE_TTL_S = 10 * 365 * 24 * 3600
 # The name a hello sends for a pool: a pool table no hello can name would never apply.
 HELLO_POOL_NAME = OPS["hello"].fields["pool"].type
-# sun_path is 108 bytes on Linux, one of them the terminating NUL.
-MAX_IPC_PATH_BYTES = 107
 ENV_PREFIX = "KVTIER_"
 
 
@@ -303,10 +302,6 @@ def _check_policy(key: str, value: object) -> None:
 
 
 def _check_hash_algo(key: str, value: object) -> None:
-    try:
-        from kvtier.client.hashing import HASH_ALGOS
-    except ImportError:
-        HASH_ALGOS = ("xxh3_128", "sha256")  # noqa: N806 - mirrors the constant it stands in for
     if value not in HASH_ALGOS:
         raise ConfigError(key, f"must be one of {', '.join(HASH_ALGOS)}, got {value!r}")
 
@@ -378,8 +373,8 @@ def _check_remote_url(key: str, value: object) -> None:
         return
     # The remote tier's own parser (stdlib only), the one it connects with: a URL it
     # refuses would otherwise be retried forever in the background.
-    from kvtier.tiers.remote_settings import RemoteTierError
-    from kvtier.tiers.remote_url import parse_url
+    from kvtier.tiers.remote.settings import RemoteTierError
+    from kvtier.tiers.remote.url import parse_url
 
     try:
         parse_url(value)  # type: ignore[arg-type]
@@ -426,25 +421,11 @@ def _check_socket(cfg: DaemonConfig) -> None:
     url = cfg.socket
     if not isinstance(url, str):
         raise ConfigError("socket", f"must be an ipc:// or tcp:// URL, got {url!r}")
-    if url.startswith("ipc://"):
-        path = url[len("ipc://") :]
-        if path.startswith("@"):
-            if len(path) < 2:
-                raise ConfigError("socket", "an abstract ipc socket needs a name after '@'")
-        elif not os.path.isabs(path):
-            raise ConfigError("socket", f"ipc socket path must be absolute, got {path!r}")
-        elif path.endswith("/"):
-            raise ConfigError("socket", f"ipc socket path names a directory: {path!r}")
-        if len(path.encode()) > MAX_IPC_PATH_BYTES:
-            raise ConfigError(
-                "socket",
-                f"ipc socket path is {len(path.encode())} bytes, the limit is {MAX_IPC_PATH_BYTES}; choose a shorter path",
-            )
-        return
+    try:
+        check_endpoint(url)
+    except EndpointError as exc:
+        raise ConfigError("socket", str(exc)) from None
     if url.startswith("tcp://"):
-        match = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9*._-]+):([0-9]{1,5})", url)
-        if not match or not 1 <= int(match.group(2)) <= 65535:
-            raise ConfigError("socket", f"must look like tcp://HOST:PORT with PORT in 1..65535, got {url!r}")
         has_curve = cfg.curve_secret_key_file is not None or cfg.curve_public_keys_dir is not None
         if has_curve:
             _check_curve(cfg)
@@ -455,8 +436,6 @@ def _check_socket(cfg: DaemonConfig) -> None:
                 "curve_secret_key_file and curve_public_keys_dir, or set insecure_tcp = true "
                 "(only on a network you trust)",
             )
-        return
-    raise ConfigError("socket", f"must start with ipc:// or tcp://, got {url!r}")
 
 
 def _check_curve(cfg: DaemonConfig) -> None:
@@ -993,9 +972,8 @@ class DaemonConfig:
     @property
     def ipc_path(self) -> Path | None:
         """The socket file for an ``ipc://`` endpoint; None for tcp and abstract sockets."""
-        if self.socket.startswith("ipc://") and not self.socket.startswith("ipc://@"):
-            return Path(self.socket[len("ipc://") :])
-        return None
+        path = ipc_socket_file(self.socket)
+        return Path(path) if path is not None else None
 
     @property
     def recommended_heartbeat_s(self) -> float:

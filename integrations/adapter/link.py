@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvtier.client.client import Client, DaemonError, KvtierError, PoolLayout, SessionLost
+from kvtier.client.endpoint import ipc_socket_file
 
 log = logging.getLogger("kvtier.integrations")
 
@@ -58,9 +59,8 @@ HOW_TO_FIND = ("kvtierd logs the socket it serves at start-up ('kvtierd serving 
 
 def missing_socket_file(endpoint: str) -> bool:
     """An ``ipc://`` endpoint whose socket file does not exist: no daemon can be listening there."""
-    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
-        return False  # tcp://, or Linux's abstract namespace: nothing to look at
-    return not os.path.exists(endpoint[len("ipc://"):])
+    path = ipc_socket_file(endpoint)  # None for tcp:// and Linux's abstract namespace: nothing to look at
+    return path is not None and not os.path.exists(path)
 
 
 class DaemonLink:

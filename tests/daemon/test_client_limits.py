@@ -364,7 +364,7 @@ def test_a_client_gives_its_shm_files_to_the_group_of_a_daemon_running_as_anothe
     if os.geteuid() != 0:
         pytest.skip("needs root to make the socket look like another user's")
     d = kvtierd_factory(gpu_bytes=16 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES)
-    sock = d.endpoint[len("ipc://"):]
+    sock = d.socket_file
     os.chown(sock, 65534, 4242)  # as if kvtierd ran as another user, in group 4242
     try:
         with Client(d.endpoint, "other-user", layout()) as c:

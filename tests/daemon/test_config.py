@@ -25,12 +25,12 @@ from kvtier.daemon.config import (
     build_arg_parser,
     default_socket,
     exit_on_config_error,
-    format_byte_size,
     format_config,
     load_config,
     load_config_or_exit,
     parse_byte_size,
 )
+from kvtier.tiers.units import format_byte_size
 
 GiB = 1024**3
 MiB = 1024**2

@@ -139,7 +139,7 @@ def test_the_bounds_themselves_load(tmp_path: Path) -> None:
 
 def test_the_remote_tier_settings_are_an_operators_to_set(tmp_path: Path) -> None:
     """Issue 36 item 4: RemoteTierSettings from the file, the environment and flags, into every pool's settings."""
-    from kvtier.tiers.remote_settings import RemoteTierSettings
+    from kvtier.tiers.remote.settings import RemoteTierSettings
 
     assert load_config([], ENV).pool_settings("x").remote == RemoteTierSettings()  # the defaults are its own
     cfg = load_config(["--config", str(write(tmp_path, """

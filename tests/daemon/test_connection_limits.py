@@ -136,7 +136,7 @@ def test_a_raw_connection_flood_beside_a_busy_loop_does_not_abort_the_daemon(tmp
     daemon = KvtierDaemon(tmp_path / "d", flags=FLAGS,
                           command=["prlimit", f"--nofile={nofile}:{nofile}", sys.executable, "-m", "kvtier.daemon"])
     with daemon:
-        path = daemon.endpoint[len("ipc://"):]
+        path = daemon.socket_file
         busy = hostile_clients.spawn("busy", daemon.endpoint, 20)
         time.sleep(1.0)  # the loop is busy before the flood starts
         flooders = [hostile_clients.spawn("raw", path, 2500, 2.0) for _ in range(8)]

@@ -136,7 +136,7 @@ def test_lookups_do_not_renew_the_lease(kvtierd_factory) -> None:  # type: ignor
 
 def test_sigterm_drains_replies_to_everything_and_exits_0(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
     daemon = kvtierd_factory(gpu_bytes=64 * BLOCK_BYTES, cpu_bytes=64 * BLOCK_BYTES)
-    socket_path = Path(daemon.endpoint[len("ipc://"):])
+    socket_path = Path(daemon.socket_file)
     assert socket_path.exists() and (socket_path.stat().st_mode & 0o777) == 0o600
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

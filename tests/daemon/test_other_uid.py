@@ -131,7 +131,7 @@ def test_the_daemon_runs_as_another_uid_behind_a_group_socket(daemon: KvtierDaem
     assert ids["Groups"] == [str(GROUP)]
     # What engines of the group connect through (docs/operating.md): the
     # daemon's file, the daemon's group (its primary gid, as Group=kvtier), 0660.
-    st = os.stat(daemon.endpoint[len("ipc://"):])
+    st = os.stat(daemon.socket_file)
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (DAEMON_UID, GROUP, 0o660)
 
 

@@ -45,10 +45,10 @@ TOKEN = "tokenco-secret-0123456789"
 
 def test_ipc_socket_is_0600_by_default_and_0660_from_the_units_environment(kvtierd_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     default = kvtierd_factory()
-    assert stat.S_IMODE(os.stat(default.endpoint[len("ipc://"):]).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(default.socket_file).st_mode) == 0o600
     # The unit sets KVTIER_SOCKET_MODE=0660; the harness passes flags, the environment is tested in test_config.
     group = kvtierd_factory(socket_mode="0660")
-    assert stat.S_IMODE(os.stat(group.endpoint[len("ipc://"):]).st_mode) == 0o660
+    assert stat.S_IMODE(os.stat(group.socket_file).st_mode) == 0o660
 
 
 def test_daemon_accepts_kvtier_socket_mode_from_the_environment(tmp_path: Path) -> None:
@@ -76,7 +76,7 @@ def test_keygen_writes_a_private_secret_and_refuses_to_overwrite(tmp_path: Path)
 
 
 def test_keygen_writes_a_remote_tier_secret_that_kvtierd_reads(tmp_path: Path) -> None:
-    from kvtier.tiers.remote_secret import load_secret
+    from kvtier.tiers.remote.secret import load_secret
     from kvtier.tools.cli import main
 
     old = os.umask(0o002)  # a permissive umask: the file must be 0600 whatever it says

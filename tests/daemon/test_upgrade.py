@@ -170,7 +170,7 @@ def test_upgrade_hands_the_socket_and_the_cpu_tier_to_a_successor_while_a_client
                      env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
     daemons.append(d)
     d.spawn()
-    path = Path(d.endpoint[len("ipc://"):])
+    path = Path(d.socket_file)
     inode = path.stat().st_ino
     old_pid = d.pid
     with CountingClient(d.endpoint, "p", LAYOUT, timeout_s=CALL_TIMEOUT_S) as c:
@@ -209,7 +209,7 @@ def test_an_upgrade_whose_successor_cannot_start_leaves_the_daemon_serving(tmp_p
     daemons.append(d)
     d.spawn()
     pid = d.pid
-    path = Path(d.endpoint[len("ipc://"):])
+    path = Path(d.socket_file)
     inode = path.stat().st_ino
     with CountingClient(d.endpoint, "p", LAYOUT, timeout_s=CALL_TIMEOUT_S) as c:
         store_all(c)
@@ -316,7 +316,7 @@ def test_a_restart_that_binds_the_socket_anew_costs_the_client_no_failed_call(tm
     d = KvtierDaemon(tmp_path / "d", flags=FLAGS, start_timeout_s=START_TIMEOUT_S)
     daemons.append(d)
     d.spawn()
-    path = Path(d.endpoint[len("ipc://"):])
+    path = Path(d.socket_file)
     with CountingClient(d.endpoint, "p", LAYOUT, timeout_s=CALL_TIMEOUT_S) as c:
         store_all(c)
         with Restorer(c, seed=5) as r:

@@ -78,7 +78,7 @@ def _wait_up(link_is_up: Callable[[], bool], timeout_s: float = 30.0) -> None:
 def test_lookups_answer_no_hit_at_once_and_a_daemon_started_later_is_found(
         tmp_path: Path, socket_file: str, caplog: pytest.LogCaptureFixture) -> None:
     daemon = KvtierDaemon(tmp_path / "d", flags=FLAGS)  # described, not started: nothing listens yet
-    sock_path = Path(daemon.endpoint[len("ipc://"):])
+    sock_path = Path(daemon.socket_file)
     if socket_file == "stale":
         _stale_socket_file(sock_path)
     caplog.set_level(logging.INFO, logger="kvtier.integrations")

@@ -35,7 +35,7 @@ from kvtier.daemon.connection_limits import MAX_HELD_REFUSALS
 from kvtier.daemon.server import MAX_LEARN_BACKLOG_KEYS
 from kvtier.tiers.policies.chain import HISTORY_KEYS_PER_BLOCK, MIN_HISTORY_KEYS
 from kvtier.tiers.policies.session import CHAIN_KEYS_PER_BLOCK, MIN_CHAIN_KEYS
-from kvtier.tiers.remote_settings import RemoteTierSettings
+from kvtier.tiers.remote.settings import RemoteTierSettings
 
 MIB = 1 << 20
 # One remembered policy key: its record, the key, dict and list entries: ~280 B (chain) and ~220 B

@@ -46,7 +46,7 @@ from typing import Any
 
 import xxhash
 
-HEADER_BYTES = 32  # kvtier.tiers.remote_values.HEADER_BYTES; the attacker reads the docs, not the code
+HEADER_BYTES = 32  # kvtier.tiers.remote.values.HEADER_BYTES; the attacker reads the docs, not the code
 TAG_BYTES = 16
 HASH_HEX = 32  # a block hash is 16 bytes
 ATTACKS = ("copy", "old_format", "forged_payload", "unkeyed_tag", "inject", "oversized")

@@ -48,14 +48,14 @@ def test_lru_order_evicts_least_recently_used_first() -> None:
     tier.accessed([k(1)])  # order now 2 3 1
     (e4,) = tier.reserve([k(4)])
     assert tier.get(k(2)) is None and tier.evictions == 1
-    assert e4.ready is False and not tier.contains(k(4))  # invisible until committed
+    assert e4.ready is False and tier.get_ready(k(4)) is None  # invisible until committed
     tier.commit(e4)
-    assert tier.contains(k(4))
+    assert tier.get_ready(k(4)) is not None
     assert list(tier.policy.victims()) == [k(3), k(1), k(4)]
     # Two at once: the two least recent go, in order.
     tier.accessed([k(3)])  # order 1 4 3
     tier.reserve([k(5), k(6)])
-    assert tier.get(k(1)) is None and tier.get(k(4)) is None and tier.contains(k(3))
+    assert tier.get(k(1)) is None and tier.get(k(4)) is None and tier.get_ready(k(3)) is not None
     assert tier.evictions == 3
     check(tier)
 
@@ -212,7 +212,7 @@ def test_a_pin_or_read_before_the_write_lands_keeps_a_discarded_entry() -> None:
     tier.commit(pinned)
     tier.commit(read)
     tier.abort(failed)  # a discarded write that fails goes as any failed write
-    assert tier.contains(k(1)) and tier.contains(k(2)) and tier.get(k(3)) is None
+    assert None not in (tier.get_ready(k(1)), tier.get_ready(k(2))) and tier.get(k(3)) is None
     tier.unpin(pinned)
     tier.end_read(read)
     assert list(tier.policy.victims()) == [k(1), k(2)]
@@ -220,7 +220,7 @@ def test_a_pin_or_read_before_the_write_lands_keeps_a_discarded_entry() -> None:
     assert tier.clear() == 3  # two ready, one being written
     tier.keep(k(4))  # a store counted it present
     tier.commit(kept)
-    assert tier.contains(k(4)) and len(tier) == 1
+    assert tier.get_ready(k(4)) is not None and len(tier) == 1
     check(tier)
 
 

@@ -268,7 +268,7 @@ def test_inclusive_cpu_tier_needs_no_second_demotion(make) -> None:
     assert hx.pool.wait_idle(10)
     demotions = hx.pool.counters["demotions"]
     skipped = hx.pool.counters["demotions_skipped_clean"]
-    assert all(hx.pool.cpu.contains(k) for k in a)  # the CPU copy stayed
+    assert all(hx.pool.cpu.get_ready(k) is not None for k in a)  # the CPU copy stayed
     hx.store(c).wait(10)  # evicts a again
     assert hx.pool.counters["demotions"] == demotions
     assert hx.pool.counters["demotions_skipped_clean"] == skipped + 4
@@ -285,7 +285,7 @@ def test_clean_ahead_demotes_head_blocks_in_background(make) -> None:
     hx.pool.free("r")  # queue: 3 2 1 0, all cached
     assert hx.pool.wait_idle(10)  # poll until the background copies are done
     assert hx.pool.counters["demotions"] == 2
-    assert [hx.pool.cpu.contains(k) for k in a] == [False, False, True, True]
+    assert [hx.pool.cpu.get_ready(k) is not None for k in a] == [False, False, True, True]
     hx.check()
     # An allocation evicting the two clean blocks needs no urgent demotion: nothing to wait for.
     op = hx.pool.allocate("s", chain("s", 2), 8)
@@ -297,7 +297,7 @@ def test_clean_ahead_demotes_head_blocks_in_background(make) -> None:
     # Clean-ahead moved on to the new head (blocks 1 0) in the background.
     assert hx.pool.wait_idle(10)
     assert hx.pool.counters["demotions"] == 4
-    assert all(hx.pool.cpu.contains(k) for k in a)
+    assert all(hx.pool.cpu.get_ready(k) is not None for k in a)
     assert hx.restore_check(a) == ["gpu", "gpu", "cpu", "cpu"]
     hx.check()
 
@@ -315,7 +315,7 @@ def test_clean_when_idle_demotes_down_the_free_queue_so_a_long_allocation_waits_
         assert calls < 10
         hx.pool.poll(wait_s=0.01)
     assert hx.pool.wait_idle(10)
-    assert hx.pool.counters["demotions"] == 8 and all(hx.pool.cpu.contains(k) for k in a)
+    assert hx.pool.counters["demotions"] == 8 and all(hx.pool.cpu.get_ready(k) is not None for k in a)
     assert hx.pool.clean_when_idle()  # nothing to do until the next call
     assert hx.pool.counters["demotions"] == 8
     hx.check()
@@ -513,7 +513,7 @@ def test_failed_restore_copy_fails_only_its_op(make) -> None:
     assert all(e.readers == 0 and e.ready for e in hx.pool.cpu._entries.values())
     assert hx.pool.lookup(a) == [Tier.CPU, Tier.CPU]
     # The demotions that vacated the slots were not part of the failure.
-    assert all(hx.pool.cpu.contains(k) for k in x if k not in remaining)
+    assert all(hx.pool.cpu.get_ready(k) is not None for k in x if k not in remaining)
     hx.check()
     # And the same allocation works once copies work.
     op = hx.allocate("r", a, 8)

@@ -107,7 +107,7 @@ def test_a_pin_before_the_copy_lands_keeps_the_block(stepped) -> None:  # type: 
     entry = pool.cpu.get(ks[0])
     pool.cpu.pin(entry)  # as a lookup with pin=True would, were the entry ready
     settle(pool, engine)
-    assert pool.cpu.contains(ks[0]) and not pool.cpu.contains(ks[1])
+    assert pool.cpu.get_ready(ks[0]) is not None and pool.cpu.get_ready(ks[1]) is None
     pool.cpu.unpin(entry)
     assert journal_view(pool) == {ks[0]}
 

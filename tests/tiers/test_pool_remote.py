@@ -12,7 +12,7 @@ import torch
 from kvtier.testing import redis_servers as rs
 from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import PoolSpec, Tier, TieredPool
-from kvtier.tiers.remote_tier import RemoteTier, RemoteTierSettings
+from kvtier.tiers.remote.tier import RemoteTier, RemoteTierSettings
 from kvtier.tiers.transfer import ThreadTransferEngine
 
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)

@@ -373,7 +373,7 @@ class PoolMachine(RuleBasedStateMachine):
             if tier is Tier.GPU:
                 assert self.bm.get_cached(key) is not None
             else:
-                assert self.pool.cpu.contains(key)
+                assert self.pool.cpu.get_ready(key) is not None
 
     # ---- pins -------------------------------------------------------------------------------
 

@@ -20,8 +20,8 @@ import pytest
 import xxhash
 
 from kvtier.testing import redis_servers as rs
-from kvtier.tiers.remote_connection import parse_url
-from kvtier.tiers.remote_tier import (
+from kvtier.tiers.remote.connection import parse_url
+from kvtier.tiers.remote.tier import (
     HEADER,
     HEADER_BYTES,
     Admission,
@@ -30,7 +30,7 @@ from kvtier.tiers.remote_tier import (
     RemoteTierSettings,
     make_pool_key,
 )
-from kvtier.tiers.remote_values import ValueMac
+from kvtier.tiers.remote.values import ValueMac
 
 pytestmark = pytest.mark.skipif(not rs.have_redis(), reason=rs.MISSING_REASON)
 

@@ -117,7 +117,7 @@ if TYPE_CHECKING:
     from kvtier.tiers.disk_tier import DiskTier
     from kvtier.blocks.layout import BlockLayout
     from kvtier.tiers.persistent_arena import PersistentArena
-    from kvtier.tiers.remote_store import RemoteStore
+    from kvtier.tiers.remote import RemoteStore
 
 # Blocks one idle-time clean-ahead call demotes at most (one batched copy: 256 MiB of 1 MiB blocks).
 IDLE_CLEAN_BATCH_BLOCKS = 256
@@ -179,7 +179,7 @@ class TieredPool:
         self.cpu = CpuTier(cpu_blocks, make_policy(policy, cpu_blocks), cpu_storage if data else None)
         if policy_wrapper is not None:
             self.cpu.policy = policy_wrapper(self.cpu.policy, self.cpu)
-        self.remote = remote  # kvtier.tiers.remote_store.RemoteStore (RemoteTier, replay's stand-in) or None
+        self.remote = remote  # kvtier.tiers.remote.RemoteStore (RemoteTier, replay's stand-in) or None
         if disk is not None and not data:
             raise ValueError("a disk tier needs a pool that moves bytes (data=True)")
         self.disk = disk

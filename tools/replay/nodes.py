@@ -103,9 +103,9 @@ _PRESENT = object()  # what the stand-in's fetch returns for a present block (th
 
 
 class SimulatedRemoteTier:
-    """A bookkeeping stand-in for ``kvtier.tiers.remote_tier.RemoteTier``: keys only, no bytes.
+    """A bookkeeping stand-in for ``kvtier.tiers.remote.tier.RemoteTier``: keys only, no bytes.
 
-    Contract (``kvtier.tiers.remote_store.RemoteStore``, as a replay needs it):
+    Contract (``kvtier.tiers.remote.RemoteStore``, as a replay needs it):
 
     - ``capacity_blocks``: how many keys it holds at most (None: unbounded;
       0: holds nothing). When a write would exceed it, the least recently

@@ -1,6 +1,6 @@
-"""What the pool needs of a tier below the CPU tier: the ``RemoteStore`` protocol.
+"""A tier below the CPU tier. The contract, the ``RemoteStore`` protocol, is what the pool needs of it.
 
-Implementations: ``kvtier.tiers.remote_tier.RemoteTier`` (Redis / Valkey,
+Implementations: ``kvtier.tiers.remote.tier.RemoteTier`` (Redis / Valkey,
 real bytes) and ``kvtier.tools.replay.nodes.SimulatedRemoteTier`` (keys
 only, for replays). The pool (``kvtier.tiers.pool``) calls them from its
 own thread:
@@ -19,6 +19,17 @@ own thread:
   ``health`` and metrics report it).
 - ``close(timeout_s) -> bool``: send what is queued for up to ``timeout_s``,
   then stop; True if nothing queued was lost.
+
+The package's modules, one concept each (none imports redis until a tier
+connects; this one imports nothing at all):
+
+- ``tier``: ``RemoteTier``, the Redis / Valkey store: keys, lookups, fetches, counters.
+- ``connection``: which client, reconnect backoff, health pings.
+- ``writer``: the write-back queue and its threads.
+- ``values``: the value format on the server and its MAC checks.
+- ``url``: ``parse_url``, the schemes kvtier accepts (``SCHEMES``).
+- ``settings``: ``RemoteTierSettings`` and ``RemoteTierError``.
+- ``secret``: the deployment's secret file (``kvtier keygen --remote-secret``).
 """
 
 from __future__ import annotations

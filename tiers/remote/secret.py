@@ -3,7 +3,7 @@
 Every daemon that shares one server must hold the same secret (a value one
 daemon wrote is a miss for a daemon with another secret); anyone who can
 write to the server but does not hold it cannot make a value any daemon
-serves (``kvtier.tiers.remote_values``; threat model in docs/remote-tier.md).
+serves (``kvtier.tiers.remote.values``; threat model in docs/remote-tier.md).
 
 Contract:
 

@@ -26,13 +26,14 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.tiers.remote_settings import RemoteTierError
+from kvtier.tiers.remote.settings import RemoteTierError
 
 __all__ = ["SCHEMES", "Endpoint", "parse_url"]
 
-_ALIASES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss", "unix": "unix"}
-SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys", "redis+cluster", "rediss+cluster", "valkey+cluster",
-           "valkeys+cluster")
+# The one table of schemes: each one-server scheme and the redis-py scheme it stands for. Every
+# TCP scheme has a "+cluster" form (a unix socket reaches one server only).
+_ALIASES = {"redis": "redis", "rediss": "rediss", "unix": "unix", "valkey": "redis", "valkeys": "rediss"}
+SCHEMES = (*_ALIASES, *(f"{s}+cluster" for s in _ALIASES if s != "unix"))
 _DB_PATH_RE = re.compile(r"/?[0-9]*")
 
 
@@ -70,8 +71,7 @@ def parse_url(url: str) -> Endpoint:
     scheme = parsed.scheme.lower()
     base, _, variant = scheme.partition("+")
     if scheme not in SCHEMES or "://" not in url:
-        raise _bad(url, "scheme must be redis://, rediss://, unix://, valkey://, valkeys:// or "
-                        "redis+cluster:// / rediss+cluster:// / valkey+cluster:// / valkeys+cluster://")
+        raise _bad(url, f"scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
     hostpart = parsed.netloc.rpartition("@")[2]
     display = urllib.parse.urlunsplit((scheme, hostpart, parsed.path, parsed.query, ""))
     if not variant:

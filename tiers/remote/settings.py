@@ -16,7 +16,7 @@ Contract:
   is neither None nor a whole number of seconds >= 1 (``SET ... EX`` takes
   whole seconds).
 - ``RemoteTierError``: bad configuration (settings, URL, pool key, sizes)
-  or redis-py missing; ``kvtier.tiers.remote_tier`` raises it too.
+  or redis-py missing; ``kvtier.tiers.remote.tier`` raises it too.
 
 Stdlib only: the daemon, tests and benchmarks build settings without redis-py.
 """

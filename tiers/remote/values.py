@@ -4,7 +4,7 @@ A value is a 32-byte header ``struct "<4sBxxxQ16s"`` (magic ``b"KVT1"``,
 format version 2, three pad bytes, payload length, a 16-byte tag) followed by
 the payload. The tag is a MAC: keyed BLAKE3 (``blake3.blake3(key=...)``,
 used as a PRF) under a key derived from the deployment's secret
-(``kvtier.tiers.remote_secret``), over the header's first 16 bytes (magic,
+(``kvtier.tiers.remote.secret``), over the header's first 16 bytes (magic,
 version, length), the length and bytes of the value's server key (which
 names the pool, i.e. its layout identity, and the block hash) and the
 payload. So a value is served only under the very key, in the very pool, it
@@ -44,8 +44,8 @@ import hmac
 import struct
 from typing import Any
 
-from kvtier.tiers.remote_secret import SECRET_BYTES
-from kvtier.tiers.remote_settings import RemoteTierError
+from kvtier.tiers.remote.secret import SECRET_BYTES
+from kvtier.tiers.remote.settings import RemoteTierError
 
 try:
     import blake3
@@ -84,7 +84,7 @@ class ValueMac:
         if blake3 is None:
             raise RemoteTierError("the remote tier needs blake3: pip install 'kvtier[remote]' (or 'blake3')")
         if not isinstance(secret, bytes) or len(secret) != SECRET_BYTES:
-            raise RemoteTierError(f"the remote tier secret must be {SECRET_BYTES} bytes (kvtier.tiers.remote_secret)")
+            raise RemoteTierError(f"the remote tier secret must be {SECRET_BYTES} bytes (kvtier.tiers.remote.secret)")
         key = blake3.blake3(secret, derive_key_context=_KDF_CONTEXT).digest()
         self._keyed = blake3.blake3(key=key)  # copied per tag: cheaper than keying a new hasher
 

@@ -7,21 +7,21 @@ tier, and hands it the blocks the CPU tier evicts.
 
 This module holds the blocks' side: keys, lookups and fetches, and the
 tier's counters. The value format and its checks are
-``kvtier.tiers.remote_values``'s; the write-back queue and its threads are
-``kvtier.tiers.remote_writer``'s; which client to use and whether the server
+``kvtier.tiers.remote.values``'s; the write-back queue and its threads are
+``kvtier.tiers.remote.writer``'s; which client to use and whether the server
 may be tried at all (URL, reconnect backoff, health pings) is
-``kvtier.tiers.remote_connection``'s; the settings are
-``kvtier.tiers.remote_settings``'s.
+``kvtier.tiers.remote.connection``'s; the settings are
+``kvtier.tiers.remote.settings``'s.
 
 Contract:
 
 - ``RemoteTier(url, pool_key, block_bytes, settings=RemoteTierSettings(),
   *, secret, admission=None)``: the tier's identity, then how it runs (one
-  frozen value, ``kvtier.tiers.remote_settings``: queue, threads, timeouts,
+  frozen value, ``kvtier.tiers.remote.settings``: queue, threads, timeouts,
   backoff; validated when built; re-exported here with
   ``RemoteTierError``), then the deployment's secret (32 bytes,
-  ``kvtier.tiers.remote_secret``: every daemon sharing the server must hold
-  the same one). ``url`` (``remote_url.parse_url``) chooses the mode:
+  ``kvtier.tiers.remote.secret``: every daemon sharing the server must hold
+  the same one). ``url`` (``url.parse_url``) chooses the mode:
   ``redis://host:port/db`` (also ``rediss://``, ``unix://``, ``valkey://``,
   ``valkeys://``) is one server; ``redis+cluster://host:port[,host:port...]``
   (also ``rediss+cluster://``, ``valkey+cluster://``) is a Redis Cluster, the
@@ -35,7 +35,7 @@ Contract:
 - Values: a 32-byte header ``struct "<4sBxxxQ16s"`` = magic ``b"KVT1"``,
   format version (2), payload length, a 16-byte MAC (keyed BLAKE3 over the
   version, length, server key and payload); then the payload (exactly
-  ``block_bytes`` bytes). ``remote_values`` builds and checks them.
+  ``block_bytes`` bytes). ``values`` builds and checks them.
 - ``exists_prefix(hashes) -> int``: one round trip (standalone: a cached Lua
   script that stops at the first key whose value is not exactly a block's
   size, falling back to pipelined ``STRLEN`` where scripting is refused;
@@ -49,7 +49,7 @@ Contract:
   of at most ``settings.fetch_round_trip_bytes``): the server never sends
   more than one byte past a block's value, however large the value under
   the key, so a foreign value costs no memory or time. Each value is
-  checked (``remote_values.decode``). A missing value is ``None``
+  checked (``values.decode``). A missing value is ``None``
   (``remote_misses``); a longer one ``None`` (``remote_oversized``), a
   shorter or malformed one ``None`` (``remote_corrupt``), both queued for
   deletion; a well-formed one whose MAC is wrong (copied from another key,
@@ -61,7 +61,7 @@ Contract:
   ``fetch_async`` runs it on a reader thread and returns a
   ``concurrent.futures.Future``.
 - ``write_back(key, data, copy=True) -> bool``: write-back of one block,
-  never blocking on the server (``remote_writer.RemoteWriter.write_back``).
+  never blocking on the server (``writer.RemoteWriter.write_back``).
   Admission (if given) is asked first; the block is copied (unless
   ``copy=False``: the caller hands over a buffer it will never change) and
   queued. Full queue, unavailable tier or closed tier: dropped and counted,
@@ -100,12 +100,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.tiers import remote_connection, remote_writer
-from kvtier.tiers.remote_connection import RemoteConnection, is_connection_failure, parse_url
-from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings
-from kvtier.tiers import remote_values
-from kvtier.tiers.remote_values import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, ValueMac, decode, encode_header
-from kvtier.tiers.remote_writer import Admission, RemoteWriter
+from kvtier.tiers.remote import connection as remote_connection
+from kvtier.tiers.remote import writer as remote_writer
+from kvtier.tiers.remote.connection import RemoteConnection, is_connection_failure, parse_url
+from kvtier.tiers.remote.settings import RemoteTierError, RemoteTierSettings
+from kvtier.tiers.remote import values as remote_values
+from kvtier.tiers.remote.values import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, ValueMac, decode, encode_header
+from kvtier.tiers.remote.writer import Admission, RemoteWriter
 
 try:
     import redis
@@ -421,7 +422,7 @@ class RemoteTier:
             future.add_done_callback(callback)
         return future
 
-    # ---- writes (remote_writer) ------------------------------------------------------------
+    # ---- writes (writer.py) ----------------------------------------------------------------
 
     def write_back(self, key: bytes, data: Any, *, copy: bool = True) -> bool:
         """Queue one block for writing; False (counted) if it was dropped. Never blocks."""

@@ -1,12 +1,12 @@
 """A remote tier's link to Redis / Valkey: the URL, one client, and whether it may be used now.
 
-``RemoteTier`` (kvtier.tiers.remote_tier) moves blocks; this module decides
+``RemoteTier`` (kvtier.tiers.remote.tier) moves blocks; this module decides
 which client it moves them over and when not to try at all. It knows no
 keys, values or counters of blocks.
 
 Contract:
 
-- ``parse_url(url) -> Endpoint``: ``kvtier.tiers.remote_url``'s (re-exported
+- ``parse_url(url) -> Endpoint``: ``kvtier.tiers.remote.url``'s (re-exported
   here): the mode (one server or a Cluster), nodes and credentials; a URL
   no client could use raises ``RemoteTierError``.
 - ``RemoteConnection(endpoint, settings)`` makes one synchronous connect
@@ -50,8 +50,8 @@ import threading
 import time
 from typing import Any
 
-from kvtier.tiers.remote_settings import RemoteTierError, RemoteTierSettings
-from kvtier.tiers.remote_url import Endpoint, parse_url
+from kvtier.tiers.remote.settings import RemoteTierError, RemoteTierSettings
+from kvtier.tiers.remote.url import Endpoint, parse_url
 
 try:
     import redis

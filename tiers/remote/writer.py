@@ -7,7 +7,7 @@
   pipelined ``SET``s (``EX settings.ttl_s`` when given) and ``DEL``s, at
   most ``settings.write_batch_blocks`` per round trip, over ``conn``'s
   current client. ``key_of(block_hash)`` names a block's key; ``mac``
-  (``remote_values.ValueMac``) tags each value for that key, on the writer
+  (``values.ValueMac``) tags each value for that key, on the writer
   thread.
 - ``write_back(key, data, copy=True) -> bool``: never blocks on the server.
   Admission (if given) is asked first; the block is copied straight into
@@ -36,13 +36,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvtier.tiers.remote_connection import RemoteConnection
-from kvtier.tiers.remote_settings import RemoteTierSettings
-from kvtier.tiers.remote_values import HEADER_BYTES, ValueMac, byte_view, encode_header, seal
+from kvtier.tiers.remote.connection import RemoteConnection
+from kvtier.tiers.remote.settings import RemoteTierSettings
+from kvtier.tiers.remote.values import HEADER_BYTES, ValueMac, byte_view, encode_header, seal
 
 __all__ = ["COUNTERS", "Admission", "RemoteWriter"]
 
-log = logging.getLogger("kvtier.tiers.remote_tier")  # one logger for the whole remote tier
+log = logging.getLogger("kvtier.tiers.remote.tier")  # one logger for the whole remote tier
 
 COUNTERS = (
     "writes_queued",
