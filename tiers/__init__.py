@@ -15,14 +15,13 @@ docs/tiers-api.md is the walk-through.
   ``STORED``, ``REMOVED`` (``kvtier.tiers.pool.journal``). Defaults the
   daemon's configuration shares: ``DEFAULT_POLICY``,
   ``DEFAULT_CLEAN_AHEAD_BLOCKS`` (``kvtier.tiers.pool_defaults``; stdlib only).
-- Memory: ``BlockLayout`` (``layout``: where a block's bytes live);
-  ``allocate_host_slab``, ``HostMemoryError``, ``RESERVE_BYTES``
+- Memory: ``allocate_host_slab``, ``HostMemoryError``, ``RESERVE_BYTES``
   (``host_memory``); ``PersistentArena``, ``ArenaDirectory``
   (``persistent_arena``) and ``list_arenas``, ``remove_arena``,
   ``instance_id`` (``arena_files``); ``SlotIndexBusy`` (``slot_index``).
 - Copies: ``make_transfer_engine``, ``TransferEngine``,
-  ``ThreadTransferEngine``, ``TransferError``, ``copy_host_blocks``,
-  ``warm_up`` (``transfer``); ``DeadlinePassed`` (``copy_types``).
+  ``ThreadTransferEngine``, ``TransferError``, ``warm_up``
+  (``transfer``); ``DeadlinePassed`` (``copy_types``).
 - Policies: ``make_policy``, ``check_policy_name`` (``policies``: names
   through the registry); ``EvictionPolicy``, ``PolicyWrapper``
   (``policies.base``: for a wrapper such as the daemon's tenant quotas) and
@@ -35,6 +34,8 @@ docs/tiers-api.md is the walk-through.
   ``parse_url`` (``remote.url``), ``load_secret``, ``write_secret``
   (``remote.secret``).
 - ``kvtier_version`` (``version``): the kvtier package's version.
+- Block layouts and host copies (``BlockLayout``, ``copy_host_blocks``) are
+  ``kvtier.blocks``'s, below tiers: import them from there.
 - ``kvtier.tiers.units`` is public as a whole (its ``__all__``: byte sizes
   and their formats).
 
@@ -54,13 +55,12 @@ _PUBLIC: dict[str, str] = {
                     "pool"),
     **dict.fromkeys(("STORED", "REMOVED"), "pool.journal"),
     **dict.fromkeys(("DEFAULT_POLICY", "DEFAULT_CLEAN_AHEAD_BLOCKS"), "pool_defaults"),
-    "BlockLayout": "layout",
     **dict.fromkeys(("allocate_host_slab", "HostMemoryError", "RESERVE_BYTES"), "host_memory"),
     **dict.fromkeys(("PersistentArena", "ArenaDirectory"), "persistent_arena"),
     **dict.fromkeys(("list_arenas", "remove_arena", "instance_id"), "arena_files"),
     "SlotIndexBusy": "slot_index",
     **dict.fromkeys(("make_transfer_engine", "TransferEngine", "ThreadTransferEngine", "TransferError",
-                     "copy_host_blocks", "warm_up"), "transfer"),
+                     "warm_up"), "transfer"),
     "DeadlinePassed": "copy_types",
     **dict.fromkeys(("make_policy", "check_policy_name"), "policies"),
     **dict.fromkeys(("EvictionPolicy", "PolicyWrapper"), "policies.base"),
