@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import signal
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -192,3 +194,18 @@ def test_a_living_primary_is_never_doubled_and_a_clean_stop_stands_the_standby_d
         probe_health(daemon.endpoint, timeout_s=1.0)
     assert "stood this standby down" in daemon.log()
     assert "took over from" not in daemon.log()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_the_systemd_drop_in_verifies_with_the_unit(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    shutil.copy(repo / "systemd" / "kvtierd@.service", tmp_path / "kvtierd@0.service")
+    (tmp_path / "kvtierd@0.service.d").mkdir()
+    drop_in = tmp_path / "kvtierd@0.service.d" / "standby.conf"
+    shutil.copy(repo / "systemd" / "kvtierd-standby.conf", drop_in)
+    text = drop_in.read_text()
+    assert "Environment=KVTIER_STANDBY=true" in text and "ExitType=cgroup" in text and "NotifyAccess=all" in text
+    proc = subprocess.run(["systemd-analyze", "verify", "--man=no", str(tmp_path / "kvtierd@0.service")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "standby.conf" not in proc.stderr and "kvtierd" not in proc.stderr, proc.stderr
