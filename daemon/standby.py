@@ -52,10 +52,8 @@ import json
 import logging
 import os
 import select
-import signal
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -68,7 +66,6 @@ STANDBY_ENV = "KVTIER_STANDBY_FDS"
 MAX_MESSAGE_BYTES = 4096
 POLL_SLICE_S = 0.1  # the standby looks at its stop flag this often while it waits
 RETRY_S = 30.0  # after a standby exited on its own (a start-up error), before the next try
-REAP_WAIT_S = 5.0  # a stood-down standby still starting: how long before it is sent SIGTERM
 
 
 class StopRequested(Protocol):
@@ -114,14 +111,16 @@ class StandbyKeeper:
         self.ctl: socket.socket | None = None
         self.ready = False
         self._retry_at_s = 0.0
-        self._leaving: list[tuple[subprocess.Popen[bytes], float]] = []  # stood down, not reaped yet
+        # Stood down, not reaped yet. Never signalled: one still starting reads stand_down when it gets to its
+        # wait, and one that read it is exiting (tearing torch down takes seconds; a signal then would kill it).
+        self._leaving: list[subprocess.Popen[bytes]] = []
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
     def turn(self, now_s: float, *, refused: str = "") -> None:
-        self._reap_leaving(now_s)
+        self._reap_leaving()
         if refused:
             if self.proc is not None:
                 self.stand_down(refused)
@@ -173,13 +172,13 @@ class StandbyKeeper:
             return
         _send(self.ctl, "stand_down", why=why)
         log.info("standby kvtierd pid %d stands down: %s", self.proc.pid, why)
-        self._leaving.append((self.proc, time.monotonic() + REAP_WAIT_S))
+        self._leaving.append(self.proc)
         self._forget()
 
     def close(self, why: str) -> None:
         """Stopping for good (drained, or handed over): the standby stands down."""
         self.stand_down(why)
-        self._reap_leaving(time.monotonic())
+        self._reap_leaving()
 
     def _forget(self) -> None:
         if self.ctl is not None:
@@ -188,15 +187,13 @@ class StandbyKeeper:
         self.proc = None
         self.ready = False
 
-    def _reap_leaving(self, now_s: float) -> None:
+    def _reap_leaving(self) -> None:
         kept = []
-        for proc, term_at_s in self._leaving:
-            if proc.poll() is not None:
-                continue
-            if now_s >= term_at_s:  # still importing past REAP_WAIT_S: it reads stand_down only when done; stop it
-                proc.send_signal(signal.SIGTERM)
-                term_at_s = float("inf")
-            kept.append((proc, term_at_s))
+        for proc in self._leaving:
+            if (status := proc.poll()) is not None:
+                log.info("standby kvtierd pid %d exited (status %s) after standing down", proc.pid, status)
+            else:
+                kept.append(proc)
         self._leaving = kept
 
     @staticmethod

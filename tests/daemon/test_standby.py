@@ -72,6 +72,22 @@ def serving_pid(daemon: KvtierDaemon, timeout_s: float) -> int:
         assert time.monotonic() < deadline, f"nothing serves {daemon.endpoint}:\n{daemon.log_tail()}"
 
 
+def stood_down_status(daemon: KvtierDaemon, pid: int, timeout_s: float = 60.0) -> int | None:
+    """The exit status of a standby that stood down: reaped by its primary (which logs it), or here."""
+    proc = ReparentedProcess(pid)
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, f"standby {pid} still runs:\n{daemon.log_tail()}"
+        time.sleep(0.05)
+    if proc.returncode is not None and proc.returncode != -1:
+        return proc.returncode
+    line = f"standby kvtierd pid {pid} exited (status "
+    for text in daemon.log().splitlines():
+        if line in text:
+            return int(text.split(line, 1)[1].split(")")[0])
+    return None
+
+
 def served(c: Client, keys: list[bytes]) -> tuple[set[bytes], int]:
     """(the keys the daemon serves, how many came back with bytes not their own)."""
     held: set[bytes] = set()
@@ -189,7 +205,7 @@ def test_a_living_primary_is_never_doubled_and_a_clean_stop_stands_the_standby_d
     assert (len(have), wrong) == (64, 0)
     # A clean stop is not a death: the standby exits 0 without serving, and nothing serves the socket after.
     assert daemon.stop() == 0
-    assert ReparentedProcess(standby).wait(60) == 0
+    assert stood_down_status(daemon, standby) == 0
     with pytest.raises(KvtierTimeout):
         probe_health(daemon.endpoint, timeout_s=1.0)
     assert "stood this standby down" in daemon.log()
@@ -209,3 +225,42 @@ def test_the_systemd_drop_in_verifies_with_the_unit(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "standby.conf" not in proc.stderr and "kvtierd" not in proc.stderr, proc.stderr
+
+
+def test_an_upgrade_stands_the_standby_down_and_the_successor_keeps_its_own(daemon: KvtierDaemon) -> None:
+    """A standby beside an upgrade's successor would be a second claimant of the tiers: SIGUSR2 stands it down
+    (exit 0, nothing served); the successor, once it serves, starts its own, which serves when it is killed."""
+    old = daemon.pid
+    old_standby = standby_ready(daemon, old)
+    keys = [key(i) for i in range(64)]
+    with Client(daemon.endpoint, "p", LAYOUT, timeout_s=30.0) as c:
+        c.store(keys, b"".join(content(k) for k in keys))
+    assert daemon.upgrade(timeout_s=START_TIMEOUT_S) == 0
+    assert stood_down_status(daemon, old_standby) == 0
+    new = daemon.pid
+    assert new not in (old, old_standby)
+    new_standby = standby_ready(daemon, new)
+    os.kill(new, signal.SIGKILL)
+    assert serving_pid(daemon, TAKEOVER_TIMEOUT_S) == new_standby
+    with Client(daemon.endpoint, "p", LAYOUT, timeout_s=30.0) as c:
+        have, wrong = served(c, keys)
+    assert (len(have), wrong) == (64, 0)
+    assert "stands down: an upgrade's successor takes over instead" in daemon.log()
+
+
+def test_a_primary_killed_while_its_standby_still_starts_is_served_once_the_standby_is_up(
+        daemon: KvtierDaemon) -> None:
+    keys = [key(i) for i in range(32)]
+    with Client(daemon.endpoint, "p", LAYOUT, timeout_s=30.0) as c:
+        c.store(keys, b"".join(content(k) for k in keys))
+    primary = daemon.pid
+    deadline = time.monotonic() + 30
+    while not (kids := psutil.Process(primary).children()):
+        assert time.monotonic() < deadline, daemon.log_tail()
+        time.sleep(0.01)
+    assert "is ready: it serves" not in daemon.log()  # still importing
+    os.kill(primary, signal.SIGKILL)
+    assert serving_pid(daemon, START_TIMEOUT_S) == kids[0].pid
+    with Client(daemon.endpoint, "p", LAYOUT, timeout_s=30.0) as c:
+        have, wrong = served(c, keys)
+    assert (len(have), wrong) == (32, 0)
