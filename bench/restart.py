@@ -20,20 +20,29 @@ What it does, in one run:
    every stored block is restored (64 per call) and compared byte for byte:
    served, wrong, and not served; the pool's counters say what was dropped
    at adoption and when background verification finished.
-4. ``baseline``: the same daemon with ``--no-persist-cpu-tier``, filled with
+4. ``standby``: the same daemon with ``--standby`` (``daemon.standby``):
+   stopped (SIGTERM), started again with a standby beside it (it adopts the
+   same tier); once the standby says it waits and the tier is verified, the
+   primary is SIGKILLed and the first hit is timed from the kill: the
+   standby adopts and serves. Every block is restored and checked as in 3.
+   ``--standby-rounds`` times (each new primary starts a new standby). The
+   standby's memory (RSS, USS) is recorded.
+5. ``baseline``: the same daemon with ``--no-persist-cpu-tier``, filled with
    the same blocks at the same time as the persistent one, a batch to each
    in turn (seconds in store calls: the store throughput of a persistent
    tier, which checksums and records every block, over a private one), then
    killed and started the same way (its start alone, and the first request:
    a miss): what a restart cost before, measured in the same run.
-5. ``import floor``: seconds a fresh Python takes to import kvtierd's server
+6. ``import floor``: seconds a fresh Python takes to import kvtierd's server
    (torch included), the part of any start no cache can shorten.
 
 Targets (the issue): the first hit within 2 s of the restart; >= 99% of the
-blocks the CPU tier held served byte-exact; 0 wrong. The first-hit time is
-reported from the spawn (it includes the daemon's own start: importing
-torch takes most of it on a small VM) and from ``ready``; the baseline row
-is the start with nothing to adopt, in the same run.
+blocks the CPU tier held served byte-exact; 0 wrong. Without a standby the
+first-hit time is reported from the spawn (it includes the daemon's own
+start: importing torch takes most of it on a small VM) and from ``ready``;
+with a standby, from the SIGKILL of the primary (nothing else to start:
+the standby is that restart). The baseline row is the start with nothing
+to adopt, in the same run.
 
 Results are printed as a table and written as JSON (``--out``/restart-cpu.json, or
 restart-<GPU name>.json where CUDA is: the daemons then pin their CPU tiers, and
@@ -63,8 +72,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvtier.client.client import Client, PoolLayout  # noqa: E402
-from kvtier.testing.daemon import KvtierDaemon  # noqa: E402
+from kvtier.client.client import Client, PoolLayout, probe_health  # noqa: E402
+from kvtier.testing.daemon import KvtierDaemon, ReparentedProcess, become_subreaper  # noqa: E402
 
 POOL = "bench"
 STAMP_EVERY = 4096  # the key is stamped at the start of every 4 KiB of a block
@@ -160,6 +169,78 @@ def timed_restart(daemon: KvtierDaemon, lay: PoolLayout, probe: bytes, contents:
     return row
 
 
+def standby_ready(daemon: KvtierDaemon, primary_pid: int, seen: set[int], timeout_s: float = 300.0) -> int:
+    """The pid of the standby ``primary_pid`` started, once the primary logged that it waits."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        kids = {p.pid for p in psutil.Process(primary_pid).children()}
+        for line in daemon.log().splitlines():
+            if "is ready: it serves if this daemon dies" in line:
+                pid = int(line.split("standby kvtierd pid ", 1)[1].split()[0])
+                if pid in kids and pid not in seen:
+                    return pid
+        assert time.monotonic() < deadline, daemon.log_tail()
+        time.sleep(0.05)
+
+
+def standby_rounds(daemon: KvtierDaemon, lay: PoolLayout, keys: list[bytes], contents: Contents, rng: random.Random,
+                   rounds: int) -> dict[str, Any]:
+    """SIGKILL the primary with its standby waiting, ``rounds`` times; seconds from the kill to the first hit."""
+    import psutil
+
+    become_subreaper()  # the standbys outlive their primaries: reaped here
+    daemon.spawn()
+    primary = daemon.pid
+    seen: set[int] = set()
+    out: list[dict[str, Any]] = []
+    for _ in range(rounds):
+        standby = standby_ready(daemon, primary, seen)
+        seen.add(standby)
+        deadline = time.monotonic() + 300
+        while daemon.stats()["pools"][POOL]["cpu_adoption_pending_blocks"]:  # idle and verified, as in ``adopt``
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        mem = psutil.Process(standby).memory_full_info()
+        probe = keys[rng.randrange(len(keys))]
+        load = os.getloadavg()[0]
+        t0 = time.monotonic()
+        os.kill(primary, signal.SIGKILL)
+        c = Client(daemon.endpoint, POOL, lay, timeout_s=120.0)
+        hello_s = time.monotonic() - t0
+        r = c.restore([probe])
+        first_s = time.monotonic() - t0
+        row: dict[str, Any] = {"hello_s": hello_s, "first_request_s": first_s, "first_request_hit": bool(r.tiers),
+                               "first_hit_exact": bool(r.tiers) and contents.check(
+                                   probe, np.frombuffer(bytes(r.data), dtype=np.uint8)),
+                               "load_1m_at_kill": load, "standby_rss_bytes": mem.rss, "standby_uss_bytes": mem.uss}
+        try:
+            assert probe_health(daemon.endpoint, timeout_s=5.0).get("pid") == standby  # the standby serves, nothing else
+            deadline = time.monotonic() + 300
+            while (s := c.stats()["pools"][POOL])["cpu_adoption_pending_blocks"]:
+                assert time.monotonic() < deadline, s
+                time.sleep(0.02)
+            c.open_arena(BATCH)
+            row.update(check_all(c, keys, contents))
+            s = c.stats()["pools"][POOL]
+        finally:
+            c.close()
+        row.update(adopted=s["cpu_adopted_blocks"], dropped_at_adoption=s["cpu_adoption_dropped_blocks"],
+                   served_share=row["served"] / len(keys))
+        out.append(row)
+        daemon.proc.wait(10)  # the killed primary (ours, or reaped here as an orphan)
+        daemon.proc = ReparentedProcess(standby)
+        primary = standby
+    log = daemon.log()
+    took = [line.split("kvtier.daemon.standby: ", 1)[-1] for line in log.splitlines() if "died; adopting" in line]
+    firsts = sorted(r["first_request_s"] for r in out)
+    return {"rounds": out, "first_request_s_median": firsts[len(firsts) // 2], "first_request_s_max": firsts[-1],
+            "served": min(r["served"] for r in out), "wrong": sum(r["wrong"] for r in out),
+            "served_share": min(r["served_share"] for r in out), "takeover_log": took[-1] if took else "",
+            "adoption_log": adoption_line(log)}
+
+
 def adoption_line(log: str) -> str:
     lines = [line for line in log.splitlines() if "persistent CPU tier of" in line and "adopted" in line]
     return lines[-1].split("kvtier.daemon.pools: ", 1)[-1] if lines else ""
@@ -174,6 +255,8 @@ def main() -> int:
                     help="tmpfs for the arenas; a private folder is made in it and removed (default: /dev/shm)")
     ap.add_argument("--out", type=Path, default=None, help="folder of the JSON (default: bench/results)")
     ap.add_argument("--seed", type=int, default=34)
+    ap.add_argument("--standby-rounds", type=int, default=3,
+                    help="SIGKILLs of a primary with a standby waiting (each new primary starts a new standby; default: 3)")
     ap.add_argument("--quick", action="store_true", help="a 64 MiB tier: a check of the script, not a measurement")
     args = ap.parse_args()
     if args.quick:
@@ -204,6 +287,8 @@ def main() -> int:
         "arena_dir": str(args.arena_dir),
     }
     daemon = KvtierDaemon(work / "persistent", flags=flags, start_timeout_s=300)
+    # The same instance (workdir, socket, arena) with a standby: it adopts what ``daemon`` left.
+    standby = KvtierDaemon(work / "persistent", flags={**flags, "standby": True}, start_timeout_s=300)
     baseline = KvtierDaemon(work / "baseline", flags={**flags, "persist_cpu_tier": False}, start_timeout_s=300)
     try:
         t0 = time.monotonic()
@@ -246,6 +331,8 @@ def main() -> int:
         result["verify_all"] = {"ready_s": ready, "all_verified_s": time.monotonic() - t0,
                                 "after_ready_s": time.monotonic() - t0 - ready}
         daemon.stop()
+        result["standby"] = standby_rounds(standby, lay, keys, contents, rng, args.standby_rounds)
+        standby.stop()  # SIGTERM: it drains and stands its own standby down
         base = timed_restart(baseline, lay, probe, None)
         base.pop("client").close()
         result["baseline_no_persistence"] = base
@@ -253,14 +340,16 @@ def main() -> int:
         subprocess.run([sys.executable, "-c", "import kvtier.daemon.server"], check=True, timeout=300)
         result["import_floor_s"] = time.monotonic() - t0
     finally:
-        for d in (daemon, baseline):
+        if standby.alive:
+            standby.stop(timeout_s=30)  # SIGTERM first: a SIGKILL would hand over to its standby
+        for d in (daemon, standby, baseline):
             if d.alive:
                 d.proc.send_signal(signal.SIGKILL)
                 d.proc.wait(10)
         shutil.rmtree(arenas, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 
-    a, b = result["adopt"], result["baseline_no_persistence"]
+    a, b, sb = result["adopt"], result["baseline_no_persistence"], result["standby"]
     gib = cpu_bytes / 2**30
     print(f"\nRestart after SIGKILL of a kvtierd holding {gib:.2f} GiB of CPU tier "
           f"({num_blocks} blocks of {block_bytes / 2**20:g} MiB) in {args.arena_dir}; "
@@ -274,6 +363,11 @@ def main() -> int:
         ("persistent (adopt)", f"{a['ready_s']:.2f}", f"{a['hello_s']:.2f}", f"{a['first_request_s']:.2f}",
          "yes" if a["first_request_hit"] else "no", f"{a['served']}/{num_blocks} ({100 * a['served_share']:.2f}%)",
          str(a["wrong"]), str(a["dropped_at_adoption"])),
+        ("standby: SIGKILL -> first hit (median)", "-", f"{sb['rounds'][0]['hello_s']:.2f}",
+         f"{sb['first_request_s_median']:.2f} (max {sb['first_request_s_max']:.2f})",
+         "yes" if all(r["first_request_hit"] and r["first_hit_exact"] for r in sb["rounds"]) else "no",
+         f"{sb['served']}/{num_blocks} ({100 * sb['served_share']:.2f}%)", str(sb["wrong"]),
+         str(max(r["dropped_at_adoption"] for r in sb["rounds"]))),
         ("baseline (no persistence)", f"{b['ready_s']:.2f}", f"{b['hello_s']:.2f}", f"{b['first_request_s']:.2f}",
          "yes" if b["first_request_hit"] else "no", "0 (empty)", "-", "-"),
     ]
@@ -290,6 +384,13 @@ def main() -> int:
         "store_throughput_persistent_over_private": result["fill_gbps"] / result["baseline_fill_gbps"], "first_hit_within_2s_of_spawn": a["first_request_s"] <= 2.0,
         "first_hit_within_2s_of_ready": first_after_ready <= 2.0,
         "served_share": a["served_share"], "served_share_met": a["served_share"] >= 0.99, "wrong": a["wrong"],
+        "standby_first_hit_after_kill_s_median": sb["first_request_s_median"],
+        "standby_first_hit_after_kill_s_max": sb["first_request_s_max"],
+        "standby_first_hit_within_2s_of_kill": sb["first_request_s_max"] <= 2.0,
+        "standby_served_share": sb["served_share"], "standby_served_share_met": sb["served_share"] >= 0.99,
+        "standby_wrong": sb["wrong"],
+        "standby_rss_bytes": max(r["standby_rss_bytes"] for r in sb["rounds"]),
+        "standby_uss_bytes": max(r["standby_uss_bytes"] for r in sb["rounds"]),
     }
     t = result["targets"]
     print(f"targets: first hit {a['first_request_s']:.2f} s after the spawn "
@@ -298,6 +399,14 @@ def main() -> int:
           f"baseline's first request; served {100 * a['served_share']:.2f}% "
           f"({'met' if t['served_share_met'] else 'NOT met'}: 99%), wrong {a['wrong']} "
           f"({'met' if a['wrong'] == 0 else 'NOT met'}: 0)")
+    print(f"with a standby: first hit {sb['first_request_s_median']:.2f} s after the SIGKILL (median of "
+          f"{len(sb['rounds'])}, max {sb['first_request_s_max']:.2f}: "
+          f"{'met' if t['standby_first_hit_within_2s_of_kill'] else 'NOT met'}: 2 s), "
+          f"{sb['first_request_s_median'] / a['first_request_s']:.3f}x the restart without one; served "
+          f"{100 * sb['served_share']:.2f}%, wrong {sb['wrong']}; the standby holds {t['standby_rss_bytes'] / 2**20:.0f} MiB "
+          f"RSS ({t['standby_uss_bytes'] / 2**20:.0f} MiB its own, USS); load at the kills "
+          + ", ".join(f"{r['load_1m_at_kill']:.1f}" for r in sb["rounds"]))
+    result["machine"]["load_1m_end"] = os.getloadavg()[0]
     out_dir = args.out if args.out is not None else (None if args.quick else REPO / "bench" / "results")
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

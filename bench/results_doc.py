@@ -602,9 +602,25 @@ def render_restart(d: Result) -> str:
         ["a private tier's restart: first request (a miss)", f"{b['first_request_s']:.1f} s after the spawn"],
         ["store throughput, persistent / private tier", ratio(t["store_throughput_persistent_over_private"])],
     ]
+    sb = d.get("standby")
+    if sb:
+        rows[1:1] = [
+            ["with a standby (`standby = true`): first hit after the SIGKILL",
+             f"**{ms(t['standby_first_hit_after_kill_s_median'], 0)}** median of {len(sb['rounds'])}, max "
+             f"{ms(t['standby_first_hit_after_kill_s_max'], 0)} (target 2 s: "
+             f"{'met' if t['standby_first_hit_within_2s_of_kill'] else '**not met**'}); "
+             f"{sb['served']}/{d['blocks']} served byte-exact, {sb['wrong']} wrong"],
+            ["the standby's memory while it waits", f"{mib(t['standby_rss_bytes'])} RSS, "
+                                                  f"{mib(t['standby_uss_bytes'])} its own (USS)"],
+        ]
+    load = d["machine"].get("load_1m")
     return (f"SIGKILL a kvtierd holding a full CPU tier ({mib(d['cpu_tier_bytes'])} of {mib(d['block_bytes'])} "
             f"blocks in `{d['arena_dir']}`), start another on the same socket, restore every block and "
-            "compare it byte for byte.\n\n" + md_table(["", "value"], rows, "ll"))
+            "compare it byte for byte"
+            + (", then the same with a standby waiting beside the daemon: SIGKILL, and the standby serves"
+               if sb else "")
+            + (f" ({d['machine']['cpus']} CPUs, load {load:.1f} at the start)" if load is not None else "")
+            + ".\n\n" + md_table(["", "value"], rows, "ll"))
 
 
 def render_stress_fuzz(d: Result) -> str:
@@ -1360,6 +1376,13 @@ def _h_protocol(r: dict[str, Result]) -> tuple[str, str, str]:
 
 def _h_restart(r: dict[str, Result]) -> tuple[str, str, str]:
     d = r["restart-cpu.json"]
+    t = d["targets"]
+    if "standby_first_hit_after_kill_s_median" in t:
+        return ("kvtierd killed with SIGKILL holding a full 4 GiB CPU tier",
+                f"with a standby (`standby = true`): first hit {ms(t['standby_first_hit_after_kill_s_median'], 0)} "
+                f"after the kill (target 2 s: {'met' if t['standby_first_hit_within_2s_of_kill'] else '**not met**'}), "
+                f"{d['standby']['served']}/{d['blocks']} blocks byte-exact; without one, a new daemon's first hit "
+                f"{t['first_hit_after_spawn_s']:.1f} s after the spawn (importing torch)", "restart")
     return ("kvtierd killed with SIGKILL and restarted with a full 4 GiB CPU tier",
             f"{d['adopt']['served']}/{d['blocks']} blocks served byte-exact; first hit "
             f"{ms(d['targets']['first_hit_after_ready_s'], 0)} after ready, "

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from kvtier.daemon.config import DaemonConfig
     from kvtier.daemon.faults import FaultPlan
     from kvtier.daemon.handover import Successor
+    from kvtier.daemon.standby import StandbyWait
     from kvtier.daemon.prometheus import StatsSnapshot
     from kvtier.daemon.listener import Listener
     from kvtier.daemon.security import CurveOptions
@@ -110,7 +111,8 @@ def remote_secret_from_config(cfg: DaemonConfig) -> bytes | None:
 def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None,
                         curve: CurveOptions | None = None, remote_secret: bytes | None = None,
                         arenas: ArenaDirectory | None = None, listener: Listener | None = None,
-                        successor: Successor | None = None) -> ServeOptions:
+                        successor: Successor | None = None, standby_of: StandbyWait | None = None,
+                        reusable_bytes: int = 0) -> ServeOptions:
     import psutil
 
     from kvtier.daemon.config import PoolSettings, resolve_cpu_budget_bytes
@@ -139,8 +141,7 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         max_shm_files_per_session=cfg.max_shm_files_per_session,
         max_registrations_per_session=cfg.max_registrations_per_session,
         max_pinned_share=cfg.max_pinned_share,
-        cpu_budget_bytes=resolve_cpu_budget_bytes(
-            cfg, int(psutil.virtual_memory().available) + (arenas.memory_bytes() if arenas is not None else 0)),
+        cpu_budget_bytes=resolve_cpu_budget_bytes(cfg, int(psutil.virtual_memory().available) + reusable_bytes),
         pool_idle_ttl_s=cfg.pool_idle_ttl_s,
         max_unread_reply_bytes=cfg.max_unread_reply_bytes,
         max_unread_reply_bytes_total=cfg.max_unread_reply_bytes_total,
@@ -156,6 +157,8 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         arenas=arenas,
         listener=listener,
         successor=successor,
+        standby_of=standby_of,
+        standby=cfg.standby,
         upgrade_argv=tuple(sys.orig_argv),
         upgrade_timeout_s=cfg.upgrade_timeout_s,
         start_metrics=_metrics_starter(cfg),
@@ -172,8 +175,9 @@ def _metrics_starter(cfg: DaemonConfig) -> Callable[[StatsSnapshot], Closeable] 
     return lambda snapshot: start_exporter(host, port, snapshot)
 
 
-def _arena_directory(cfg: DaemonConfig) -> ArenaDirectory | None:
-    """Where the persistent CPU tiers live (None: persistence off); a missing directory is a config error."""
+def _arena_directory(cfg: DaemonConfig, *, standby: bool = False) -> ArenaDirectory | None:
+    """Where the persistent CPU tiers live (None: persistence off); a missing directory is a config error.
+    ``standby``: the live primary owns them; listed (and tidied) only when this daemon takes over."""
     if not cfg.persist_cpu_tier:
         return None
     from kvtier.daemon.config import ConfigError, exit_on_config_error
@@ -185,6 +189,8 @@ def _arena_directory(cfg: DaemonConfig) -> ArenaDirectory | None:
         exit_on_config_error(ConfigError("arena_dir", f"{cfg.arena_dir} is not a directory this user can write; "
                                          "create it, choose another, or set persist_cpu_tier = false"))
     arenas = ArenaDirectory(cfg.arena_dir, cfg.socket)
+    if standby:
+        return arenas
     mine = arenas.instance_arenas()
     if mine:
         log.info("%d persistent CPU tiers from before this start (%s) in %s: adopting them", len(mine),
@@ -227,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvtier.daemon.config import ConfigError, exit_on_config_error, load_config_or_exit
     from kvtier.daemon.faults import FAULTS_ENV, parse_faults
     from kvtier.daemon.handover import HANDOVER_ENV, Successor
+    from kvtier.daemon.standby import STANDBY_ENV, StandbyWait
     from kvtier.daemon.lifecycle import refuse_if_served
     from kvtier.daemon.listener import ListenerMismatch, inherited_listener, systemd_listener
     from kvtier.daemon.sd_notify import Notifier
@@ -240,6 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         successor = Successor.from_environ(environ)
     except RuntimeError as exc:
         exit_on_config_error(ConfigError(HANDOVER_ENV, str(exc)))
+    try:
+        standby_of = StandbyWait.from_environ(environ)
+    except RuntimeError as exc:
+        exit_on_config_error(ConfigError(STANDBY_ENV, str(exc)))
     cfg = load_config_or_exit(argv, environ)
     try:
         fault_plan = parse_faults(faults_spec)
@@ -275,6 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 listener = inherited_listener(successor.listen_fd, cfg.socket, origin="predecessor", owns_file=False)
                 log.info("taking over from kvtierd pid %d: its socket %s, then its CPU tiers", successor.predecessor_pid,
                          cfg.socket)
+            elif standby_of is not None:
+                listener = inherited_listener(standby_of.listen_fd, cfg.socket, origin="standby", owns_file=False)
+                log.info("standby for kvtierd pid %d on %s: starting, then waiting", standby_of.primary_pid, cfg.socket)
             else:
                 listener = systemd_listener(cfg.socket, os.environ)
         except ListenerMismatch as exc:
@@ -290,30 +304,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _stopped_early(stop):
             return 0
 
-        notifier = Notifier.from_environ(predecessor_pid=successor.predecessor_pid if successor else None)
-        notifier.status("starting: checking devices and host memory")
+        notifier = Notifier.from_environ(predecessor_pid=successor.predecessor_pid if successor
+                                         else standby_of.primary_pid if standby_of else None)
+        # A standby says nothing to systemd before it serves: the primary is the service's voice.
+        startup = Notifier(None) if standby_of is not None else notifier
+        startup.status("starting: checking devices and host memory")
         device = _resolve_device(cfg.device)
         try:
             check_gpu_bytes(cfg, device)  # needs the resolved device: "auto" is torch's to answer
         except ConfigError as exc:
-            notifier.status(f"refused to start: {exc}")
+            startup.status(f"refused to start: {exc}")
             exit_on_config_error(exc)
         if device.startswith("cuda"):
             from kvtier.tiers.transfer import warm_up
 
-            notifier.status(f"starting: CUDA context and copy self-tests on {device}")
+            startup.status(f"starting: CUDA context and copy self-tests on {device}")
             started_s = time.monotonic()
             methods = warm_up(device)
             log.info("%s ready in %.1f s: copy methods %s", device, time.monotonic() - started_s, methods)
         from kvtier.daemon.memory import check_startup, gib, pins_cpu_tiers
         from kvtier.tiers.host_memory import HostMemoryError
 
-        arenas = _arena_directory(cfg)
+        arenas = _arena_directory(cfg, standby=standby_of is not None)
+        reusable_bytes = arenas.memory_bytes(tidy=standby_of is None) if arenas is not None else 0
         try:
-            plan = check_startup(cfg, pin=pins_cpu_tiers(),
-                                 reusable_bytes=arenas.memory_bytes() if arenas is not None else 0)
+            plan = check_startup(cfg, pin=pins_cpu_tiers(), reusable_bytes=reusable_bytes)
         except HostMemoryError as exc:
-            notifier.status(f"refused to start: {exc}")
+            startup.status(f"refused to start: {exc}")
             exit_on_config_error(ConfigError("cpu_bytes", str(exc)))
         log.info("CPU tiers planned: %s (allocated when the first hello names each pool)",
                  ", ".join(f"{key} = {gib(n)}" for key, n in plan))
@@ -321,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve,
                                             remote_secret=remote_secret, arenas=arenas, listener=listener,
-                                            successor=successor), stop,
+                                            successor=successor, standby_of=standby_of,
+                                            reusable_bytes=reusable_bytes), stop,
                         kv_import=_import_kv_tensor, notifier=notifier)
         return server.run()
     except (RuntimeError, OSError, zmq.ZMQError) as exc:

@@ -128,6 +128,7 @@ from kvtier.daemon.release import release_session
 from kvtier.daemon.sd_notify import Notifier
 from kvtier.daemon.security import CurveGuard, CurveOptions, peer_uid, peer_user_id
 from kvtier.daemon.sessions import Closeable, Session, SessionTable
+from kvtier.daemon.standby import StandbyKeeper, StandbyWait
 from kvtier.daemon.tenants import TenantRegistry
 from kvtier.daemon.upgrade import Upgrade
 from kvtier.tiers.persistent_arena import ArenaDirectory
@@ -190,6 +191,8 @@ class ServeOptions:
     arenas: ArenaDirectory | None = None  # persistent CPU tiers (daemon.pools); None: private memory
     listener: Listener | None = None  # the listening socket, inherited (systemd, a predecessor); None: bind one
     successor: Successor | None = None  # this daemon takes over from the predecessor that started it
+    standby_of: StandbyWait | None = None  # this daemon is a standby: it serves once that primary has exited
+    standby: bool = False  # keep a standby kvtierd (upgrade_argv) that serves if this one dies (daemon.standby)
     upgrade_argv: Sequence[str] = ()  # what SIGUSR2 starts to take over (sys.orig_argv); empty: no upgrades
     upgrade_timeout_s: float = 300.0  # for a successor to get ready, and to serve after the release
     # The Prometheus endpoint (daemon.metrics_endpoint), started once the daemon serves, closed when it stops
@@ -307,6 +310,8 @@ class Server:
                                timeout_s=options.upgrade_timeout_s,
                                drain_timeout_s=options.drain_timeout_s) if options.upgrade_argv else None
         self._upgrade_fd: int | None = None  # the hand-over's control channel, while the poller watches it
+        self.standby = StandbyKeeper(options.upgrade_argv, environ=lambda: os.environ,
+                                     listener=lambda: self.listener) if options.standby and options.upgrade_argv else None
         self._curve_guard: CurveGuard | None = None
         self._connection_guard: ConnectionGuard | None = None
         ipc = parse_ipc(options.endpoint)
@@ -394,6 +399,14 @@ class Server:
     # ---- the loop ------------------------------------------------------------
 
     def run(self) -> int:
+        standby_of = self.options.standby_of
+        if standby_of is not None:
+            # Everything is ready but the socket and the CPU tiers: the primary serves them while it lives.
+            takeover = standby_of.wait(self.stop)
+            if takeover is None:
+                return 0
+            if self.listener is not None and takeover.owns_file:
+                self.listener.own_file()
         successor = self.options.successor
         if successor is not None:
             # Everything is ready but the socket and the CPU tiers, which the predecessor still serves.
@@ -414,7 +427,8 @@ class Server:
         # the first request is read: no hello may create a pool whose arena is still to be adopted.
         self._adopt_arenas()
         self._start_metrics()
-        log.info("kvtierd serving on %s (device %s, protocol v1)", self.options.endpoint, self.options.device)
+        log.info("kvtierd serving on %s (device %s, protocol v1)%s", self.options.endpoint, self.options.device,
+                 f": took over from kvtierd pid {standby_of.primary_pid}, which died" if standby_of else "")
         if successor is not None:
             # The predecessor makes us systemd's main process (MAINPID=, READY=1) and exits.
             successor.serving()
@@ -514,6 +528,8 @@ class Server:
     def _handed_over(self) -> int:
         """The successor serves: flush the held requests' replies, close without removing the socket file."""
         self.replies.abandon()
+        if self.standby is not None:
+            self.standby.close("this daemon handed over to a successor")
         self.close(linger_s=1.0, remove_file=False)
         self.notifier.close()
         log.info("stopped: handed over to kvtierd pid %s", self.upgrade.handed_over_to if self.upgrade else "?")
@@ -552,6 +568,11 @@ class Server:
         self.replies.release_sent()
         if self.upgrade is not None or self.stop.upgrade_requested:
             self._upgrade_turn(time.monotonic())
+        if self.standby is not None:
+            # Never beside an upgrade's successor (both would claim the tiers if this daemon died), nor while stopping.
+            upgrading = self.upgrade is not None and self.upgrade.state != "idle"
+            self.standby.turn(time.monotonic(), refused="an upgrade's successor takes over instead" if upgrading
+                              else "this daemon is stopping" if self.stop.requested or self.ctx.draining else "")
         self._heap.note(self.replies.copied_bytes + self._parked.reply_bytes_total, time.monotonic())
         # Policy bookkeeping off the reply path: it stops for a waiting request
         # or a client waiting on copies (whose threads need the GIL to finish),
@@ -773,6 +794,9 @@ class Server:
 
     def _drain(self) -> int:
         self.ctx.draining = True
+        if self.standby is not None:
+            # First: a standby must not read this daemon's exit as a crash.
+            self.standby.close("this daemon is stopping")
         # Clients told SHUTTING_DOWN reconnect: to the next daemon's socket file, not to this one's (a socket
         # systemd holds stays: its next daemon serves that very socket).
         if self.listener is not None:

@@ -68,6 +68,7 @@ SLOW_FILES: frozenset[str] = frozenset({
     "tests/daemon/test_restart.py",
     "tests/daemon/test_sd_notify.py",
     "tests/daemon/test_security.py",
+    "tests/daemon/test_standby.py",  # 136 s wall at load 8: primaries, standbys and successors importing torch
     "tests/daemon/test_unread_replies.py",
     "tests/examples/test_engine.py",
     "tests/tiers/test_remote_tier.py",  # Redis standalone and a 3-node cluster

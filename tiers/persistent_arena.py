@@ -146,14 +146,15 @@ class ArenaDirectory:
     def stem(self, pool_key: str) -> str:
         return arena_stem(self.uid, self.endpoint, pool_key)
 
-    def instance_arenas(self) -> list[ArenaInfo]:
+    def instance_arenas(self, *, tidy: bool = True) -> list[ArenaInfo]:
         """This instance's arenas; leftovers of interrupted creations (a data file without an index,
-        temporary files) are removed on the way."""
+        temporary files) are removed on the way unless ``tidy`` is False (a standby daemon: the creation may be
+        the live primary's, in progress)."""
         try:
             names = os.listdir(self.path)
         except FileNotFoundError:
             return []
-        for name in names:
+        for name in names if tidy else ():
             if name.startswith(self._prefix) and not name.endswith((INDEX_SUFFIX, DATA_SUFFIX)):
                 with contextlib.suppress(OSError):
                     (self.path / name).unlink()  # SlotIndex.create's temporary files
@@ -162,15 +163,16 @@ class ArenaDirectory:
             if not info.stem.startswith(self._prefix):
                 continue
             if not info.index_path.exists() and not info.held:
-                with contextlib.suppress(FileNotFoundError):
-                    info.data_path.unlink()
+                if tidy:
+                    with contextlib.suppress(FileNotFoundError):
+                        info.data_path.unlink()
                 continue
             mine.append(info)
         return mine
 
-    def memory_bytes(self, pool_key: str | None = None) -> int:
+    def memory_bytes(self, pool_key: str | None = None, *, tidy: bool = True) -> int:
         """Memory this instance's arena files hold (one pool's, or all): what reopening them reuses."""
-        stems = [self.stem(pool_key)] if pool_key is not None else [i.stem for i in self.instance_arenas()]
+        stems = [self.stem(pool_key)] if pool_key is not None else [i.stem for i in self.instance_arenas(tidy=tidy)]
         return sum(allocated_bytes(self.path / (s + suffix)) for s in stems for suffix in (INDEX_SUFFIX, DATA_SUFFIX))
 
     def remove(self, pool_key: str) -> None:

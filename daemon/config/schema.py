@@ -911,6 +911,11 @@ class DaemonConfig:
     arena_dir: Path = field(default=Path("/dev/shm"), metadata=key(
         _as_path, "directory (tmpfs) of the persistent CPU tiers' files; 'kvtier arenas' lists and removes them",
         "DIR", group=RUNTIME, rank=7, check=_check_arena_dir))
+    standby: bool = field(default=False, metadata=key(
+        _as_bool, "keep a second, fully started kvtierd waiting beside the serving one: if the serving one dies "
+        "(SIGKILL, a crash) it adopts the CPU tiers and serves at once, instead of after a whole start; it holds "
+        "one more process's memory (~0.3-0.5 GiB, no CPU tier)", "BOOL",
+        group=RUNTIME, rank=8, check=_check_bool))
     hash_algo: str = field(default="xxh3_128", metadata=key(
         _as_lower_str, "block hash algorithm pools must use: xxh3_128 or sha256 (default sha256 with 2+ tenants)",
         "ALGO", group=RUNTIME, rank=2, check=_check_hash_algo))

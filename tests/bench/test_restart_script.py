@@ -23,5 +23,9 @@ def test_the_script_kills_restarts_and_counts_every_block(tmp_path: Path) -> Non
     assert adopt["served"] == adopt["adopted"] == result["blocks"] == 32 and adopt["wrong"] == 0
     assert adopt["first_request_hit"] and adopt["first_hit_exact"]
     assert not result["baseline_no_persistence"]["first_request_hit"]  # a private tier starts empty
+    standby = result["standby"]  # SIGKILL with a standby waiting: it serves every block, each round
+    assert len(standby["rounds"]) == 3 and standby["served"] == 32 and standby["wrong"] == 0
+    assert all(r["first_request_hit"] and r["first_hit_exact"] and r["standby_rss_bytes"] > 0 for r in standby["rounds"])
+    assert "with a standby: first hit" in out.stdout
     assert result["targets"]["served_share_met"] and "first hit" in out.stdout
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvtier-restart-bench")] == []  # cleaned up

@@ -89,11 +89,11 @@ def test_a_number_changed_in_json_changes_the_doc(tmp_path: Path) -> None:
     readme.write_text((REPO / "README.md").read_text())
     # The README's restart row reads restart-cpu.json: a changed number there moves the README too.
     restart = json.loads((RESULTS / "restart-cpu.json").read_text())
-    restart["adopt"]["served"] = 2047
+    restart["standby"]["served"] = 2047  # the row quotes the standby's take-over (bench/restart.py)
     (results / "restart-cpu.json").write_text(json.dumps(restart))
     assert run_script("--results", str(results), "--out", str(out), "--readme", str(readme)).returncode == 0
     assert "**123**" in out.read_text()
-    assert "2047/2048 blocks served" in readme.read_text()
+    assert "2047/2048 blocks byte-exact" in readme.read_text()
     assert "2047/2048" not in (REPO / "README.md").read_text()
 
 
