@@ -85,7 +85,7 @@ class Lender:
             bm.touch(blocks)  # type: ignore[arg-type]
         for e in entries:
             cpu.begin_read(e)  # type: ignore[arg-type]
-        cpu.accessed([e.key for e in reversed(entries)])  # type: ignore[union-attr]  # tail first (see engine.allocate)
+        cpu.accessed([e.key for e in reversed(entries)])  # type: ignore[union-attr]  # tail first (see EngineMode.allocate)
         counters.loads += len(held)
         counters.lent_bytes += len(held) * self.block_bytes
         views = [slab[first : first + n].numpy() for slab, first, n in runs]

@@ -13,7 +13,7 @@
 - ``restore`` copies the longest held prefix (disk and remote runs fetched first)
   into the caller's slots, at most ``max_blocks`` of it (a caller that sized
   its buffer by an earlier lookup: the remote tier may hold more by now).
-  Lending in place is ``lending.borrow``.
+  Lending in place is ``lending.Lender``.
 - ``read_by_ns`` (store) and ``start_by_ns`` (restore) are the client's
   deadline where ``src`` / ``dst`` is the client's own memory (see
   ``copies``): past it a store stores nothing and a restore writes nothing.
@@ -222,7 +222,7 @@ class StoreMode:
             entries = [e for e, _ in cpu_held]
             for e in entries:
                 cpu.begin_read(e)  # type: ignore[arg-type]
-            cpu.accessed([e.key for e in reversed(entries)])  # type: ignore[union-attr]  # tail first (see engine.allocate)
+            cpu.accessed([e.key for e in reversed(entries)])  # type: ignore[union-attr]  # tail first (see EngineMode.allocate)
             copy = copies.copy(CopyKind.LOAD, cpu.storage, [e.slot for e in entries], dst,  # type: ignore[union-attr]
                                [d for _, d in cpu_held], start_by_ns=start_by_ns)
             copy.on_done.append(lambda ok, es=entries: [cpu.end_read(e) for e in es])  # type: ignore[arg-type]
