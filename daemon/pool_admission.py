@@ -68,14 +68,13 @@ class PoolAdmission:
         pools = self._registry()
         sizing = self.configured_sizing(name, reusable_bytes)
         cpu_bytes = sizing.resolve_cpu_bytes()  # sized: what the pool will take
-        closed = 0
         # By name: a reference held here (a loop variable, the list) would keep a closed pool, and its
         # tier memory, alive until this call returns.
-        for key, since_s, cpu_bytes in [(e.name, e.idle_since_s, e.cpu_bytes) for e in pools.idle()]:
-            if not self._would_not_fit(cpu_bytes, reusable_bytes):
+        for key, since_s, idle_bytes in [(e.name, e.idle_since_s, e.cpu_bytes) for e in pools.idle()]:
+            if not self._would_not_fit(cpu_bytes, reusable_bytes):  # the new pool's size, not the idle one's
                 break
             log.info("pool %r reclaimed for pool %r: idle %.0f s, %s of CPU tier freed", key, name,
-                     time.monotonic() - (since_s or 0.0), gib(cpu_bytes))
+                     time.monotonic() - (since_s or 0.0), gib(idle_bytes))
             self.metrics.inc("pools_reclaimed_total", reason="memory")
             pools.close(key, self.close_timeout_s)
         if len(pools) >= self.max_pools:
