@@ -13,7 +13,7 @@ or more runs of slots than ``max_views``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.tiers.cpu_tier import CpuTier
 from kvtier.tiers.pool.base import Borrowed, Tier
@@ -24,13 +24,16 @@ from kvtier.tiers.pool.learning import LearningQueue
 from kvtier.tiers.pool.resolve import Resolver
 from kvtier.tiers.pool.state import PoolState
 
+if TYPE_CHECKING:
+    from kvtier.tiers.disk_tier import DiskTier
+
 
 class Lender:
     """``TieredPool.borrow``'s body (see the module docstring)."""
 
     def __init__(self, state: PoolState, cpu: CpuTier, copies: CopyScheduler, resolver: Resolver, demoter: Demoter,
                  learning: LearningQueue, counters: Counters, *, block_bytes: int, data: bool,
-                 consults_remote: bool, disk: Any) -> None:
+                 consults_remote: bool, disk: DiskTier | None) -> None:
         self.state = state  # its GPU tier (bm, gpu), read at each call
         self.cpu = cpu
         self.copies = copies
