@@ -17,14 +17,14 @@ Contract:
   the loop calls it on its sweep.
 - ``allocation_progress`` reports a CPU tier being pinned (systemd STATUS=)
   and feeds the watchdog, since pinning a large tier blocks the loop.
-- A pool closed here is collected at once (``free_closed_pools``), so its
-  tier memory is back before the new pool allocates.
+- A pool closed here is freed at once, by reference count (a pool's object
+  graph has no cycle: ``tiers.pool``), so its tier memory is back before the
+  new pool allocates. Nothing here may keep a reference to a closed pool.
 - Single-threaded: only the event loop calls this module.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -40,24 +40,9 @@ from kvtier.tiers.host_memory import HostMemoryError
 if TYPE_CHECKING:
     from kvtier.daemon.config import PoolSettings
 
-__all__ = ["PoolAdmission", "free_closed_pools"]
+__all__ = ["PoolAdmission"]
 
 log = logging.getLogger(__name__)
-
-
-def free_closed_pools() -> None:
-    """Collect the pools just closed, and the tier memory they hold, now.
-
-    A pool's parts refer to each other (the pool to its resolver, pins and
-    scheduler, and back), so dropping it leaves a cycle that only the cyclic
-    collector frees, and its tiers' memory with it: 1,000 hellos with idle
-    pools reclaimed grew the daemon by 444 MB before this. A full collection
-    on the loop, once per reclaim, is the price (pool creation itself takes
-    longer: it allocates the new tier).
-    """
-    t0 = time.perf_counter()
-    gc.collect()
-    log.debug("collected closed pools in %.1f ms", (time.perf_counter() - t0) * 1e3)
 
 
 class PoolAdmission:
@@ -83,19 +68,15 @@ class PoolAdmission:
         pools = self._registry()
         sizing = self.configured_sizing(name, reusable_bytes)
         cpu_bytes = sizing.resolve_cpu_bytes()  # sized: what the pool will take
-        closed = 0
         # By name: a reference held here (a loop variable, the list) would keep a closed pool, and its
-        # tier memory, alive through the collection below.
-        for key, since_s, cpu_bytes in [(e.name, e.idle_since_s, e.cpu_bytes) for e in pools.idle()]:
-            if not self._would_not_fit(cpu_bytes, reusable_bytes):
+        # tier memory, alive until this call returns.
+        for key, since_s, idle_bytes in [(e.name, e.idle_since_s, e.cpu_bytes) for e in pools.idle()]:
+            if not self._would_not_fit(cpu_bytes, reusable_bytes):  # the new pool's size, not the idle one's
                 break
             log.info("pool %r reclaimed for pool %r: idle %.0f s, %s of CPU tier freed", key, name,
-                     time.monotonic() - (since_s or 0.0), gib(cpu_bytes))
+                     time.monotonic() - (since_s or 0.0), gib(idle_bytes))
             self.metrics.inc("pools_reclaimed_total", reason="memory")
             pools.close(key, self.close_timeout_s)
-            closed += 1
-        if closed:
-            free_closed_pools()
         if len(pools) >= self.max_pools:
             # Pools outlive their sessions (the cache is the point), so without
             # a bound every new pool name a client sends costs tiers and threads.
@@ -120,7 +101,7 @@ class PoolAdmission:
     def close_expired(self, now_s: float) -> None:
         """Pools idle for pool_idle_ttl_s go, with their blocks."""
         pools = self._registry()
-        # By name, as in sizing_for: the collection must see no reference to a closed pool.
+        # By name, as in sizing_for: no reference here keeps a closed pool alive.
         expired = [(e.name, now_s - e.idle_since_s, e.cpu_bytes) for e in pools.idle()
                    if e.idle_since_s is not None and now_s - e.idle_since_s >= self.pool_idle_ttl_s]
         for key, idle_s, cpu_bytes in expired:
@@ -128,8 +109,6 @@ class PoolAdmission:
                      key, idle_s, gib(cpu_bytes))
             self.metrics.inc("pools_reclaimed_total", reason="idle")
             pools.close(key, self.close_timeout_s)
-        if expired:
-            free_closed_pools()
 
     def allocation_progress(self, name: str, done_bytes: int, total_bytes: int) -> None:
         """After each pinned chunk of a new CPU tier (``PoolRegistry``'s ``progress``)."""

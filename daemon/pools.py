@@ -71,7 +71,6 @@ Contract:
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -221,8 +220,7 @@ class PoolRegistry:
                         ", ".join(f"{k}: {entry.layout.get(k)!r} -> {layout.get(k)!r}" for k in diffs),
                         len(entry.pool.cpu))
             self.close(key, self._close_timeout_s)
-            entry = None  # no reference left: the collection frees its tier now
-            gc.collect()  # its tier's memory back before the new one is sized (see pool_admission.free_closed_pools)
+            entry = None  # the last reference: its tier's memory is back before the new one is sized
         if entry is not None:
             entry.unclaimed = False
             if entry.layout != dict(layout):

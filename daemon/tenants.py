@@ -47,8 +47,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import weakref
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -272,7 +273,9 @@ class TenantQuotaPolicy(PolicyWrapper):
         super().__init__(inner)
         self.registry = registry
         self.block_bytes = block_bytes
-        self.cpu = cpu  # the CpuTier this policy orders: says which admitted keys it still holds
+        # The CpuTier this policy orders: says which admitted keys it still holds. Weak: the tier holds
+        # this policy, and a strong reference back would keep a dropped pool's tier in a cycle.
+        self._cpu: Callable[[], CpuTier | None] = weakref.ref(cpu) if cpu is not None else lambda: None
         self.keys_by_tenant: dict[str, set[bytes]] = {}
         self._pending: dict[bytes, str] = {}  # admitted, not yet committed -> tenant
 
@@ -304,7 +307,8 @@ class TenantQuotaPolicy(PolicyWrapper):
 
     def admit(self, keys: Sequence[bytes]) -> list[bool]:
         if self._pending:
-            peek = self.cpu.peek  # without verifying an adopted entry: only whether the tier holds it
+            cpu = self._cpu()
+            peek = cpu.peek if cpu is not None else lambda key: False  # without verifying an adopted entry
             for key in [k for k in self._pending if not peek(k)]:
                 self._settle_pending(key)
         registry = self.registry

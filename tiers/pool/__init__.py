@@ -9,9 +9,15 @@ concern each:
   from being reused while a copy touches it.
 - ``resolve``: prefix resolution across GPU, CPU and remote tiers.
 - ``pins``: owners' pins.  ``learning``: when the CPU policy learns.
-- ``demotion``: demoting evicted blocks, and clean-ahead.
+- ``demotion``: demoting evicted blocks, and clean-ahead.  ``polling``: the pool's ``poll``.
 - ``engine``: allocate/append/free.  ``store``: store/restore.  ``lending``: borrow.
-- ``counters``: the counters, declared once.
+- ``adoption``: a persistent CPU tier.  ``journal``: the keys held, for routers.
+- ``counters``: the counters, declared once.  ``state``: the GPU tier the parts share.
+
+The facade builds each part from the collaborators it uses (the CPU tier,
+the copy scheduler, the counters, the parts it calls, ``PoolState``); no
+part imports or names the facade, and the object graph has no cycle: a
+dropped pool is freed by reference count.
 """
 
 from kvtier.tiers.pool.base import Borrowed, Held, NoSpace, NotFound, PoolError, PoolSpec, Tier

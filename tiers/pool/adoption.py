@@ -3,7 +3,7 @@
 Contract
 ========
 
-- ``Adoption(pool, arena, wakeup)`` (``TieredPool.attach_arena``) makes the
+- ``Adoption(cpu, arena, journal, ...)`` (``TieredPool.attach_arena``) makes the
   arena the CPU tier's slot recorder (every write recorded, every slot
   invalidated before reuse: ``CpuTier``'s contract), continues the pool's key
   journal past the numbers the previous process may have handed out (a
@@ -34,11 +34,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvtier.tiers.cpu_tier import CpuEntry
+from kvtier.tiers.cpu_tier import CpuEntry, CpuTier
 
 if TYPE_CHECKING:
     from kvtier.tiers.persistent_arena import PersistentArena
-    from kvtier.tiers.pool.facade import TieredPool
+    from kvtier.tiers.pool.journal import KeyJournal
 
 log = logging.getLogger("kvtier.tiers.pool")
 
@@ -51,17 +51,16 @@ VERDICTS_PER_WAKEUP = 256
 class Adoption:
     """See the module docstring."""
 
-    def __init__(self, pool: TieredPool, arena: PersistentArena, wakeup: Callable[[], None] | None = None) -> None:
-        self.pool = pool
+    def __init__(self, cpu: CpuTier, arena: PersistentArena, journal: KeyJournal | None, *, name: str,
+                 wakeup: Callable[[], None] | None = None) -> None:
+        self.cpu = cpu
         self.arena = arena
-        cpu = pool.cpu
         if cpu.storage is not arena.layout:
             raise ValueError("the arena must be the CPU tier's storage (TieredPool(cpu_storage=arena.layout))")
         cpu.slot_recorder = arena
-        journal = pool.journal
         if journal is not None:
             # Numbers past any the previous process handed out, reserved a step at a time.
-            journal.continue_after(arena.events_reserved, self._reserve_events)
+            journal.continue_after(arena.events_reserved, _event_reserver(arena))
         opened = arena.opened
         cpu.adoption_dropped_blocks += opened.dropped
         entries = cpu.adopt((r.key, r.slot) for r in opened.records)
@@ -72,14 +71,8 @@ class Adoption:
         if entries:
             todo = list(reversed(entries))  # newest first
             self._thread = threading.Thread(target=self._verify_all, args=(todo, wakeup), daemon=True,
-                                            name=f"kvtier-verify-{pool.spec.name}"[:15])
+                                            name=f"kvtier-verify-{name}"[:15])
             self._thread.start()
-
-    def _reserve_events(self, up_to: int) -> int:
-        """The journal numbers events up to ``up_to``: reserve past it in the arena; returns the new limit."""
-        limit = up_to + EVENTS_RESERVE_STEP
-        self.arena.events_reserved = limit
-        return limit
 
     def _verify_all(self, todo: list[CpuEntry], wakeup: Callable[[], None] | None) -> None:
         arena = self.arena
@@ -103,7 +96,7 @@ class Adoption:
 
     def apply(self) -> None:
         """Hand the verifier's verdicts to the CPU tier (the pool's thread)."""
-        cpu = self.pool.cpu
+        cpu = self.cpu
         verdicts = self._verdicts
         while verdicts:
             entry, ok = verdicts.popleft()
@@ -118,3 +111,15 @@ class Adoption:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+
+def _event_reserver(arena: PersistentArena) -> Callable[[int], int]:
+    """The journal numbers events up to ``up_to``: reserve past it in the arena; returns the new limit.
+    A function of the arena alone: the journal holds it, and the CPU tier holds the journal."""
+
+    def reserve(up_to: int) -> int:
+        limit = up_to + EVENTS_RESERVE_STEP
+        arena.events_reserved = limit
+        return limit
+
+    return reserve

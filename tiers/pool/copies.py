@@ -26,7 +26,11 @@ handed out, overwritten or read while a copy touches it.**
   failed copy does (a store's keys are dropped again).
 - Copies finish only in ``submit_ready`` (bookkeeping mode, empty copies,
   submit errors) or ``poll`` (the transfer engine's results), both on the
-  pool's thread.
+  pool's thread. A finished copy drops its callbacks, and a finished op
+  its own: they close over the copy, the tiers and the op, and would
+  otherwise keep them in cycles only the cyclic collector frees.
+- An ``Op`` knows its pool only as an ``OpDriver`` (``polling.Poller``):
+  what ``wait`` polls and what collects the ops a poll completed.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.tiers.cpu_tier import CpuEntry, CpuTier
 from kvtier.tiers.copy_types import CopyKind, DeadlinePassed, Transfer, TransferEngine, TransferError
@@ -43,16 +47,23 @@ from kvtier.tiers.copy_types import CopyKind, DeadlinePassed, Transfer, Transfer
 if TYPE_CHECKING:
     from kvtier.blocks.layout import BlockLayout
     from kvtier.tiers.pool.counters import Counters
-    from kvtier.tiers.pool.facade import TieredPool
 
 log = logging.getLogger("kvtier.tiers.pool")
+
+
+class OpDriver(Protocol):
+    """What an op needs of its pool (``polling.Poller``)."""
+
+    def poll(self, wait_s: float = 0.0) -> object: ...
+
+    def note_completed(self, op: Op) -> None: ...
 
 
 class Op:
     """A pool call whose copies may still be in flight."""
 
-    def __init__(self, pool: TieredPool, name: str, result: Any = None) -> None:
-        self._pool = pool
+    def __init__(self, driver: OpDriver, name: str, result: Any = None) -> None:
+        self._driver = driver
         self.name = name
         self.result = result
         self.error: BaseException | None = None
@@ -71,7 +82,7 @@ class Op:
         while not self.done:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self.name} still has {len(self._waiting)} copies in flight")
-            self._pool.poll(wait_s=0.01)
+            self._driver.poll(wait_s=0.01)
         return self
 
     def add_done_callback(self, fn: Callable[[Op], None]) -> None:
@@ -85,8 +96,11 @@ class Op:
         for fin in self._finalizers:
             fin(ok)
         self.done = True
-        self._pool._copies.note_completed(self)
-        for fn in self._on_done:
+        self._driver.note_completed(self)
+        on_done = self._on_done
+        self._finalizers = []
+        self._on_done = []
+        for fn in on_done:
             fn(self)
 
 
@@ -126,7 +140,6 @@ class CopyScheduler:
         self.cpu_writes: dict[int, Copy] = {}
         self.deferred: list[Copy] = []
         self.inflight: dict[Transfer, Copy] = {}
-        self.completed: list[Op] | None = None  # set while the pool's poll() runs
 
     @property
     def busy(self) -> bool:
@@ -135,10 +148,6 @@ class CopyScheduler:
     def __len__(self) -> int:
         """Copies not finished yet (in flight or waiting for others)."""
         return len(self.inflight) + len(self.deferred)
-
-    def note_completed(self, op: Op) -> None:
-        if self.completed is not None:
-            self.completed.append(op)
 
     def detach_gpu(self) -> None:
         self.gpu = None
@@ -291,7 +300,8 @@ class CopyScheduler:
             if not isinstance(error, DeadlinePassed):  # a late client is not a failing copy engine
                 self.counters.copy_failures += 1
             log.warning("%s of %d blocks failed: %s", copy.kind.value, len(copy.src_slots), error)
-        for fn in copy.on_done:
+        on_done, copy.on_done, copy.then = copy.on_done, [], None
+        for fn in on_done:
             fn(ok)
         for op in copy.ops:
             op._waiting.discard(copy)

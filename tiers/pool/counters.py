@@ -10,8 +10,10 @@ order, under their field names; the daemon's ``stats`` reply, Prometheus
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
+
+from kvtier.tiers.pool.base import Tier
 
 
 @dataclass(slots=True)
@@ -41,6 +43,16 @@ class Counters:
     loads: int = 0  # blocks restored or lent to a client
     lent_bytes: int = 0
     copy_failures: int = 0
+
+    def count_request(self, hashes: Sequence[bytes], tiers: Sequence[Tier]) -> None:
+        """One counted request (lookup, allocation, restore, borrow): its blocks, and the tier of each hit."""
+        self.lookups += 1
+        self.looked_up_blocks += len(hashes)
+        self.hit_blocks_gpu += tiers.count(Tier.GPU)
+        self.hit_blocks_cpu += tiers.count(Tier.CPU)
+        self.hit_blocks_remote += tiers.count(Tier.REMOTE)
+        self.hit_blocks_disk += tiers.count(Tier.DISK)
+        self.miss_blocks += len(hashes) - len(tiers)
 
     def keys(self) -> tuple[str, ...]:
         return NAMES

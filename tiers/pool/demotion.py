@@ -21,32 +21,36 @@
   tier for these demotions is never made by evicting them.
 - A demotion the CPU tier's policy does not admit, or that finds no room, is
   dropped and counted (``demotions_not_admitted``, ``demotions_dropped_full``).
+
+It works on the GPU tier of the pool's ``PoolState``, the CPU tier and the
+copy scheduler it is given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvtier.tiers.block_manager import Evicted
-from kvtier.tiers.cpu_tier import CpuTierFull
-from kvtier.tiers.pool.copies import Copy, Op
+from kvtier.tiers.cpu_tier import CpuTier, CpuTierFull
+from kvtier.tiers.pool.copies import Copy, CopyScheduler, Op
+from kvtier.tiers.pool.counters import Counters
+from kvtier.tiers.pool.state import PoolState
 from kvtier.tiers.copy_types import CopyKind
-
-if TYPE_CHECKING:
-    from kvtier.tiers.pool.facade import TieredPool
 
 
 class Demoter:
-    def __init__(self, pool: TieredPool) -> None:
-        self.pool = pool
+    def __init__(self, state: PoolState, cpu: CpuTier, copies: CopyScheduler, counters: Counters) -> None:
+        self.state = state
+        self.cpu = cpu
+        self.copies = copies
+        self.counters = counters
 
     def vacate(self, evicted: Sequence[Evicted], op: Op, protected: frozenset[bytes] = frozenset()) -> set[Copy]:
         """Make evicted blocks' slots safe to reuse; returns the copies reuse must follow."""
-        pool = self.pool
-        copies = pool._copies
-        cpu = pool.cpu
-        bm = pool.bm
+        copies = self.copies
+        cpu = self.cpu
+        bm = self.state.bm
+        counters = self.counters
         must_follow: set[Copy] = set()
         urgent: list[Evicted] = []
         urgent_keys: set[bytes] = set()
@@ -56,7 +60,7 @@ class Demoter:
             must_follow |= copies.busy_copies([ev.block_id])
             if cpu.get(h) is not None:
                 cpu.keep(h)  # the GPU copy goes: a clear racing its demotion must not take this one too
-                pool.counters.demotions_skipped_clean += 1
+                counters.demotions_skipped_clean += 1
                 if bm is None or bm.get_cached(h) is None:
                     held.append(h)
             elif bm is not None and bm.get_cached(h) is not None:
@@ -72,7 +76,7 @@ class Demoter:
         if urgent:
             demote = self.demote(urgent, high_priority=True, protected=protected)
             if demote is not None:
-                pool.counters.demotions_urgent += len(demote.src_slots)
+                counters.demotions_urgent += len(demote.src_slots)
                 must_follow.add(demote)
         # The caller writes the reused slots once the op is done: it waits for
         # these copies, but their failure (a lost demotion) is not its failure.
@@ -82,14 +86,13 @@ class Demoter:
 
     def dropped(self, hashes: Sequence[bytes]) -> None:
         """The GPU tier let ``hashes`` go without demoting them (withdrawn, cleared, detached)."""
-        bm = self.pool.bm
-        self.pool.cpu.gpu_dropped(list(hashes) if bm is None else [h for h in hashes if bm.get_cached(h) is None])
+        bm = self.state.bm
+        self.cpu.gpu_dropped(list(hashes) if bm is None else [h for h in hashes if bm.get_cached(h) is None])
 
     def demote(self, evicted: Sequence[Evicted], *, high_priority: bool,
                protected: frozenset[bytes] = frozenset()) -> Copy | None:
-        pool = self.pool
-        cpu = pool.cpu
-        counters = pool.counters
+        cpu = self.cpu
+        counters = self.counters
         answers = cpu.admit([ev.block_hash for ev in evicted])
         admitted = [ev for ev, yes in zip(evicted, answers) if yes]
         counters.demotions_not_admitted += len(evicted) - len(admitted)
@@ -101,9 +104,9 @@ class Demoter:
         except CpuTierFull:
             counters.demotions_dropped_full += len(admitted)
             return None
-        copies = pool._copies
+        copies = self.copies
         ids = [ev.block_id for ev in admitted]
-        copy = copies.copy(CopyKind.DEMOTE, pool.gpu, ids, cpu.storage, [e.slot for e in entries],
+        copy = copies.copy(CopyKind.DEMOTE, self.state.gpu, ids, cpu.storage, [e.slot for e in entries],
                            after=copies.busy_copies(ids, writes_only=True), high_priority=high_priority)
         copies.track_cpu_write(copy, cpu, entries)
         copies.mark_gpu_busy(copy, ids)
@@ -120,15 +123,15 @@ class Demoter:
         and adding those it demotes or the CPU tier refuses. Returns (blocks
         found to demote, blocks whose demotion was submitted).
         """
-        pool = self.pool
-        bm = pool.bm
-        cpu = pool.cpu
+        state = self.state
+        bm = state.bm
+        cpu = self.cpu
         if depth_blocks is None:
-            depth_blocks = pool.clean_ahead_blocks
-            pool.idle_clean_pending = True  # a call changed the free queue: the idle pass has work again
+            depth_blocks = state.clean_ahead_blocks
+            state.idle_clean_pending = True  # a call changed the free queue: the idle pass has work again
         if bm is None or depth_blocks <= 0 or cpu.capacity_blocks == 0:
             return 0, 0
-        busy = pool._copies.gpu_busy
+        busy = self.copies.gpu_busy
         dirty: list[Evicted] = []
         for i, block in enumerate(bm.iter_free()):
             if i >= depth_blocks or (max_blocks is not None and len(dirty) >= max_blocks):
@@ -148,5 +151,5 @@ class Demoter:
         copy = self.demote(dirty, high_priority=False, protected=protected)
         if copy is None:
             return len(dirty), 0
-        pool._copies.submit_ready()
+        self.copies.submit_ready()
         return len(dirty), len(copy.src_slots)

@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -102,16 +103,20 @@ from kvtier.tiers.policies import EvictionPolicy, make_policy
 from kvtier.tiers.policies.admit2 import AdmissionWrapper, SecondSightingAdmission
 from kvtier.tiers.policies.base import find_wrapped
 from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY
-from kvtier.tiers.pool import engine, lending, store
 from kvtier.tiers.pool.adoption import Adoption
 from kvtier.tiers.pool.base import Borrowed, Held, PoolError, PoolSpec, Tier
 from kvtier.tiers.pool.copies import CopyScheduler, Op
 from kvtier.tiers.pool.counters import Counters
 from kvtier.tiers.pool.demotion import Demoter
+from kvtier.tiers.pool.engine import EngineMode
 from kvtier.tiers.pool.learning import LEARN_CHUNK_KEYS, LearningQueue
+from kvtier.tiers.pool.lending import Lender
 from kvtier.tiers.pool.journal import REMOVED, KeyJournal
 from kvtier.tiers.pool.pins import Pins
-from kvtier.tiers.pool.resolve import Resolver
+from kvtier.tiers.pool.polling import Poller
+from kvtier.tiers.pool.resolve import Resolver, WriteBack
+from kvtier.tiers.pool.state import PoolState
+from kvtier.tiers.pool.store import StoreMode
 
 if TYPE_CHECKING:
     from kvtier.tiers.disk_tier import DiskTier
@@ -134,7 +139,10 @@ class TieredPool:
     tiers (``bm``, ``cpu``, ``remote``; code outside ``kvtier.tiers`` uses the
     properties and methods instead), the copy scheduler, prefix resolution,
     pins, policy learning and demotion. The verbs' bodies live in ``engine``,
-    ``store`` and ``lending``.
+    ``store`` and ``lending``. It builds the parts, handing each the
+    collaborators it uses (and the ``PoolState`` where it reads the GPU
+    tier), and forwards to them; no part holds the facade, so the pool's
+    object graph has no cycle and a dropped pool is freed by reference count.
     """
 
     def __init__(
@@ -165,10 +173,9 @@ class TieredPool:
         self.data = data
         self.transfer = transfer
         self.enable_caching = enable_caching
-        self.clean_ahead_blocks = clean_ahead_blocks
+        self._state = state = PoolState(spec.name, clean_ahead_blocks)
         # None: the GPU tier's size, at most half the CPU tier (see clean_when_idle).
         self.idle_clean_blocks = idle_clean_blocks
-        self.idle_clean_pending = False  # set by every call's clean-ahead, cleared when the idle pass is done
         # (block, hash) pairs the idle pass asked the CPU tier about: a refusal is not asked again
         # (a policy's or a tenant quota's refusals are counted), nor a block in flight twice.
         self._idle_asked: set[tuple[int, bytes]] = set()
@@ -188,23 +195,56 @@ class TieredPool:
             (tier, store) for tier, store in ((Tier.DISK, disk), (Tier.REMOTE, remote)) if store is not None)
         if disk is not None and disk.admission is None:
             disk.admission = second_sighting(self.cpu.policy)
-        self.bm: BlockManager | None = None
-        self.gpu: BlockLayout | None = None
-        self.counters = Counters()
-        self._copies = CopyScheduler(data=data, transfer=transfer, counters=self.counters)
-        self._resolve = Resolver(self)
-        self._pins = Pins(self)
-        self._learning = LearningQueue(self.cpu, defer=defer_learning)
-        self._demoter = Demoter(self)
+        cpu = self.cpu
+        self.counters = counters = Counters()
+        self._copies = copies = CopyScheduler(data=data, transfer=transfer, counters=counters)
+        self._resolve = resolver = Resolver(state, cpu, counters, lower=self.lower, enable_caching=enable_caching)
+        self._pins = Pins(state, cpu)
+        self._learning = learning = LearningQueue(cpu, defer=defer_learning)
+        self._demoter = demoter = Demoter(state, cpu, copies, counters)
+        self._poller = poller = Poller(copies, demoter)
+        self._engine = EngineMode(state, cpu, copies, resolver, demoter, learning, counters, poller,
+                                  enable_caching=enable_caching)
+        self._store = StoreMode(state, cpu, copies, resolver, demoter, learning, counters, poller,
+                                block_bytes=spec.block_bytes, data=data)
+        self._lender = Lender(state, cpu, copies, resolver, demoter, learning, counters,
+                              block_bytes=spec.block_bytes, data=data,
+                              consults_remote=remote is not None and enable_caching,
+                              disk=disk if enable_caching else None)
         # Which keys the pool started and stopped holding, for routers (journal.py); 0: none kept.
         self.journal = KeyJournal(journal_events) if journal_events > 0 else None
         if self.journal is not None:
-            self.cpu.key_observer = self.journal.observer(self._gpu_has)
+            cpu.key_observer = self.journal.observer(state.gpu_has)
         if self.lower:
             # In bookkeeping mode (replay) the remote tier is a stand-in that
             # tracks keys only: fetch returns placeholders, write_back gets None.
-            self.cpu.on_evict = self._resolve.write_back
+            cpu.on_evict = WriteBack(cpu.storage, counters, disk=disk, remote=remote)
         self.adoption: Adoption | None = None
+
+    # ---- the shared state, as attributes -------------------------------------------------
+
+    @property
+    def bm(self) -> BlockManager | None:
+        """The GPU tier's block manager (None without a GPU tier)."""
+        return self._state.bm
+
+    @property
+    def gpu(self) -> BlockLayout | None:
+        """The GPU tier's memory (None without one, or in bookkeeping mode)."""
+        return self._state.gpu
+
+    @property
+    def clean_ahead_blocks(self) -> int:
+        return self._state.clean_ahead_blocks
+
+    @clean_ahead_blocks.setter
+    def clean_ahead_blocks(self, blocks: int) -> None:
+        self._state.clean_ahead_blocks = blocks
+
+    @property
+    def idle_clean_pending(self) -> bool:
+        """Set by every call's clean-ahead, cleared when the idle pass is done."""
+        return self._state.idle_clean_pending
 
     # ---- persistence (adoption.py) ---------------------------------------------
 
@@ -212,7 +252,8 @@ class TieredPool:
         """Make the CPU tier restart-safe in ``arena`` and adopt what it holds (see the contract)."""
         if self.adoption is not None:
             raise PoolError(f"pool {self.spec.name!r} already has an arena")
-        self.adoption = Adoption(self, arena, wakeup)
+        self.adoption = self._poller.adoption = Adoption(self.cpu, arena, self.journal, name=self.spec.name,
+                                                         wakeup=wakeup)
 
     def demote_cached(self, timeout_s: float) -> int:
         """Before a clean stop: demote the GPU tier's cached blocks the CPU tier lacks; returns how many
@@ -246,10 +287,11 @@ class TieredPool:
             num_blocks = layout.num_blocks if layout is not None else None
         if not num_blocks:
             raise PoolError("a GPU tier needs at least one block")
-        self.bm = BlockManager(num_blocks, self.spec.block_size, enable_caching=self.enable_caching)
+        bm = BlockManager(num_blocks, self.spec.block_size, enable_caching=self.enable_caching)
         if self.journal is not None:
-            self.bm.key_observer = self.journal.observer(self._cpu_has)
-        self.gpu = self._copies.gpu = layout
+            bm.key_observer = self.journal.observer(_cpu_has(self.cpu))
+        self._state.bm = bm
+        self._state.gpu = self._copies.gpu = layout
 
     def detach_gpu(self, timeout_s: float = 10.0) -> None:
         """Drop the GPU tier (its memory is going away); the CPU tier stays."""
@@ -258,21 +300,14 @@ class TieredPool:
         self.wait_idle(timeout_s)
         self._pins.detach_gpu()
         held = [b.block_hash for b in self.bm.blocks if b.block_hash is not None]
-        self.bm = None
+        self._state.bm = None
         self._demoter.dropped(held)
         if self.journal is not None:
             for key in dict.fromkeys(held):  # duplicates once
-                if not self._cpu_has(key):
+                if not self.cpu.peek(key):
                     self.journal.record(REMOVED, key)
-        self.gpu = None
+        self._state.gpu = None
         self._copies.detach_gpu()
-
-    def _gpu_has(self, key: bytes) -> bool:
-        return self.bm is not None and self.bm.get_cached(key) is not None
-
-    def _cpu_has(self, key: bytes) -> bool:
-        # The journal asks while a tier changes: an adopted block is not verified (or dropped) here.
-        return self.cpu.peek(key)
 
     # ---- capacity and contents (what the daemon reads) ------------------------------
 
@@ -297,7 +332,7 @@ class TieredPool:
 
     def cpu_spill(self, hashes: Sequence[bytes]) -> int:
         """How many blocks a ``store`` of ``hashes`` would put into the CPU tier now (its split)."""
-        return store.cpu_spill(self, hashes)
+        return self._store.cpu_spill(hashes)
 
     # ---- lookups, pins and policy learning --------------------------------------------
 
@@ -306,7 +341,8 @@ class TieredPool:
         tiers = resolve.held_tiers(hashes)
         tiers += resolve.lower_tiers(hashes, len(tiers))
         if count:
-            self._count(hashes, tiers, is_lookup=True, hints=hints)
+            self.counters.count_request(hashes, tiers)
+            self._learning.note(hashes, is_lookup=True, hints=hints)
         return tiers
 
     def _held_prefix(self, hashes: Sequence[bytes]) -> Held:
@@ -334,19 +370,6 @@ class TieredPool:
     def num_pinned(self) -> int:
         return len(self._pins)
 
-    def _count(self, hashes: Sequence[bytes], tiers: Sequence[Tier], *, is_lookup: bool = False,
-               hints: RequestHints | None = None) -> None:
-        """Count one request's hits and misses, and hand it to policy learning."""
-        c = self.counters
-        c.lookups += 1
-        c.looked_up_blocks += len(hashes)
-        c.hit_blocks_gpu += tiers.count(Tier.GPU)
-        c.hit_blocks_cpu += tiers.count(Tier.CPU)
-        c.hit_blocks_remote += tiers.count(Tier.REMOTE)
-        c.hit_blocks_disk += tiers.count(Tier.DISK)
-        c.miss_blocks += len(hashes) - len(tiers)
-        self._learning.note(hashes, is_lookup=is_lookup, hints=hints)
-
     def learn(self, should_yield: Callable[[], bool] | None = None, *, chunk_keys: int = LEARN_CHUNK_KEYS) -> bool:
         """Feed the requests counted so far to the policy (see ``defer_learning``); True when none is left.
 
@@ -366,46 +389,41 @@ class TieredPool:
 
     # ---- engine-managed mode (engine.py) ----------------------------------------------
 
-    def _require_gpu(self) -> BlockManager:
-        if self.bm is None:
-            raise PoolError(f"pool {self.spec.name!r} has no GPU tier (register the engine's KV tensors first)")
-        return self.bm
-
     def allocate(self, request_id: str, hashes: Sequence[bytes], num_tokens: int, *, count: bool = True,
                  hints: RequestHints | None = None) -> Op:
-        return engine.allocate(self, request_id, hashes, num_tokens, count=count, hints=hints)
+        return self._engine.allocate(request_id, hashes, num_tokens, count=count, hints=hints)
 
     def append(self, request_id: str, num_new_tokens: int, new_hashes: Sequence[bytes]) -> Op:
-        return engine.append(self, request_id, num_new_tokens, new_hashes)
+        return self._engine.append(request_id, num_new_tokens, new_hashes)
 
     def free(self, request_id: str, *, valid_tokens: int | None = None) -> None:
         """Release a request; ``valid_tokens`` (a request that failed part-way):
         blocks past that many tokens never got their K/V, so their hashes go."""
-        engine.free(self, request_id, valid_tokens=valid_tokens)
+        self._engine.free(request_id, valid_tokens=valid_tokens)
 
     def block_table(self, request_id: str) -> list[int]:
-        return self._require_gpu().block_table(request_id)
+        return self._state.require_gpu().block_table(request_id)
 
     # ---- store mode (store.py, lending.py) ----------------------------------------------
 
     def store(self, hashes: Sequence[bytes], src: BlockLayout | None, src_slots: Sequence[int], *,
               hints: RequestHints | None = None, read_by_ns: int | None = None) -> Op:
-        op = store.store(self, hashes, src, src_slots, read_by_ns=read_by_ns)
+        op = self._store.store(hashes, src, src_slots, read_by_ns=read_by_ns)
         if hints is not None:
             self._learning.note_hints(hashes, hints)  # only once the store is planned: a refused one says nothing
         return op
 
     def restore(self, hashes: Sequence[bytes], dst: BlockLayout | None, dst_slots: Sequence[int], *,
                 count: bool = True, start_by_ns: int | None = None, max_blocks: int | None = None) -> Op:
-        return store.restore(self, hashes, dst, dst_slots, count=count, start_by_ns=start_by_ns,
-                             max_blocks=max_blocks)
+        return self._store.restore(hashes, dst, dst_slots, count=count, start_by_ns=start_by_ns,
+                                   max_blocks=max_blocks)
 
     def borrow(self, hashes: Sequence[bytes], *, max_views: int | None = None) -> Borrowed | None:
         """Views of the longest held prefix, for a sender that reads it in place (see the contract
         and ``lending``). One view per run of consecutive slots in one tier; with ``max_views``, a
         prefix scattered over more runs than that is declined (None, nothing changed). Counted like
         a restore."""
-        return lending.borrow(self, hashes, max_views=max_views)
+        return self._lender.borrow(hashes, max_views=max_views)
 
     # ---- maintenance ---------------------------------------------------------------------
 
@@ -443,21 +461,8 @@ class TieredPool:
         return dropped + self.cpu.discard(itertools.chain(cpu_keys, writing))
 
     def poll(self, wait_s: float = 0.0) -> list[Op]:
-        """Apply finished copies; returns the ops that completed."""
-        copies = self._copies
-        completed = copies.completed = []
-        if self.adoption is not None:
-            self.adoption.apply()
-        try:
-            copies.poll(wait_s)
-            if completed:
-                # Completed ops may have released blocks into the free queue (as
-                # bookkeeping mode does at once, inside the call): demoting them
-                # is still part of those calls, so their keys stay protected.
-                self._demoter.clean_ahead(frozenset().union(*(op.protected for op in completed)))
-            return completed
-        finally:
-            copies.completed = None
+        """Apply finished copies; returns the ops that completed (``polling``)."""
+        return self._poller.poll(wait_s)
 
     def clean_when_idle(self, batch_blocks: int = IDLE_CLEAN_BATCH_BLOCKS) -> bool:
         """Idle time's clean-ahead; True when it has nothing to do until the next call.
@@ -474,7 +479,8 @@ class TieredPool:
         then. A block is asked about once while it keeps its slot and hash;
         ``clean_ahead_blocks = 0`` turns this pass off too.
         """
-        if not self.idle_clean_pending or self.bm is None or not self.data or self.clean_ahead_blocks <= 0:
+        state = self._state
+        if not state.idle_clean_pending or self.bm is None or not self.data or self.clean_ahead_blocks <= 0:
             return True  # clean_ahead_blocks = 0 turns clean-ahead off, this pass too
         if self._copies.busy:
             return False
@@ -486,16 +492,11 @@ class TieredPool:
         found, submitted = self._demoter.clean_ahead(depth_blocks=depth, max_blocks=batch_blocks,
                                                      asked=self._idle_asked)
         if found < batch_blocks or submitted == 0:
-            self.idle_clean_pending = False  # the scan reached the depth, or the CPU tier took none
-        return not self.idle_clean_pending
+            state.idle_clean_pending = False  # the scan reached the depth, or the CPU tier took none
+        return not state.idle_clean_pending
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self._copies.busy:
-            if time.monotonic() >= deadline:
-                return False
-            self.poll(wait_s=0.01)
-        return True
+        return self._poller.wait_idle(timeout_s)
 
     @property
     def busy(self) -> bool:
@@ -538,6 +539,19 @@ class TieredPool:
         self.wait_idle(timeout_s)
         if self.adoption is not None:
             self.adoption.stop()
+
+
+def _cpu_has(cpu: CpuTier) -> Callable[[bytes], bool]:
+    """Whether the CPU tier holds a key, for the GPU tier's journal observer. Weak: the CPU tier's own
+    observer reaches the GPU tier (``PoolState.gpu_has``), and a strong reference back would make a cycle.
+    The journal asks while a tier changes: an adopted block is not verified (or dropped) here."""
+    ref = weakref.ref(cpu)
+
+    def cpu_has(key: bytes) -> bool:
+        tier = ref()
+        return tier is not None and tier.peek(key)
+
+    return cpu_has
 
 
 def second_sighting(policy: EvictionPolicy) -> SecondSightingAdmission | None:

@@ -15,65 +15,95 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvtier.tiers.cpu_tier import CpuTier
 from kvtier.tiers.pool.base import Borrowed, Tier
+from kvtier.tiers.pool.copies import CopyScheduler
+from kvtier.tiers.pool.counters import Counters
+from kvtier.tiers.pool.demotion import Demoter
+from kvtier.tiers.pool.learning import LearningQueue
+from kvtier.tiers.pool.resolve import Resolver
+from kvtier.tiers.pool.state import PoolState
 
 if TYPE_CHECKING:
-    from kvtier.tiers.pool.facade import TieredPool
+    from kvtier.tiers.disk_tier import DiskTier
 
 
-def borrow(pool: TieredPool, hashes: Sequence[bytes], *, max_views: int | None) -> Borrowed | None:
-    if not pool.data or (pool.remote is not None and pool.enable_caching):
-        return None  # bookkeeping has no bytes; remote blocks are fetched by restore()
-    gpu_slab = pool.gpu.slab() if pool.gpu is not None and pool.gpu.is_slab else None
-    if gpu_slab is not None and gpu_slab.device.type != "cpu":
-        gpu_slab = None
-    cpu = pool.cpu
-    cpu_layout = cpu.storage
-    cpu_slab = cpu_layout.slab() if cpu_layout is not None and cpu_layout.is_slab else None
-    held = pool._resolve.held_prefix(hashes)
-    if pool.disk is not None and pool.enable_caching and pool.disk.exists_prefix(hashes[len(held):]):
-        return None  # the disk tier continues the prefix: restore() reads it into the CPU tier
-    blocks = [obj for tier, obj in held if tier is Tier.GPU]
-    entries = [obj for tier, obj in held if tier is Tier.CPU]
-    if blocks:
-        ids = [b.block_id for b in blocks]  # type: ignore[union-attr]
-        if gpu_slab is None or pool._copies.busy_copies(ids, writes_only=True):
+class Lender:
+    """``TieredPool.borrow``'s body (see the module docstring)."""
+
+    def __init__(self, state: PoolState, cpu: CpuTier, copies: CopyScheduler, resolver: Resolver, demoter: Demoter,
+                 learning: LearningQueue, counters: Counters, *, block_bytes: int, data: bool,
+                 consults_remote: bool, disk: DiskTier | None) -> None:
+        self.state = state  # its GPU tier (bm, gpu), read at each call
+        self.cpu = cpu
+        self.copies = copies
+        self.resolver = resolver
+        self.demoter = demoter
+        self.learning = learning
+        self.counters = counters
+        self.block_bytes = block_bytes
+        self.data = data
+        self.consults_remote = consults_remote  # a remote tier, with caching on: restore() fetches from it
+        self.disk = disk  # the DiskTier below the CPU tier (with caching on), or None
+
+    def borrow(self, hashes: Sequence[bytes], *, max_views: int | None) -> Borrowed | None:
+        if not self.data or self.consults_remote:
+            return None  # bookkeeping has no bytes; remote blocks are fetched by restore()
+        state = self.state
+        gpu = state.gpu
+        gpu_slab = gpu.slab() if gpu is not None and gpu.is_slab else None
+        if gpu_slab is not None and gpu_slab.device.type != "cpu":
+            gpu_slab = None
+        cpu = self.cpu
+        cpu_layout = cpu.storage
+        cpu_slab = cpu_layout.slab() if cpu_layout is not None and cpu_layout.is_slab else None
+        held = self.resolver.held_prefix(hashes)
+        if self.disk is not None and self.disk.exists_prefix(hashes[len(held):]):
+            return None  # the disk tier continues the prefix: restore() reads it into the CPU tier
+        blocks = [obj for tier, obj in held if tier is Tier.GPU]
+        entries = [obj for tier, obj in held if tier is Tier.CPU]
+        if blocks:
+            ids = [b.block_id for b in blocks]  # type: ignore[union-attr]
+            if gpu_slab is None or self.copies.busy_copies(ids, writes_only=True):
+                return None
+        if entries and cpu_slab is None:
             return None
-    if entries and cpu_slab is None:
-        return None
-    runs: list[tuple[Any, int, int]] = []  # (slab, first slot, count)
-    for tier, obj in held:
-        slab, slot = (gpu_slab, obj.block_id) if tier is Tier.GPU else (cpu_slab, obj.slot)  # type: ignore[union-attr]
-        if runs and runs[-1][0] is slab and runs[-1][1] + runs[-1][2] == slot:
-            runs[-1] = (slab, runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((slab, slot, 1))
-    if max_views is not None and len(runs) > max_views:
-        return None
-    # Planned; from here on nothing fails.
-    tiers = [tier for tier, _ in held]
-    pool._count(hashes, tiers)
-    bm = pool.bm
-    if blocks:
-        assert bm is not None
-        bm.touch(blocks)  # type: ignore[arg-type]
-    for e in entries:
-        cpu.begin_read(e)  # type: ignore[arg-type]
-    cpu.accessed([e.key for e in reversed(entries)])  # type: ignore[union-attr]  # tail first (see engine.allocate)
-    pool.counters.loads += len(held)
-    pool.counters.lent_bytes += len(held) * pool.spec.block_bytes
-    views = [slab[first : first + n].numpy() for slab, first, n in runs]
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if released:
-            return
-        released = True
-        if blocks and pool.bm is bm:
-            bm.release(reversed(blocks))  # type: ignore[arg-type, union-attr]
+        runs: list[tuple[Any, int, int]] = []  # (slab, first slot, count)
+        for tier, obj in held:
+            slab, slot = (gpu_slab, obj.block_id) if tier is Tier.GPU else (cpu_slab, obj.slot)  # type: ignore[union-attr]
+            if runs and runs[-1][0] is slab and runs[-1][1] + runs[-1][2] == slot:
+                runs[-1] = (slab, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((slab, slot, 1))
+        if max_views is not None and len(runs) > max_views:
+            return None
+        # Planned; from here on nothing fails.
+        tiers = [tier for tier, _ in held]
+        counters = self.counters
+        counters.count_request(hashes, tiers)
+        self.learning.note(hashes, is_lookup=False)
+        bm = state.bm
+        if blocks:
+            assert bm is not None
+            bm.touch(blocks)  # type: ignore[arg-type]
         for e in entries:
-            cpu.end_read(e)  # type: ignore[arg-type]
-        pool._demoter.clean_ahead()
+            cpu.begin_read(e)  # type: ignore[arg-type]
+        cpu.accessed([e.key for e in reversed(entries)])  # type: ignore[union-attr]  # tail first (see EngineMode.allocate)
+        counters.loads += len(held)
+        counters.lent_bytes += len(held) * self.block_bytes
+        views = [slab[first : first + n].numpy() for slab, first, n in runs]
+        released = False
+        demoter = self.demoter
 
-    return Borrowed(tiers, views, release)
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            if blocks and state.bm is bm:
+                bm.release(reversed(blocks))  # type: ignore[arg-type, union-attr]
+            for e in entries:
+                cpu.end_read(e)  # type: ignore[arg-type]
+            demoter.clean_ahead()
+
+        return Borrowed(tiers, views, release)

@@ -11,34 +11,32 @@ When the GPU tier goes away its pins go with it; CPU pins stay.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvtier.tiers.block_manager import Block
-from kvtier.tiers.cpu_tier import CpuEntry
+from kvtier.tiers.cpu_tier import CpuEntry, CpuTier
 from kvtier.tiers.pool.base import Held, Tier
-
-if TYPE_CHECKING:
-    from kvtier.tiers.pool.facade import TieredPool
+from kvtier.tiers.pool.state import PoolState
 
 
 class Pins:
-    def __init__(self, pool: TieredPool) -> None:
-        self.pool = pool
+    def __init__(self, state: PoolState, cpu: CpuTier) -> None:
+        self.state = state  # its GPU tier (bm), read at each call
+        self.cpu = cpu
         self.by_owner: dict[str, list[tuple[Tier, Block | CpuEntry, bytes]]] = {}  # (tier, holder, hash pinned)
 
     def __len__(self) -> int:
         return sum(len(p) for p in self.by_owner.values())
 
     def pin(self, owner: str, hashes: Sequence[bytes], held: Held) -> None:
-        pool = self.pool
+        bm = self.state.bm
         pins = self.by_owner.setdefault(owner, [])
         for key, (tier, obj) in zip(hashes, held):
             if tier is Tier.GPU:
-                assert pool.bm is not None and isinstance(obj, Block)
-                pool.bm.touch([obj])
+                assert bm is not None and isinstance(obj, Block)
+                bm.touch([obj])
             else:
                 assert isinstance(obj, CpuEntry)  # a CPU hit, or a remote one fetched into the CPU tier
-                pool.cpu.pin(obj)
+                self.cpu.pin(obj)
                 tier = Tier.CPU
             # The hash pinned, not the block's: a failed write may withdraw that.
             pins.append((tier, obj, key))
@@ -77,11 +75,11 @@ class Pins:
             self.by_owner[owner] = [pin for pin in pins if pin[0] is Tier.CPU]
 
     def _release(self, tier: Tier, obj: Block | CpuEntry) -> None:
-        pool = self.pool
         if tier is Tier.GPU:
-            if pool.bm is not None:
+            bm = self.state.bm
+            if bm is not None:
                 assert isinstance(obj, Block)
-                pool.bm.release([obj])
+                bm.release([obj])
         else:
             assert isinstance(obj, CpuEntry)
-            pool.cpu.unpin(obj)
+            self.cpu.unpin(obj)

@@ -4,15 +4,16 @@
   from the first tier holding it (GPU, then CPU), as ``Held`` (``(Tier,
   holder)`` per block). ``held_tiers`` is the same without holders (a
   lookup's path); ``lower_tiers`` continues a lookup's path through the
-  tiers below the CPU tier (``pool.lower``: disk, then remote).
+  tiers below the CPU tier (``lower``: disk, then remote).
 - ``held_with_lower`` goes on past the local tiers through the lower
   tiers, pulling their runs into the CPU tier (they come back as
   ``(Tier.DISK or Tier.REMOTE, CpuEntry)``), at most the CPU tier's size of
   blocks per run: a fetch never holds more than that in memory.
 - ``holds(key)``: whether the GPU tier has it cached or the CPU tier has an
   entry for it (ready or being written).
-- ``write_back(entry)``: the CPU tier's eviction hook, handing the block to
-  every lower tier.
+- ``WriteBack``: the CPU tier's eviction hook, handing the block to every
+  lower tier. It holds the CPU tier's storage, not the tier: the tier holds
+  the hook.
 
 Nothing here changes what the tiers hold except ``pull`` (and so
 ``held_with_lower``), which fills CPU slots from a lower tier.
@@ -21,24 +22,37 @@ Nothing here changes what the tiers hold except ``pull`` (and so
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvtier.tiers.cpu_tier import CpuEntry, CpuTierFull
+from kvtier.tiers.cpu_tier import CpuEntry, CpuTier, CpuTierFull
 from kvtier.tiers.pool.base import Held, Tier
+from kvtier.tiers.pool.counters import Counters
+from kvtier.tiers.pool.state import PoolState
 
 if TYPE_CHECKING:
-    from kvtier.tiers.pool.facade import TieredPool
+    from kvtier.tiers.disk_tier import DiskTier
+    from kvtier.blocks.layout import BlockLayout
+    from kvtier.tiers.remote import RemoteStore
+
+# The tiers below the CPU tier, in the order lookups and fetches try them: (Tier.DISK, DiskTier), then
+# (Tier.REMOTE, RemoteStore).
+LowerTiers = tuple[tuple[Tier, Any], ...]
 
 
 class Resolver:
-    def __init__(self, pool: TieredPool) -> None:
-        self.pool = pool
+    def __init__(self, state: PoolState, cpu: CpuTier, counters: Counters, *, lower: LowerTiers,
+                 enable_caching: bool) -> None:
+        self.state = state  # its GPU tier (bm), read at each call
+        self.cpu = cpu
+        self.counters = counters
+        self.lower = lower
+        self.enable_caching = enable_caching
 
     def holds(self, key: bytes) -> bool:
-        pool = self.pool
-        if pool.bm is not None and pool.bm.get_cached(key) is not None:
+        bm = self.state.bm
+        if bm is not None and bm.get_cached(key) is not None:
             return True
-        return pool.cpu.get(key) is not None
+        return self.cpu.get(key) is not None
 
     def held_prefix(self, hashes: Sequence[bytes], *, gpu_after_cpu: bool = True) -> Held:
         """The longest prefix some tier holds, each block from the first tier holding it.
@@ -51,10 +65,10 @@ class Resolver:
         mode (chains stored in batches) the tail often sits in the GPU tier
         behind a demoted head, and lookups and restores take it from there.
         """
-        pool = self.pool
-        if not pool.enable_caching:
+        if not self.enable_caching:
             return []
-        gpu_run = pool.bm.longest_cached_prefix(hashes) if pool.bm is not None else []
+        bm = self.state.bm
+        gpu_run = bm.longest_cached_prefix(hashes) if bm is not None else []
         held: Held = [(Tier.GPU, b) for b in gpu_run]
         if len(gpu_run) < len(hashes):
             held += self.held_after(hashes, len(gpu_run), gpu_after_cpu)
@@ -62,9 +76,8 @@ class Resolver:
 
     def held_after(self, hashes: Sequence[bytes], start: int, gpu_after_cpu: bool) -> Held:
         """``held_prefix`` from ``start`` on, where the leading GPU run has ended."""
-        pool = self.pool
-        bm = pool.bm if gpu_after_cpu else None
-        cpu = pool.cpu
+        bm = self.state.bm if gpu_after_cpu else None
+        cpu = self.cpu
         held: Held = []
         for h in hashes[start:]:
             entry = cpu.get_ready(h)
@@ -79,10 +92,10 @@ class Resolver:
 
     def held_tiers(self, hashes: Sequence[bytes]) -> list[Tier]:
         """The tiers of ``held_prefix(hashes)``: a lookup's path, which needs no holders."""
-        pool = self.pool
-        if not pool.enable_caching:
+        if not self.enable_caching:
             return []
-        n = len(pool.bm.longest_cached_prefix(hashes)) if pool.bm is not None else 0
+        bm = self.state.bm
+        n = len(bm.longest_cached_prefix(hashes)) if bm is not None else 0
         tiers = [Tier.GPU] * n
         if n < len(hashes):
             tiers += [tier for tier, _ in self.held_after(hashes, n, True)]
@@ -97,12 +110,11 @@ class Resolver:
         memory; the remote tier's costs a round trip.
         """
         tiers: list[Tier] = []
-        pool = self.pool
-        if not pool.lower or not pool.enable_caching:
+        if not self.lower or not self.enable_caching:
             return tiers
         pos = start
         while pos < len(hashes):
-            for tier, store in pool.lower:
+            for tier, store in self.lower:
                 n = store.exists_prefix(hashes[pos:])
                 if n:
                     tiers += [tier] * n
@@ -115,18 +127,18 @@ class Resolver:
             pos += len(local)
         return tiers
 
-    def pull(self, tier: Tier, hashes: Sequence[bytes], protected: frozenset[bytes] = frozenset()) -> list[CpuEntry]:
-        """Fetch blocks from a lower tier into the CPU tier; the verified prefix only.
+    def pull(self, tier: Tier, store: Any, hashes: Sequence[bytes],
+             protected: frozenset[bytes] = frozenset()) -> list[CpuEntry]:
+        """Fetch blocks from a lower tier (``store``, the ``DiskTier`` or ``RemoteStore`` of ``lower``) into the
+        CPU tier; the verified prefix only.
 
         ``protected``: the calling request's keys, which the room made for the
         fetched blocks must not evict. The remote tier hands back payloads,
         copied into the reserved slots; the disk tier reads straight into them.
         """
-        pool = self.pool
-        cpu = pool.cpu
-        counters = pool.counters
+        cpu = self.cpu
+        counters = self.counters
         if tier is Tier.DISK:
-            assert pool.disk is not None
             entries = self._reserve_most(hashes, protected)
             if not entries:
                 return []
@@ -135,14 +147,13 @@ class Resolver:
             if storage is None:
                 raise ValueError("a disk tier needs a pool that moves bytes")
             slab = storage.slab()
-            good = pool.disk.read_into(hashes, [slab[e.slot].numpy() for e in entries])
+            good = store.read_into(hashes, [slab[e.slot].numpy() for e in entries])
             if good < len(hashes):
                 counters.disk_fetch_short += 1
             for entry in entries[good:]:
                 cpu.abort(entry)
             return self._filled(entries[:good], None)
-        assert pool.remote is not None
-        payloads = pool.remote.fetch(hashes)
+        payloads = store.fetch(hashes)
         good = 0
         while good < len(payloads) and payloads[good] is not None:
             good += 1
@@ -155,7 +166,7 @@ class Resolver:
     def _reserve_most(self, hashes: Sequence[bytes], protected: frozenset[bytes]) -> list[CpuEntry]:
         """CPU entries for the longest prefix of ``hashes`` the CPU tier can make room for (halving on refusal):
         a run longer than the room there is still gives the prefix that fits."""
-        cpu = self.pool.cpu
+        cpu = self.cpu
         n = len(hashes)
         while n:
             try:
@@ -166,7 +177,7 @@ class Resolver:
 
     def _filled(self, entries: list[CpuEntry], payloads: Sequence[object] | None) -> list[CpuEntry]:
         """Reserved entries whose bytes are in place (``payloads`` copied in first, if given): committed."""
-        cpu = self.pool.cpu
+        cpu = self.cpu
         slab = cpu.storage.slab() if cpu.storage is not None and payloads is not None else None
         for i, entry in enumerate(entries):
             if slab is not None:
@@ -183,12 +194,11 @@ class Resolver:
         already has (it is not fetched twice); the prefix then goes on through
         the local tiers and, past them, through the lower tiers again.
         """
-        pool = self.pool
         held = self.held_prefix(hashes, gpu_after_cpu=gpu_after_cpu)
-        if not pool.lower or not pool.enable_caching:
+        if not self.lower or not self.enable_caching:
             return held
-        cpu = pool.cpu
-        bm = pool.bm if gpu_after_cpu else None
+        cpu = self.cpu
+        bm = self.state.bm if gpu_after_cpu else None
         # Room made for fetched blocks must evict none of the request's blocks:
         # the CPU hits before them are read-held, the rest protected.
         protected = frozenset(hashes)
@@ -200,7 +210,7 @@ class Resolver:
                 pos = len(held)
                 entries: list[CpuEntry] = []
                 short = False
-                for tier, store in pool.lower:
+                for tier, store in self.lower:
                     run = store.exists_prefix(hashes[pos:])
                     if not run:
                         continue
@@ -208,7 +218,7 @@ class Resolver:
                     # Fetched blocks land in the CPU tier: more than it holds could never be reserved,
                     # and would only cost memory (up to a request's 65,536 blocks) and time.
                     cut = min(cut, cpu.capacity_blocks)
-                    entries = self.pull(tier, hashes[pos : pos + cut], protected) if cut else []
+                    entries = self.pull(tier, store, hashes[pos : pos + cut], protected) if cut else []
                     for e in entries:
                         cpu.begin_read(e)
                         reading.append(e)
@@ -237,13 +247,24 @@ class Resolver:
                 cpu.end_read(e)  # type: ignore[arg-type]
         return held
 
-    def write_back(self, entry: CpuEntry) -> None:
-        """The CPU tier's eviction hook with lower tiers: hand the block to each (never waited for)."""
-        pool = self.pool
-        storage = pool.cpu.storage
+
+class WriteBack:
+    """The CPU tier's eviction hook with lower tiers (``CpuTier.on_evict``): hand the block to each, never
+    waited for. In bookkeeping mode (replay) the remote tier is a stand-in that tracks keys only and gets
+    None."""
+
+    def __init__(self, storage: BlockLayout | None, counters: Counters, *, disk: DiskTier | None,
+                 remote: RemoteStore | None) -> None:
+        self.storage = storage
+        self.counters = counters
+        self.disk = disk
+        self.remote = remote
+
+    def __call__(self, entry: CpuEntry) -> None:
+        storage = self.storage
         data = None if storage is None else memoryview(storage.slab()[entry.slot].numpy())
-        counters = pool.counters
-        if pool.disk is not None and data is not None and pool.disk.write_back(entry.key, data, copy=True):
+        counters = self.counters
+        if self.disk is not None and data is not None and self.disk.write_back(entry.key, data, copy=True):
             counters.disk_write_backs += 1
-        if pool.remote is not None and pool.remote.write_back(entry.key, data, copy=True):
+        if self.remote is not None and self.remote.write_back(entry.key, data, copy=True):
             counters.remote_write_backs += 1
