@@ -117,6 +117,9 @@ class Pending:
 
 Result = Reply | Pending
 
+# Restores into client memory up to this size are copied by the loop itself (see restore).
+LOOP_COPY_MAX_BYTES = 64 << 20
+
 # desc -> (tensor, handle to close when the registration goes)
 KvImporter = Callable[[dict[str, Any]], tuple[Any, Closeable]]
 
@@ -152,6 +155,8 @@ class HandlerContext:
     max_pinned_share: float = 0.5  # of a pool's blocks: pins of one session, and of one tenant's sessions
     max_shm_files_total: int = 4096  # the server sets it below RLIMIT_NOFILE
     pin_releases: PinReleases = field(default_factory=PinReleases)  # tags released, by which request
+    # Restores into client memory up to this size are lent in place (see restore); 0: none (the test seam's).
+    lend_restore_max_bytes: int = LOOP_COPY_MAX_BYTES
 
 
 def _entry(ctx: HandlerContext, session: Session) -> PoolEntry:
@@ -707,10 +712,9 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
     # instead of faulting (see store). Straight from the tiers where the pool
     # can lend them in place: one copy, and no hand-off to a copy worker,
     # which costs more than the copy up to LOOP_COPY_MAX_BYTES (32 MiB: 13-88
-    # ms through a worker and a staging buffer, 5-9 ms here). Larger restores,
-    # and pools with test fault injection (it acts on the copy engines), go
-    # through a copy worker ...
-    lend = n * entry.block_bytes <= LOOP_COPY_MAX_BYTES and getattr(entry.transfer, "fault_hook", None) is None
+    # ms through a worker and a staging buffer, 5-9 ms here). Larger restores
+    # go through a copy worker ...
+    lend = n * entry.block_bytes <= ctx.lend_restore_max_bytes
     borrowed = pool.borrow(hashes) if lend else None
     if borrowed is not None:
         try:
@@ -736,10 +740,6 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
         return Reply({"tiers": list(o.result["tiers"])})
 
     return _done_or_pending(op, finish_client, keep=staging)
-
-
-# Restores into client memory up to this size are copied by the loop itself (see restore).
-LOOP_COPY_MAX_BYTES = 64 << 20
 
 
 def _plane_files(session: Session, req: Request) -> list[ShmArena]:
