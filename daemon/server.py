@@ -112,7 +112,9 @@ from kvtier.daemon.connections import Connection, connection_of, peer_of_frame
 from kvtier.daemon.replies import ReplyQueue
 from kvtier.daemon.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
 from kvtier.daemon.heap_trim import HeapTrimmer
-from kvtier.daemon.handlers import HANDLERS, LOOP_COPY_MAX_BYTES, HandlerContext, KvImporter, Reply, stats_fields
+from kvtier.daemon.handler_context import LOOP_COPY_MAX_BYTES, HandlerContext, KvImporter, Reply
+from kvtier.daemon.handlers import HANDLERS
+from kvtier.daemon.stats_verbs import stats_fields
 from kvtier.daemon.handover import Successor
 from kvtier.daemon.lifecycle import StopFlag
 from kvtier.daemon.listener import Listener, bind_listener
