@@ -91,7 +91,6 @@ from kvtier.daemon.handler_context import (
     pool_keys,
     reply_tiers,
     require_mode,
-    tier_names,
 )
 from kvtier.daemon.hints import request_hints
 from kvtier.daemon.planes import PlaneCall, plane_for
@@ -110,10 +109,6 @@ __all__ = ["DAEMON_VERSION", "HANDLERS", "LOOP_COPY_MAX_BYTES", "Handler", "Hand
 log = logging.getLogger(__name__)
 
 DAEMON_VERSION = "0.1.0"
-
-# Kept under its old name for bench/protocol_paths.py, which times it.
-_tiers = tier_names
-
 
 # ---- session verbs -----------------------------------------------------------
 
