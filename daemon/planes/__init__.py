@@ -10,15 +10,14 @@ the session's keys, no hash named twice in a store), builds a ``PlaneCall``
 and hands it to ``plane_for(req.fields["plane"])``; nothing else calls a
 plane. ``PLANES`` is the table, keyed by the wire name (``client.protocol.PLANES``):
 
-================  =====================================================  =============================
-wire ``plane``    implementation (module)                                the client's bytes
-================  =====================================================  =============================
-``"inline"``      ``InlinePlane`` (``inline``)                           the request's / reply's frame
-``"shm"``         ``ShmArenaPlane`` (``shm_arena``)                      the session's shm arena
-``"kv"``          ``EngineKvPlane`` (``engine_kv``), by the registration's memory:
-                  ``KvShmPlane`` (``kv_shm``): host tensors in ``/dev/shm`` files
-                  ``KvCudaIpcPlane`` (``kv_cuda_ipc``): device tensors shared by CUDA IPC
-================  =====================================================  =============================
+- ``"inline"``: ``InlinePlane`` (``inline``): the bytes travel in the
+  request's or the reply's one payload frame;
+- ``"shm"``: ``ShmArenaPlane`` (``shm_arena``): the session's shared-memory
+  arena;
+- ``"kv"``: ``EngineKvPlane`` (``engine_kv``) resolves the registration and
+  hands the call on by its memory: ``KvShmPlane`` (``kv_shm``) for host
+  tensors in ``/dev/shm`` files, ``KvCudaIpcPlane`` (``kv_cuda_ipc``) for
+  device tensors shared by CUDA IPC.
 
 Restores into client host memory (shm arena, KV by shm) up to
 ``HandlerContext.lend_restore_max_bytes`` are lent in place from the tiers
