@@ -88,7 +88,7 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
         unpack_hashes,
         validate_request,
     )
-    from kvtier.daemon.handlers import _tiers
+    from kvtier.daemon.handler_context import tier_names
     from kvtier.tiers.pool import PoolSpec, TieredPool
     from kvtier.tiers.pool_defaults import DEFAULT_POLICY
 
@@ -103,7 +103,7 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
     req = encode(request_header("lookup", 1 << 40, sid, hashes=hashes, pin=False))
     header = decode_header(req)
     tiers = pools["lru"].lookup(hashes)
-    tier_strs = _tiers(tiers)
+    tier_strs = tier_names(tiers)
     reply = encode(ok_reply(1 << 40, tiers=tier_strs, pinned=0))
     reply_list = decode(reply)["tiers"]
     preq = encode(request_header("lookup", 1 << 40, sid, packed_hashes=True, hashes=hashes, pin=False))
@@ -118,7 +118,7 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
         "client: request_header + msgpack encode": lambda: encode(request_header("lookup", 1 << 40, sid, hashes=hashes, pin=False)),
         "daemon: decode_header (msgpack)": lambda: decode_header(req),
         "daemon: validate_request (schema, 256 hash checks)": lambda: validate_request(header),
-        "daemon: handlers._tiers (enum -> str)": lambda: _tiers(tiers),
+        "daemon: tier_names (enum -> str)": lambda: tier_names(tiers),
         "daemon: ok_reply + msgpack encode (tiers as str)": lambda: encode(ok_reply(1 << 40, tiers=tier_strs, pinned=0)),
         "client: msgpack decode of the reply": lambda: decode(reply),
         "client: list() of the reply's tiers": lambda: list(reply_list),

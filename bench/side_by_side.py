@@ -23,6 +23,10 @@ Benchmarks (``--benches``, comma-separated):
 - ``protocol``: ``bench/protocol.py --sections lookup`` (a live daemon).
   Measured: ``Client.lookup`` of 256 hashes, p50, as a ratio to the raw ZMQ
   echo of the same run (the ratio cancels most of the load).
+- ``restore`` (not in the default set): ``bench/protocol.py --sections
+  restore --quick``, each data plane from each tier. Measured: the geometric
+  mean of the kvtier variants' median restore times; each variant's median
+  is kept beside it in the JSON (``variants_ms``) for per-plane ratios.
 
 Reported per benchmark: the median over rounds of new / old (below 1:
 the new code is faster). Prints a table; writes
@@ -58,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new", type=Path, default=REPO, help="checkout of the new code (default: this one)")
     p.add_argument("--rounds", type=int, default=4, help="rounds; each runs every benchmark on both (default 4)")
     p.add_argument("--benches", default=",".join(BENCHES),
-                   help="comma-separated: replay, replay:<policy>, tiers, protocol (default: %(default)s)")
+                   help="comma-separated: replay, replay:<policy>, tiers, protocol, restore (default: %(default)s)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace for replay (default: %(default)s)")
     p.add_argument("--lookups", type=int, default=2000, help="timed lookups per protocol run (default 2000)")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "side-by-side.json")
@@ -69,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     for bench in args.benches.split(","):
-        if bench not in ("tiers", "protocol", "replay") and not bench.startswith("replay:"):
-            p.error(f"unknown benchmark {bench!r}: use replay, replay:<policy>, tiers or protocol")
+        if bench not in ("tiers", "protocol", "restore", "replay") and not bench.startswith("replay:"):
+            p.error(f"unknown benchmark {bench!r}: use replay, replay:<policy>, tiers, protocol or restore")
     if any(b.startswith("replay") for b in args.benches.split(",")) and not args.trace.is_file():
         p.error(f"no trace at {args.trace}: pass --trace")
     return args
@@ -117,6 +121,15 @@ def run_bench(bench: str, tree: Path, shim: Path, scratch: Path, args: argparse.
         kv = json.loads(out_json.read_text())["ops"]["results"]["kvtier"]
         return {"measure": statistics.median(kv["cpu_seconds"]), "unit": "cpu s", "wall_s": wall_s,
                 "us_per_request": kv["us_per_request"]}
+    if bench == "restore":
+        argv = [sys.executable, "bench/protocol.py", "--sections", "restore", "--quick", "--profile", "never",
+                "--json", str(out_json)]
+        wall_s, _ = run_child(argv, tree, shim)
+        variants_ms = {f"{size} {name}": v["median_ms"]
+                       for size, r in json.loads(out_json.read_text())["restore"].items()
+                       for name, v in r["variants"].items() if name.startswith("kvtier ")}
+        return {"measure": statistics.geometric_mean(variants_ms.values()), "unit": "restore ms (geomean)",
+                "wall_s": wall_s, "variants_ms": variants_ms}
     argv = [sys.executable, "bench/protocol.py", "--sections", "lookup", "--lookups", str(args.lookups),
             "--profile", "never", "--json", str(out_json)]
     wall_s, _ = run_child(argv, tree, shim)

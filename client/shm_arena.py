@@ -65,7 +65,7 @@ mistake, and a hostile client's cheapest trick); a file shrunk after attach
 is refused by ``check_intact`` before a copy (a clear error, and the only
 guard where process_vm_readv/writev are not permitted; the daemon checks up
 to 8 files before each copy, the rest after a failed one:
-``daemon/handlers.py``, ``INTACT_CHECK_MAX_FILES``). Neither check can
+``daemon/session_memory.py``, ``INTACT_CHECK_MAX_FILES``). Neither check can
 close the window between it and the copy (a client may shrink the file or
 punch a hole, ``FALLOC_FL_PUNCH_HOLE``, in between): there the fault-safe
 copies are the guard, and without them (``client_memory.available()`` False)

@@ -35,7 +35,6 @@ from kvtier.daemon.lifecycle import StopFlag
 # Everything else is imported inside main(), after the stop flag is installed.
 if TYPE_CHECKING:
     from kvtier.daemon.config import DaemonConfig
-    from kvtier.daemon.faults import FaultPlan
     from kvtier.daemon.handover import Successor
     from kvtier.daemon.standby import StandbyWait
     from kvtier.daemon.prometheus import StatsSnapshot
@@ -108,7 +107,7 @@ def remote_secret_from_config(cfg: DaemonConfig) -> bytes | None:
         exit_on_config_error(ConfigError("remote_secret_key_file", str(exc)))
 
 
-def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan | None = None,
+def options_from_config(cfg: DaemonConfig, device: str, *,
                         curve: CurveOptions | None = None, remote_secret: bytes | None = None,
                         arenas: ArenaDirectory | None = None, listener: Listener | None = None,
                         successor: Successor | None = None, standby_of: StandbyWait | None = None,
@@ -132,7 +131,6 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         device=device,
         sizing_for=sizing_for,
         remote_secret=remote_secret,
-        fault_hook=fault_plan,
         lease_s=cfg.lease_s,
         heartbeat_s=cfg.heartbeat_s,
         poll_interval_s=cfg.poll_interval_s,
@@ -336,10 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                  ", ".join(f"{key} = {gib(n)}" for key, n in plan))
         if _stopped_early(stop):
             return 0
-        server = Server(options_from_config(cfg, device, fault_plan=fault_plan, curve=curve,
-                                            remote_secret=remote_secret, arenas=arenas, listener=listener,
-                                            successor=successor, standby_of=standby_of,
-                                            reusable_bytes=reusable_bytes), stop,
+        options = options_from_config(cfg, device, curve=curve, remote_secret=remote_secret, arenas=arenas,
+                                      listener=listener, successor=successor, standby_of=standby_of,
+                                      reusable_bytes=reusable_bytes)
+        if fault_plan is not None:
+            options = fault_plan.serve_options(options)  # the test seam: copy engines, no lent restores
+        server = Server(options, stop,
                         kv_import=_import_kv_tensor, notifier=notifier)
         return server.run()
     except (RuntimeError, OSError, zmq.ZMQError) as exc:

@@ -41,7 +41,7 @@ Contract:
   concatenation is the blocks in order) into the client's slots: one copy,
   where a staging buffer would cost a second one and a copy worker's round
   trip (a 32 MiB restore into vLLM: 13-88 ms through staging, see
-  ``handlers.restore``).
+  ``daemon.planes.lent``).
 - Only host layouts are client memory in this sense; CUDA IPC memory cannot
   SIGBUS the daemon and is copied by the transfer engines as before
   (``is_client_host_memory``).

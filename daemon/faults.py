@@ -21,17 +21,40 @@ list of ``<kind>.<action>=<value>`` items, ``kind`` one of ``demote``,
   its copy worker thread (the daemon's loop keeps serving).
 
 An empty spec is no plan (None); a malformed one raises ``ValueError``
-naming the item. A ``FaultPlan`` is the ``fault_hook`` of
-``kvtier.tiers.transfer.ThreadTransferEngine``: called on a worker thread
-with the ``Transfer`` before its copy, it may sleep and may raise.
+naming the item.
+
+``FaultPlan.serve_options(options) -> ServeOptions``: the daemon's options
+with the plan applied through the loop's one test seam, and nothing else:
+
+- ``transfer_factory``: each pool's copy engine is a
+  ``FaultInjectingEngine``, a ``ThreadTransferEngine`` whose copies (on
+  their worker threads) first call the plan with their ``Transfer``, which
+  may sleep and may raise. A pool on CUDA keeps its CUDA engine, unfaulted
+  (logged): the plan acts on thread-engine copies only;
+- ``lend_restore_max_bytes`` 0: no restore is lent in place from a tier to
+  the client's memory (``daemon.planes.lent``). Such a restore runs no copy
+  engine, so a fault planned for restores would never reach it.
+
+Production code carries no fault hook: the handlers and planes know
+nothing of this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvtier.tiers.copy_types import TransferEngine, _Job
+from kvtier.tiers.transfer import ThreadTransferEngine, make_transfer_engine
+
+if TYPE_CHECKING:
+    from kvtier.daemon.server import ServeOptions
+
+log = logging.getLogger(__name__)
 
 FAULTS_ENV = "KVTIER_TEST_FAULTS"
 KINDS = ("demote", "restore", "store", "load", "any")
@@ -65,10 +88,33 @@ class FaultPlan:
         if fail:
             raise RuntimeError(f"injected fault ({FAULTS_ENV}): {kind} copy #{n} fails")
 
+    def transfer_engine(self, device: str) -> TransferEngine:
+        """A pool's copy engine with this plan's faults (see the module docstring)."""
+        if str(device).startswith("cuda"):
+            log.warning("test fault injection needs the thread copy engine; a pool on %s runs without it", device)
+            return make_transfer_engine(device)
+        return FaultInjectingEngine(self)
+
+    def serve_options(self, options: ServeOptions) -> ServeOptions:
+        """``options`` with this plan applied through the test seam (see the module docstring)."""
+        return dataclasses.replace(options, transfer_factory=self.transfer_engine, lend_restore_max_bytes=0)
+
     def describe(self) -> str:
         items = [f"{k}.fail_every={v}" for k, v in sorted(self.fail_every.items())]
         items += [f"{k}.delay_s={v}" for k, v in sorted(self.delay_s.items())]
         return ",".join(items)
+
+
+class FaultInjectingEngine(ThreadTransferEngine):
+    """A thread copy engine whose copies first run a ``FaultPlan`` (see the module docstring)."""
+
+    def __init__(self, plan: FaultPlan) -> None:
+        self.plan = plan  # before the workers start: they read it
+        super().__init__()
+
+    def _copy(self, job: _Job) -> None:
+        self.plan(job.transfer)
+        super()._copy(job)
 
 
 def parse_faults(spec: str) -> FaultPlan | None:

@@ -32,9 +32,9 @@ this module's references; the memory is released once the caller has also
 dropped the tensors and every layout built on them. On CUDA, dropping the
 storages releases their IPC references in the engine.
 ``KvImport.shm_files`` are the mapped ``/dev/shm`` files, whose
-``check_intact()`` the daemon calls around copies (``daemon/handlers.py``).
+``check_intact()`` the daemon calls around copies (``daemon/session_memory.py``).
 
-Imports no torch at module load (``daemon/handlers.py`` imports this module
+Imports no torch at module load (``daemon/session_memory.py`` imports this module
 for ``KvShareAccessError``); torch is imported where tensors are made.
 """
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvtier.client.protocol import Request
-from kvtier.daemon.handlers import Pending
+from kvtier.daemon.handler_context import Pending
 from kvtier.daemon.sessions import Session
 
 __all__ = ["Parked", "ParkingLot"]

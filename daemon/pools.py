@@ -83,7 +83,7 @@ from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.persistent_arena import ArenaDirectory, PersistentArena
 from kvtier.tiers.slot_index import SlotIndexBusy
 from kvtier.tiers.pool import PoolSpec, TieredPool, WrapPolicy
-from kvtier.tiers.transfer import ThreadTransferEngine, TransferEngine, make_transfer_engine
+from kvtier.tiers.transfer import TransferEngine, make_transfer_engine
 
 if TYPE_CHECKING:
     from kvtier.daemon.config import PoolSettings
@@ -170,13 +170,14 @@ class PoolRegistry:
         arenas: ArenaDirectory | None = None,
         close_timeout_s: float = 10.0,
         remote_secret: bytes | None = None,
-        fault_hook: Callable[[Any], None] | None = None,
+        transfer_factory: Callable[[str], TransferEngine] = make_transfer_engine,
     ) -> None:
         self.device = device
         self._sizing_for = sizing_for
         # The remote tier's secret (kvtier.tiers.remote.secret): required by a pool with a remote_url; never printed.
         self._remote_secret = remote_secret
-        self._fault_hook = fault_hook  # TEST-ONLY copy fault injection (kvtier.daemon.faults); None in production
+        # device -> a new pool's copy engine; only the test seam (kvtier.daemon.faults) passes another
+        self._transfer_factory = transfer_factory
         self._hash_algo = hash_algo
         self._wakeup = wakeup
         # (pool key, bytes done, bytes total) after each pinned chunk of a new
@@ -326,12 +327,7 @@ class PoolRegistry:
                 gpu_layout = BlockLayout.contiguous(gpu_blocks, block_bytes, self.device, hugepages=True)
             except (RuntimeError, MemoryError) as exc:  # torch reports device OOM as RuntimeError
                 raise ProtocolError(ErrorCode.NO_SPACE, f"pool {name!r}: cannot allocate the GPU tier: {exc}") from None
-        transfer = make_transfer_engine(self.device)
-        if self._fault_hook is not None:
-            if isinstance(transfer, ThreadTransferEngine):
-                transfer.fault_hook = self._fault_hook
-            else:
-                log.warning("pool %r: test fault injection needs the thread copy engine; ignored", key)
+        transfer = self._transfer_factory(self.device)
         if self._wakeup is not None:
             transfer.set_wakeup(self._wakeup)
         spec = PoolSpec(

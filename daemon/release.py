@@ -19,7 +19,8 @@ import logging
 import time
 
 from kvtier.client.protocol import ProtocolError
-from kvtier.daemon.handlers import HandlerContext, release_arena, release_registration
+from kvtier.daemon.handler_context import HandlerContext
+from kvtier.daemon.session_memory import release_arena, release_registration
 from kvtier.daemon.replies import ReplyQueue
 from kvtier.daemon.sessions import Session
 from kvtier.tiers.pool import NotFound, PoolError

@@ -113,7 +113,9 @@ from kvtier.daemon.connections import Connection, connection_of, peer_of_frame
 from kvtier.daemon.replies import ReplyQueue
 from kvtier.daemon.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
 from kvtier.daemon.heap_trim import HeapTrimmer
-from kvtier.daemon.handlers import HANDLERS, HandlerContext, KvImporter, Reply, stats_fields
+from kvtier.daemon.handler_context import LOOP_COPY_MAX_BYTES, HandlerContext, KvImporter, Reply
+from kvtier.daemon.handlers import HANDLERS
+from kvtier.daemon.stats_verbs import stats_fields
 from kvtier.daemon.handover import Successor
 from kvtier.daemon.lifecycle import StopFlag
 from kvtier.daemon.listener import Listener, bind_listener
@@ -134,7 +136,7 @@ from kvtier.daemon.upgrade import Upgrade
 from kvtier.tiers.persistent_arena import ArenaDirectory
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
 from kvtier.tiers.copy_types import DeadlinePassed
-from kvtier.tiers.transfer import TransferError
+from kvtier.tiers.transfer import TransferEngine, TransferError, make_transfer_engine
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +168,10 @@ class ServeOptions:
     sizing_for: Callable[[str, int], PoolSettings] = field(
         default=lambda name, _reusable=0: PoolSettings(name, gpu_bytes=256 << 20, cpu_bytes=1 << 30))
     remote_secret: bytes | None = field(default=None, repr=False)  # pools' remote tiers' (remote_secret_key_file)
-    fault_hook: Callable[[Any], None] | None = None  # TEST-ONLY copy fault injection (kvtier.daemon.faults)
+    # The loop's one test seam (kvtier.daemon.faults applies it; production leaves both as they are):
+    # device -> each pool's copy engine, and the largest restore lent in place to a client's memory (0: none).
+    transfer_factory: Callable[[str], TransferEngine] = make_transfer_engine
+    lend_restore_max_bytes: int = LOOP_COPY_MAX_BYTES
     lease_s: float = 10.0  # also the longest lease a client may ask for
     heartbeat_s: float | None = None  # recommended to clients; None: lease_s / 3
     poll_interval_s: float = 0.1  # loop wakes at least this often when idle
@@ -266,7 +271,7 @@ class Server:
             arenas=options.arenas,
             close_timeout_s=options.drain_timeout_s,
             remote_secret=options.remote_secret,
-            fault_hook=options.fault_hook,
+            transfer_factory=options.transfer_factory,
         )
         self.admission.attach(self.pools)
         self.sessions = SessionTable(lambda session, reason: release_session(self.ctx, self.replies, session, reason),
@@ -287,6 +292,7 @@ class Server:
             max_pinned_share=options.max_pinned_share,
             max_shm_files_total=self.fds.shm_files,
             auth_failures=AuthFailureLimiter(options.max_auth_failures_per_minute),
+            lend_restore_max_bytes=options.lend_restore_max_bytes,
         )
         self._parked = ParkingLot()  # requests whose copies are in flight
         # Replies libzmq has not sent yet: their buffers (lent tier memory, staging).

@@ -7,6 +7,8 @@
 - ``kvtier.testing.cuda_emulation``: the CUDA copy kernel's arithmetic on the CPU.
 - ``kvtier.testing.vllm_requests``: ``FakeRequest``, what the connector reads
   of a vLLM request.
+- ``kvtier.testing.transfer_hooks``: ``HookedTransferEngine``, the thread
+  copy engine with a hook a test sets to delay or fail its copies.
 - ``kvtier.testing.other_uid``: a launcher that runs kvtierd as another
   uid (root drops privileges in the daemon's own process), for the
   multi-user set-up.

@@ -23,6 +23,7 @@ What the contracts say (docs/architecture.md, "Who imports whom"):
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,26 @@ def test_tiers_public_api_resolves_and_imports_lazily() -> None:
             "print(sorted(n for n in sys.modules if n.startswith(('torch', 'kvtier.tiers.pool'))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_fault_injection_reaches_the_daemon_only_through_its_test_seam() -> None:
+    """Issue 36 item 8: no shipped module carries a fault hook or branches on one. Test-only fault
+    injection (``kvtier.daemon.faults``) is imported by the composition root alone, and reaches the loop
+    through ``ServeOptions.transfer_factory`` / ``lend_restore_max_bytes``."""
+    shipped = [p for sub in ("blocks", "tiers", "client", "daemon", "tools", "integrations") for p in (REPO / sub).rglob("*.py")]
+    assert len(shipped) > 50
+    hooked = [str(p.relative_to(REPO)) for p in shipped
+              if p.name != "faults.py" and "fault_hook" in p.read_text()]
+    assert hooked == []
+    importing = re.compile(r"^\s*(from kvtier\.daemon\.faults import|import kvtier\.daemon\.faults)", re.M)
+    importers = sorted(str(p.relative_to(REPO)) for p in shipped if importing.search(p.read_text()))
+    assert importers == ["daemon/__main__.py"]
+
+
+def test_every_wire_plane_has_one_daemon_plane() -> None:
+    """The daemon's data planes are a table keyed by the wire plane names (``daemon.planes.PLANES``)."""
+    from kvtier.client.protocol import PLANES as WIRE_PLANES
+    from kvtier.daemon.planes import PLANES, Plane
+
+    assert sorted(PLANES) == sorted(WIRE_PLANES)
+    assert all(isinstance(plane, Plane) for plane in PLANES.values())

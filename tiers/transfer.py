@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,10 +44,8 @@ log = logging.getLogger(__name__)
 class ThreadTransferEngine(TransferEngine):
     """Copies on two worker threads: one per priority class, each in order."""
 
-    def __init__(self, *, fault_hook: Callable[[Transfer], None] | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        # Tests inject copy failures through this hook (it may raise).
-        self.fault_hook = fault_hook
         self._queues = {True: queue.SimpleQueue(), False: queue.SimpleQueue()}
         self._threads = [
             threading.Thread(target=self._run, args=(high,), name=f"kvtier-copy-{'hi' if high else 'lo'}", daemon=True)
@@ -67,12 +65,20 @@ class ThreadTransferEngine(TransferEngine):
                 return
             error: BaseException | None = None
             try:
-                if self.fault_hook is not None:
-                    self.fault_hook(job.transfer)
-                copy_host_blocks(job.src, job.src_slots, job.dst, job.dst_slots)
+                self._copy(job)
             except Exception as exc:  # a failed copy fails its transfer, not the engine
                 error = TransferError(f"{job.transfer.kind.value} of {job.transfer.num_blocks} blocks failed: {exc}")
             self._complete(job.transfer, error)
+
+    def _copy(self, job: _Job) -> None:
+        """One transfer's copy, on its priority class's worker thread; what it raises fails that transfer only.
+
+        The engine's one seam for tests: a subclass that wraps it may delay or
+        fail copies (``kvtier.daemon.faults`` for a real kvtierd, reached through
+        ``ServeOptions.transfer_factory``; ``kvtier.testing.HookedTransferEngine``
+        for the pool's own tests). Production code never overrides it.
+        """
+        copy_host_blocks(job.src, job.src_slots, job.dst, job.dst_slots)
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self._closed:

@@ -770,7 +770,7 @@ class DaemonConfig:
         "the header has its own 4 MiB limit (e.g. 256MiB)", "SIZE",
         group=SERVER, rank=7, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
                                             what="a message is staged in memory whole")))
-    # The daemon-wide total of mapped files is capped below RLIMIT_NOFILE as well (daemon.handlers).
+    # The daemon-wide total of mapped files is capped below RLIMIT_NOFILE as well (daemon.session_memory).
     max_shm_files_per_session: int = field(default=1024, metadata=key(
         _as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N",
         group=SERVER, rank=8, check=partial(_check_int, minimum=1, maximum=MAX_PER_SESSION)))

@@ -221,6 +221,22 @@ def test_injected_copy_failures_fail_only_their_request(faulty_daemon: KvtierDae
         assert bystander.health()["status"] == "ok"
 
 
+def test_injected_load_faults_reach_restores_into_client_memory(start_daemon) -> None:  # type: ignore[no-untyped-def]
+    # A small restore into the client's arena is normally lent in place from the tier (no copy engine);
+    # the fault seam turns that off (lend_restore_max_bytes 0), so the planned fault reaches it too
+    # (a copy from a tier to the client is a "load").
+    d = start_daemon(gpu_bytes=GPU_BLOCKS * BLOCK_BYTES, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES,
+                     env={FAULTS_ENV: "load.fail_every=1"})
+    with Client(d.endpoint, "faulty-shm", store_layout(BLOCK_BYTES)) as c:
+        hashes = stored_chain(c, "faulty-shm", 2)
+        arena = c.open_arena(2)
+        with pytest.raises(DaemonError) as raised:
+            c.restore(hashes, slots=[0, 1])
+        assert raised.value.code == ErrorCode.TRANSFER_FAILED and "injected fault" in raised.value.message
+        assert bytes(arena.buffer[: 2 * BLOCK_BYTES]) == bytes(2 * BLOCK_BYTES)  # nothing written
+        assert c.stats()["pools"]["faulty-shm"]["copy_failures"] >= 1
+
+
 def test_unregister_while_its_copy_is_in_flight_is_refused_and_the_copy_lands(start_daemon) -> None:  # type: ignore[no-untyped-def]
     from kvtier.client.kv_share import allocate_shared_kv
 

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from kvtier.testing.transfer_hooks import HookedTransferEngine
 from kvtier.tiers.block_manager import BlockManager
 from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import NoSpace, PoolSpec, Tier, TieredPool
@@ -67,7 +68,7 @@ class Harness:
         self.gate.set()
         self.data = data
         if data:
-            self.engine = ThreadTransferEngine(fault_hook=self._hook)
+            self.engine = HookedTransferEngine(fault_hook=self._hook)
             self.cpu_storage = BlockLayout.contiguous(cpu_blocks, BB) if cpu_blocks else None
             if self.cpu_storage is not None:
                 self.cpu_storage.slab().fill_(POISON)

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from kvtier.testing.transfer_hooks import HookedTransferEngine
 from kvtier.tiers.host_memory import allocate_host_slab
 from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.transfer import (
@@ -130,7 +131,7 @@ def test_high_priority_does_not_wait_behind_low_priority() -> None:
         if not t.high_priority:
             assert gate.wait(10)
 
-    eng = ThreadTransferEngine(fault_hook=hold_low)
+    eng = HookedTransferEngine(fault_hook=hold_low)
     try:
         src, dst = rand_slab(4), poisoned_slab(4)
         low = eng.submit(CopyKind.DEMOTE, src, [0], dst, [0])
@@ -171,7 +172,7 @@ def test_fault_hook_failure_fails_only_that_transfer() -> None:
         if t.transfer_id in bad:
             raise RuntimeError("injected copy failure")
 
-    eng = ThreadTransferEngine(fault_hook=hook)
+    eng = HookedTransferEngine(fault_hook=hook)
     try:
         src = rand_slab(8)
         dsts = [poisoned_slab(8) for _ in range(4)]
