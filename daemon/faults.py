@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tiers.copy_types import TransferEngine, _Job
+from kvtier.tiers.copy_types import TransferEngine, CopyJob
 from kvtier.tiers.transfer import ThreadTransferEngine, make_transfer_engine
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ class FaultInjectingEngine(ThreadTransferEngine):
         self.plan = plan  # before the workers start: they read it
         super().__init__()
 
-    def _copy(self, job: _Job) -> None:
+    def _copy(self, job: CopyJob) -> None:
         self.plan(job.transfer)
         super()._copy(job)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.tiers.copy_types import Transfer, _Job
+from kvtier.tiers.copy_types import Transfer, CopyJob
 from kvtier.tiers.transfer import ThreadTransferEngine
 
 __all__ = ["HookedTransferEngine"]
@@ -27,7 +27,7 @@ class HookedTransferEngine(ThreadTransferEngine):
         self.fault_hook = fault_hook  # set before the workers start: they read it
         super().__init__()
 
-    def _copy(self, job: _Job) -> None:
+    def _copy(self, job: CopyJob) -> None:
         hook = self.fault_hook
         if hook is not None:
             hook(job.transfer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from kvtier.blocks.layout import copy_blocks
-from kvtier.tiers.transfer import CopyKind, TransferEngine, TransferError, _Job
+from kvtier.tiers.transfer import CopyKind, TransferEngine, TransferError, CopyJob
 
 
 class SteppedEngine(TransferEngine):
@@ -20,12 +20,12 @@ class SteppedEngine(TransferEngine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.queues: dict[bool, deque[_Job]] = {True: deque(), False: deque()}
+        self.queues: dict[bool, deque[CopyJob]] = {True: deque(), False: deque()}
         self.failing: set[CopyKind] = set()
         self._doomed: set[int] = set()
         self.doomed_restore_slots: set[int] = set()  # a restore into any of these fails (once)
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: CopyJob) -> None:
         if job.transfer.kind in self.failing:
             self._doomed.add(job.transfer.transfer_id)
         self.queues[job.transfer.high_priority].append(job)

@@ -21,7 +21,8 @@ docs/tiers-api.md is the walk-through.
   ``instance_id`` (``arena_files``); ``SlotIndexBusy`` (``slot_index``).
 - Copies: ``make_transfer_engine``, ``TransferEngine``,
   ``ThreadTransferEngine``, ``TransferError``, ``warm_up``
-  (``transfer``); ``DeadlinePassed`` (``copy_types``).
+  (``transfer``); ``DeadlinePassed`` and ``CopyJob`` (``copy_types``: what
+  ``ThreadTransferEngine._copy`` is handed, for the test-only fault seam).
 - Policies: ``make_policy``, ``check_policy_name`` (``policies``: names
   through the registry); ``EvictionPolicy``, ``PolicyWrapper``
   (``policies.base``: for a wrapper such as the daemon's tenant quotas) and
@@ -61,7 +62,7 @@ _PUBLIC: dict[str, str] = {
     "SlotIndexBusy": "slot_index",
     **dict.fromkeys(("make_transfer_engine", "TransferEngine", "ThreadTransferEngine", "TransferError",
                      "warm_up"), "transfer"),
-    "DeadlinePassed": "copy_types",
+    **dict.fromkeys(("DeadlinePassed", "CopyJob"), "copy_types"),
     **dict.fromkeys(("make_policy", "check_policy_name"), "policies"),
     **dict.fromkeys(("EvictionPolicy", "PolicyWrapper"), "policies.base"),
     "CpuTier": "cpu_tier",

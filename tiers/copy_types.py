@@ -94,7 +94,7 @@ class Transfer:
 
 
 @dataclass(slots=True)
-class _Job:
+class CopyJob:
     transfer: Transfer
     src: BlockLayout
     src_slots: Sequence[int]
@@ -138,7 +138,7 @@ class TransferEngine(ABC):
             raise ValueError(f"block sizes differ: {src.block_bytes} != {dst.block_bytes} bytes")
         high = kind.high_priority if high_priority is None else high_priority
         transfer = Transfer(next(self._ids), kind, len(src_slots), len(src_slots) * src.block_bytes, high, then=then)
-        self._enqueue(_Job(transfer, src, list(src_slots), dst, list(dst_slots)))
+        self._enqueue(CopyJob(transfer, src, list(src_slots), dst, list(dst_slots)))
         return transfer
 
     def poll(self) -> list[Transfer]:
@@ -163,7 +163,7 @@ class TransferEngine(ABC):
             wakeup()
 
     @abstractmethod
-    def _enqueue(self, job: _Job) -> None: ...
+    def _enqueue(self, job: CopyJob) -> None: ...
 
     @abstractmethod
     def close(self, timeout_s: float = 10.0) -> None: ...

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.tiers.copy_types import CopyKind, Transfer, TransferEngine, TransferError, _Job
+from kvtier.tiers.copy_types import CopyKind, Transfer, TransferEngine, TransferError, CopyJob
 
 __all__ = ["CopyKind", "CudaTransferEngine", "ThreadTransferEngine", "Transfer", "TransferEngine", "TransferError",
            "BACKGROUND", "make_transfer_engine"]
@@ -54,7 +54,7 @@ class ThreadTransferEngine(TransferEngine):
         for t in self._threads:
             t.start()
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: CopyJob) -> None:
         self._queues[job.transfer.high_priority].put(job)
 
     def _run(self, high: bool) -> None:
@@ -70,7 +70,7 @@ class ThreadTransferEngine(TransferEngine):
                 error = TransferError(f"{job.transfer.kind.value} of {job.transfer.num_blocks} blocks failed: {exc}")
             self._complete(job.transfer, error)
 
-    def _copy(self, job: _Job) -> None:
+    def _copy(self, job: CopyJob) -> None:
         """One transfer's copy, on its priority class's worker thread; what it raises fails that transfer only.
 
         The engine's one seam for tests: a subclass that wraps it may delay or
@@ -274,7 +274,7 @@ class CudaTransferEngine(TransferEngine):
         if self._wakeup is not None:
             self._wakeup()
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: CopyJob) -> None:
         if job.src.device.type != "cuda" and job.dst.device.type != "cuda":
             self._host._enqueue(job)
         elif job.transfer.high_priority:
@@ -289,7 +289,7 @@ class CudaTransferEngine(TransferEngine):
                 return
             self._pending[False].put(self._launch_job(job, False))
 
-    def _launch_job(self, job: _Job, high: bool) -> tuple:
+    def _launch_job(self, job: CopyJob, high: bool) -> tuple:
         """Enqueue the copy on its stream between two timing events.
 
         Returns ``(transfer, start, end, keep_alive, error, direction)`` for the
@@ -317,7 +317,7 @@ class CudaTransferEngine(TransferEngine):
             return job.transfer, None, None, keep, error or TransferError(str(exc)), direction
         return job.transfer, start, end, keep, error, direction
 
-    def _launch(self, job: _Job, stream: torch.cuda.Stream, high: bool, keep: list) -> None:
+    def _launch(self, job: CopyJob, stream: torch.cuda.Stream, high: bool, keep: list) -> None:
         """Enqueue the copy on ``stream`` (the current stream).
 
         Appends to ``keep`` what must stay alive until the stream passes the
@@ -370,7 +370,7 @@ class CudaTransferEngine(TransferEngine):
         mark.record(stream)
         self._low_marks.append(mark)
 
-    def _launch_staged(self, job: _Job) -> list[torch.Tensor]:
+    def _launch_staged(self, job: CopyJob) -> list[torch.Tensor]:
         src, dst = job.src, job.dst
         if src.device.type == "cuda" and dst.device.type == "cuda":
             copy_blocks(src, job.src_slots, dst, job.dst_slots)
