@@ -85,8 +85,8 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
         ok_reply,
         pack_tiers,
         request_header,
+        decode_request,
         unpack_hashes,
-        validate_request,
     )
     from kvtier.daemon.handler_context import tier_names
     from kvtier.tiers.pool import PoolSpec, TieredPool
@@ -101,23 +101,21 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
         pools[policy] = pool
     sid = "0" * 32
     req = encode(request_header("lookup", 1 << 40, sid, hashes=hashes, pin=False))
-    header = decode_header(req)
     tiers = pools["lru"].lookup(hashes)
     tier_strs = tier_names(tiers)
     reply = encode(ok_reply(1 << 40, tiers=tier_strs, pinned=0))
     reply_list = decode(reply)["tiers"]
     preq = encode(request_header("lookup", 1 << 40, sid, packed_hashes=True, hashes=hashes, pin=False))
-    pheader = decode_header(preq)
+    pheader = decode_header(preq)  # for its packed bin
     codes = pack_tiers(tiers)
     preply = encode(ok_reply(1 << 40, tiers=codes, pinned=0))
     preply_codes = decode(preply)["tiers"]
-    assert validate_request(pheader).fields == validate_request(header).fields and TierList(codes) == tier_strs
+    assert decode_request(preq).msg.hashes == decode_request(req).msg.hashes == hashes and TierList(codes) == tier_strs
     chain = pools["chain"]
     array_pieces = {
         "client: _check_hashes": lambda: _check_hashes(hashes),
         "client: request_header + msgpack encode": lambda: encode(request_header("lookup", 1 << 40, sid, hashes=hashes, pin=False)),
-        "daemon: decode_header (msgpack)": lambda: decode_header(req),
-        "daemon: validate_request (schema, 256 hash checks)": lambda: validate_request(header),
+        "daemon: decode_request (msgspec: decode + validate, 256 hashes)": lambda: decode_request(req),
         "daemon: tier_names (enum -> str)": lambda: tier_names(tiers),
         "daemon: ok_reply + msgpack encode (tiers as str)": lambda: encode(ok_reply(1 << 40, tiers=tier_strs, pinned=0)),
         "client: msgpack decode of the reply": lambda: decode(reply),
@@ -129,8 +127,7 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
         "  of which b''.join": lambda: b"".join(hashes),
         "packed: client request_header + msgpack encode (one bin)":
             lambda: encode(request_header("lookup", 1 << 40, sid, packed_hashes=True, hashes=packed_hashes, pin=False)),
-        "packed: daemon decode_header (msgpack)": lambda: decode_header(preq),
-        "packed: daemon validate_request (schema, split)": lambda: validate_request(pheader),
+        "packed: daemon decode_request (msgspec: decode + validate, split)": lambda: decode_request(preq),
         "  of which unpack_hashes (cached struct)": lambda: unpack_hashes(pheader["hashes"]),
         "packed: daemon pack_tiers (enum -> codes)": lambda: pack_tiers(tiers),
         "packed: daemon ok_reply + msgpack encode (tiers as codes)": lambda: encode(ok_reply(1 << 40, tiers=codes, pinned=0)),

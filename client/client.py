@@ -83,12 +83,14 @@ from kvtier.client.protocol import (
     FEATURE_EVENTS,
     HASH_BYTES,
     MAX_EVENTS,
+    MAX_STR_LEN,
     OPS,
     ErrorCode,
     Hints,
     KvtierError,
     ProtocolError,
     TierList,
+    check_text,
 )
 from kvtier.client.session import Heartbeat, PoolLayout, Registration, Session, SessionLost
 from kvtier.client.shm_arena import ShmArena
@@ -472,7 +474,7 @@ class Client:
             return
         if not pin:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "pin_tag names pins: it needs pin=True")
-        OPS["unpin"].fields["pin_tag"].type.check("pin_tag", pin_tag)
+        check_text("pin_tag", pin_tag, MAX_STR_LEN)
 
     def _note_pins(self, hashes: Sequence[bytes], pin_tag: str | None) -> None:
         if not hashes:

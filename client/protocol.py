@@ -49,7 +49,7 @@ meaning of a number never changes. Hundreds group them: 1xx the request was
 malformed (a client bug, never retry), 2xx the request does not fit the
 daemon's state, 3xx capacity, 4xx the daemon failed or is going away.
 
-This module imports msgpack only (no zmq, no torch) so that any process, and
+This module imports msgpack and msgspec only (no zmq, no torch) so that any process, and
 the docs generator, can use it. ``docs/protocol.md`` is the prose version.
 """
 
@@ -57,14 +57,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
+import re
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
 import msgpack
+import msgspec
 
 PROTOCOL_VERSION = 1
 HASH_BYTES = 16
@@ -164,238 +165,6 @@ class ProtocolError(KvtierError):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
-
-
-# ---- field types -----------------------------------------------------------
-
-
-class FieldType:
-    """Checks one decoded value; returns it (possibly normalised) or raises ProtocolError."""
-
-    wire: str = ""
-
-    def check(self, name: str, value: Any) -> Any:
-        raise NotImplementedError
-
-    @staticmethod
-    def _bad(name: str, why: str) -> ProtocolError:
-        return ProtocolError(ErrorCode.INVALID_FIELD, f"field {name!r}: {why}")
-
-
-@dataclass(frozen=True)
-class UInt(FieldType):
-    lo: int = 0
-    hi: int = 2**64 - 1
-
-    @property
-    def wire(self) -> str:  # type: ignore[override]
-        return f"uint {self.lo}..{self.hi}" if self.hi < 2**64 - 1 else f"uint >= {self.lo}"
-
-    def check(self, name: str, value: Any) -> int:
-        # bool is an int subclass in Python; on the wire it is its own type.
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self._bad(name, f"expected an unsigned integer, got {type(value).__name__}")
-        if not self.lo <= value <= self.hi:
-            raise self._bad(name, f"{value} is outside {self.lo}..{self.hi}")
-        return value
-
-
-@dataclass(frozen=True)
-class Seconds(FieldType):
-    lo_s: float = 0.0
-    hi_s: float = 86400.0
-
-    @property
-    def wire(self) -> str:  # type: ignore[override]
-        return f"float or int, seconds, {self.lo_s} < x <= {self.hi_s}"
-
-    def check(self, name: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self._bad(name, f"expected a number of seconds, got {type(value).__name__}")
-        if not (math.isfinite(value) and self.lo_s < value <= self.hi_s):
-            raise self._bad(name, f"{value} is outside ({self.lo_s}, {self.hi_s}]")
-        return float(value)
-
-
-@dataclass(frozen=True)
-class Str(FieldType):
-    min_len: int = 1
-    max_len: int = MAX_STR_LEN
-
-    @property
-    def wire(self) -> str:  # type: ignore[override]
-        return f"str, {self.min_len}..{self.max_len} chars"
-
-    def check(self, name: str, value: Any) -> str:
-        if not isinstance(value, str):
-            raise self._bad(name, f"expected a string, got {type(value).__name__}")
-        if not self.min_len <= len(value) <= self.max_len:
-            raise self._bad(name, f"length {len(value)} is outside {self.min_len}..{self.max_len}")
-        return value
-
-
-@dataclass(frozen=True)
-class Enum(FieldType):
-    values: tuple[str, ...] = ()
-
-    @property
-    def wire(self) -> str:  # type: ignore[override]
-        return "str, one of " + ", ".join(f'"{v}"' for v in self.values)
-
-    def check(self, name: str, value: Any) -> str:
-        if not isinstance(value, str) or value not in self.values:
-            raise self._bad(name, f"expected one of {list(self.values)}, got {value!r}")
-        return value
-
-
-@dataclass(frozen=True)
-class StrList(FieldType):
-    max_items: int = 64
-    max_len: int = 64
-
-    @property
-    def wire(self) -> str:  # type: ignore[override]
-        return f"array of str, at most {self.max_items}, each 1..{self.max_len} chars"
-
-    def check(self, name: str, value: Any) -> list[str]:
-        if not isinstance(value, list):
-            raise self._bad(name, f"expected an array of strings, got {type(value).__name__}")
-        if len(value) > self.max_items:
-            raise self._bad(name, f"{len(value)} items, at most {self.max_items}")
-        for item in value:
-            if not isinstance(item, str) or not 0 < len(item) <= self.max_len:
-                raise self._bad(name, f"items must be strings of 1..{self.max_len} chars, got {item!r}")
-        return value
-
-
-@dataclass(frozen=True)
-class Bool(FieldType):
-    wire: str = "bool"
-
-    def check(self, name: str, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise self._bad(name, f"expected a bool, got {type(value).__name__}")
-        return value
-
-
-@dataclass(frozen=True)
-class Hashes(FieldType):
-    max_count: int = MAX_HASHES
-
-    @property
-    def wire(self) -> str:  # type: ignore[override]
-        return (f"array of bin16 (block hashes), at most {self.max_count}; "
-                f"or packed: one bin of 16*n bytes, n at most {self.max_count}")
-
-    def check(self, name: str, value: Any) -> list[bytes]:
-        if type(value) is bytes:  # msgpack decodes every bin to exactly bytes
-            return self._unpack(name, value)
-        if not isinstance(value, list):
-            raise self._bad(name, f"expected an array of 16-byte bin or one bin of 16*n bytes, got {type(value).__name__}")
-        if len(value) > self.max_count:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {len(value)} hashes, limit {self.max_count}")
-        for i, h in enumerate(value):
-            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-                got = f"{len(h)} bytes" if isinstance(h, bytes) else type(h).__name__
-                raise self._bad(name, f"element {i}: expected bin of {HASH_BYTES} bytes, got {got}")
-        return value
-
-    def _unpack(self, name: str, packed: bytes) -> list[bytes]:
-        n, rest = divmod(len(packed), HASH_BYTES)
-        if rest:
-            raise self._bad(name, f"packed hashes are {len(packed)} bytes, not a multiple of {HASH_BYTES}")
-        if n > self.max_count:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {n} packed hashes, limit {self.max_count}")
-        return unpack_hashes(packed)
-
-
-@dataclass(frozen=True)
-class UIntList(FieldType):
-    max_count: int = MAX_HASHES
-    hi: int = 2**32 - 1
-
-    @property
-    def wire(self) -> str:  # type: ignore[override]
-        return f"array of uint (0..{self.hi}), at most {self.max_count}"
-
-    def check(self, name: str, value: Any) -> list[int]:
-        if not isinstance(value, list):
-            raise self._bad(name, f"expected an array of uint, got {type(value).__name__}")
-        if len(value) > self.max_count:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {len(value)} entries, limit {self.max_count}")
-        for i, v in enumerate(value):
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= self.hi:
-                raise self._bad(name, f"element {i}: expected uint 0..{self.hi}, got {v!r}")
-        return value
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One field of a request (or of a nested map)."""
-
-    type: FieldType
-    required: bool = True
-    default: Any = None
-    doc: str = ""
-
-
-@dataclass(frozen=True)
-class Map(FieldType):
-    fields: Mapping[str, Spec] = field(default_factory=dict)
-    # Opaque maps (kv_share descriptors) are passed through after a shallow check.
-    opaque: bool = False
-    max_keys: int = 64
-
-    @property
-    def wire(self) -> str:  # type: ignore[override]
-        return "map (opaque)" if self.opaque else "map, see its fields"
-
-    def check(self, name: str, value: Any) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise self._bad(name, f"expected a map, got {type(value).__name__}")
-        if len(value) > self.max_keys:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {len(value)} keys, limit {self.max_keys}")
-        if self.opaque:
-            for key in value:
-                if not isinstance(key, str):
-                    raise self._bad(name, "map keys must be strings")
-            return value
-        return check_fields(value, self.fields, prefix=f"{name}.")
-
-
-@dataclass(frozen=True)
-class MapList(FieldType):
-    item: Map = field(default_factory=Map)
-    max_count: int = MAX_REGISTERED_TENSORS
-
-    @property
-    def wire(self) -> str:  # type: ignore[override]
-        return f"array of map, 1..{self.max_count}"
-
-    def check(self, name: str, value: Any) -> list[dict[str, Any]]:
-        if not isinstance(value, list) or not value:
-            raise self._bad(name, "expected a non-empty array of maps")
-        if len(value) > self.max_count:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {len(value)} entries, limit {self.max_count}")
-        return [self.item.check(f"{name}[{i}]", v) for i, v in enumerate(value)]
-
-
-def check_fields(values: Mapping[str, Any], specs: Mapping[str, Spec], *, prefix: str = "") -> dict[str, Any]:
-    """Validate ``values`` against ``specs``: every key known, every required key present."""
-    out: dict[str, Any] = {}
-    for key in values:
-        if not isinstance(key, str):
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"field names must be strings, got {key!r}")
-        if key not in specs:
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"unknown field {prefix}{key!r}")
-    for key, spec in specs.items():
-        if key in values and not (values[key] is None and not spec.required):
-            out[key] = spec.type.check(prefix + key, values[key])
-        elif spec.required:
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"missing field {prefix}{key!r}")
-        else:
-            out[key] = spec.default
-    return out
 
 
 # ---- packed hashes -----------------------------------------------------------
@@ -546,44 +315,67 @@ class TierList(Sequence[str]):
 
 
 # ---- the schema ------------------------------------------------------------
+#
+# Each request is one msgspec Struct, declared once: its fields, their types and
+# bounds. The daemon decodes a header straight into its op's Struct (msgspec's
+# msgpack is this protocol's wire format) and msgspec validates it in C in the
+# same step. A field absent or nil gets its default; unknown fields are refused.
 
-LAYOUT_FIELDS: dict[str, Spec] = {
-    "model": Spec(Str(), doc="model identity (name or path + revision)"),
-    "block_size": Spec(UInt(1, 2**32 - 1), doc="tokens per block"),
-    "block_bytes": Spec(UInt(1, 2**40), doc="bytes of one block, all layers, K and V"),
-    "dtype": Spec(Str(1, 32), doc='KV element type, e.g. "bfloat16"'),
-    "num_layers": Spec(UInt(1, 2**20)),
-    "kv_heads": Spec(UInt(1, 2**20), doc="KV heads on this rank"),
-    "head_dim": Spec(UInt(1, 2**20)),
-    "tp_rank": Spec(UInt(0, 2**20)),
-    "tp_size": Spec(UInt(1, 2**20)),
-    "hash_algo": Spec(Enum(HASH_ALGOS)),
-    "mode": Spec(Enum(MODES), doc='"store": the daemon owns the GPU tier; "engine": the engine\'s registered KV tensors are the GPU tier'),
-}
-LAYOUT = Map(LAYOUT_FIELDS)
 
-# One registered tensor: the kv_share descriptor (opaque to the protocol; the
-# daemon's importer validates it) plus which dimension indexes blocks.
-KV_TENSOR = Map(
-    {
-        "desc": Spec(Map(opaque=True), doc="tensor descriptor produced by kvtier.client.kv_share"),
-        "block_dim": Spec(UInt(0, 16), doc="dimension of the tensor that indexes blocks"),
-    }
-)
+def _uint(lo: int, hi: int) -> Any:
+    return Annotated[int, msgspec.Meta(ge=lo, le=hi)]
 
-HASHES = Spec(Hashes(), doc="block hashes, bin16 each, prefix order")
-# Feature "pin_tags", added within v1: a daemon without it refuses the key.
-PIN_TAG = Spec(Str(1, MAX_STR_LEN), required=False,
-               doc="the pins' tag (the request they serve): unpin of the tag alone drops every pin taken under it")
-REQ = Spec(Str(1, MAX_STR_LEN), doc="engine request id (unique within the session)")
-PLANE_FIELDS: dict[str, Spec] = {
-    "plane": Spec(Enum(PLANES), required=False, default="inline", doc="where the block bytes are"),
-    "slots": Spec(UIntList(), required=False, doc='plane "shm": arena slots; plane "kv": slots of the registered tensors; one per hash'),
-    "reg": Spec(Str(1, 128), required=False, doc='plane "kv": name of the registration'),
-    # Feature "deadlines", added within v1: a daemon without it refuses the key.
-    "deadline_ns": Spec(UInt(1, MAX_ID), required=False,
-                        doc="CLOCK_MONOTONIC ns after which the client no longer waits: the daemon then leaves its memory alone"),
-}
+
+def _text(lo: int, hi: int) -> Any:
+    return Annotated[str, msgspec.Meta(min_length=lo, max_length=hi)]
+
+
+def _seconds(hi_s: float) -> Any:
+    return Annotated[float, msgspec.Meta(gt=0.0, le=hi_s)]
+
+
+MAX_LEASE_S = 3600.0
+MAX_POOL_NAME = 128  # chars of a hello's pool name
+MAX_TOKEN_LEN = 256  # chars of a hello's tenant token
+MAX_FEATURES = 64  # names in a hello's "features", each 1..MAX_FEATURE_LEN chars
+MAX_FEATURE_LEN = 64
+MAX_DESC_KEYS = 64  # keys of a register_kv tensor descriptor
+
+Hash16 = Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
+# Block hashes in prefix order: an array of bin16, or packed (feature "packed_hashes"): one bin of 16 * n bytes.
+HashList = bytes | Annotated[list[Hash16], msgspec.Meta(max_length=MAX_HASHES)]
+SlotList = Annotated[list[_uint(0, 2**32 - 1)], msgspec.Meta(max_length=MAX_HASHES)]
+
+
+class Layout(msgspec.Struct, forbid_unknown_fields=True):
+    """A pool's layout, as hello sends it; every field required."""
+
+    model: _text(1, MAX_STR_LEN)  # model identity (name or path + revision)
+    block_size: _uint(1, 2**32 - 1)  # tokens per block
+    block_bytes: _uint(1, 2**40)  # bytes of one block, all layers, K and V
+    dtype: _text(1, 32)  # KV element type, e.g. "bfloat16"
+    num_layers: _uint(1, 2**20)
+    kv_heads: _uint(1, 2**20)  # KV heads on this rank
+    head_dim: _uint(1, 2**20)
+    tp_rank: _uint(0, 2**20)
+    tp_size: _uint(1, 2**20)
+    hash_algo: Literal["xxh3_128", "sha256"]
+    mode: Literal["store", "engine"]  # "store": the daemon owns the GPU tier; "engine": the engine's KV is
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+LAYOUT_FIELDS: tuple[str, ...] = Layout.__struct_fields__
+
+
+class KvTensor(msgspec.Struct, forbid_unknown_fields=True):
+    """One registered tensor: its kv_share descriptor (opaque to the protocol) and its block dimension."""
+
+    # Skipped by the one-step decode (no containers built from an opaque map): _finish
+    # replaces it with the dict it holds, read with decode()'s limits on the whole header.
+    desc: msgspec.Raw
+    block_dim: _uint(0, 16)
 
 
 # Per-request hints (feature "hints"): what the application knows about the
@@ -592,24 +384,24 @@ PLANE_FIELDS: dict[str, Spec] = {
 MAX_RETAIN_S = 86400.0
 MAX_PRIORITY = 255
 MAX_OUTPUT_TOKENS = 2**31 - 1
-HINT_FIELDS: dict[str, Spec] = {
-    "session": Spec(Str(1, MAX_STR_LEN), required=False,
-                    doc="opaque key of the conversation or agent session (a prompt-cache key); scoped to the tenant"),
-    "retain_s": Spec(Seconds(0.0, MAX_RETAIN_S), required=False,
-                     doc="soft TTL: keep these blocks at least this long while capacity allows (bounded per client)"),
-    "priority": Spec(UInt(0, MAX_PRIORITY), required=False, default=0, doc="higher is evicted later; default 0"),
-    # Feature "hint_output_tokens": a daemon without it refuses the key (INVALID_FIELD), so clients
-    # send it only to daemons that list the feature.
-    "output_tokens": Spec(UInt(0, MAX_OUTPUT_TOKENS), required=False, default=0,
-                          doc="tokens the request generated so far, as the engine counts them (its stores)"),
-}
-HINTS = Spec(Map(HINT_FIELDS, max_keys=len(HINT_FIELDS)), required=False,
-             doc='feature "hints": session / retain_s / priority / output_tokens of the request')
+
+
+class HintFields(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A request's "hints" map."""
+
+    session: _text(1, MAX_STR_LEN) | None = None  # opaque key of the conversation (a prompt-cache key), per tenant
+    retain_s: _seconds(MAX_RETAIN_S) | None = None  # soft TTL while capacity allows (bounded per client)
+    priority: _uint(0, MAX_PRIORITY) | None = 0  # higher is evicted later
+    # Feature "hint_output_tokens": clients send it only to daemons that list the feature.
+    output_tokens: _uint(0, MAX_OUTPUT_TOKENS) | None = 0  # tokens the request generated so far (its stores)
+
+
+HINT_FIELDS: tuple[str, ...] = HintFields.__struct_fields__
 
 
 @dataclass(frozen=True, slots=True)
 class Hints:
-    """The client's side of ``HINT_FIELDS``: checked here as the daemon will check them."""
+    """The client's side of ``HintFields``: checked here as the daemon will check them."""
 
     session: str | None = None
     retain_s: float | None = None
@@ -617,7 +409,11 @@ class Hints:
     output_tokens: int = 0  # an engine's count of the tokens the request generated; 0: none
 
     def __post_init__(self) -> None:
-        check_fields(self.to_wire(), HINT_FIELDS, prefix="hints.")
+        wire = self.to_wire()
+        try:
+            msgspec.convert(wire, HintFields, strict=True)
+        except msgspec.ValidationError as exc:
+            raise _invalid(exc, prefix="hints.") from None
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {}
@@ -632,124 +428,240 @@ class Hints:
         return wire
 
 
+class Message(msgspec.Struct, kw_only=True, tag_field="op", forbid_unknown_fields=True):
+    """The header fields every request carries; one subclass per op (its tag is the op)."""
+
+    v: int
+    id: int
+    sid: str | None = None
+
+
+class HelloRequest(Message, tag="hello"):
+    pool: _text(1, MAX_POOL_NAME)  # pool name; the first hello creates the pool
+    layout: Layout
+    client: _text(0, 128) | None = ""  # free text for logs
+    lease_s: _seconds(MAX_LEASE_S) | None = None  # requested lease; the daemon may shorten it
+    # Added within v1: tenant token (daemons with [tenants]); CURVE keys need none.
+    token: _text(1, MAX_TOKEN_LEN) | None = None
+    # Added within v1, like token: reply features this client reads, e.g. ["disk_tier"]; unknown names ignored.
+    features: list[_text(1, MAX_FEATURE_LEN)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.client is None:
+            self.client = ""
+        if self.features is not None and len(self.features) > MAX_FEATURES:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"field 'features': {len(self.features)} items, at most {MAX_FEATURES}")
+
+
+class HeartbeatRequest(Message, tag="heartbeat"):
+    pass
+
+
+class ByeRequest(Message, tag="bye"):
+    pass
+
+
+class AttachArenaRequest(Message, tag="attach_arena"):
+    name: _text(1, 255)  # file name in /dev/shm made by kvtier.client.shm_arena (kvtier-...)
+    num_slots: _uint(1, 2**32 - 1)
+    slot_bytes: _uint(1, 2**40)  # must equal the pool's block_bytes
+
+
+class RegisterKvRequest(Message, tag="register_kv"):
+    name: _text(1, 128)  # registration name, unique within the session
+    # One per layer, or one for all layers; block byte order is tensor by tensor.
+    tensors: Annotated[list[KvTensor], msgspec.Meta(min_length=1, max_length=MAX_REGISTERED_TENSORS)]
+
+
+class UnregisterKvRequest(Message, tag="unregister_kv"):
+    name: _text(1, 128)
+
+
+# Feature "pin_tags", added within v1: the pins' tag (the request they serve).
+PinTag = _text(1, MAX_STR_LEN) | None
+
+
+class LookupRequest(Message, tag="lookup"):
+    hashes: HashList
+    pin: bool | None = False
+    hints: HintFields | None = None
+    pin_tag: PinTag = None
+
+
+class PinRequest(Message, tag="pin"):
+    hashes: HashList
+    pin_tag: PinTag = None
+
+
+class UnpinRequest(Message, tag="unpin"):
+    hashes: HashList | None = None  # absent: every pin of pin_tag
+    pin_tag: PinTag = None
+
+
+class AllocateRequest(Message, tag="allocate"):
+    req: _text(1, MAX_STR_LEN)  # engine request id (unique within the session)
+    hashes: HashList
+    num_tokens: _uint(0, 2**40)
+    hints: HintFields | None = None
+
+
+class AppendRequest(Message, tag="append"):
+    req: _text(1, MAX_STR_LEN)
+    num_tokens: _uint(0, 2**40)  # NEW tokens
+    hashes: HashList  # of the blocks these tokens filled
+
+
+class FreeRequest(Message, tag="free"):
+    req: _text(1, MAX_STR_LEN)
+    # Tokens whose K/V the engine wrote; blocks past them lose their hash (a failed request).
+    valid_tokens: _uint(0, 2**40) | None = None
+
+
+class _PlaneRequest(Message):
+    hashes: HashList
+    plane: Literal["inline", "shm", "kv"] | None = "inline"  # where the block bytes are
+    slots: SlotList | None = None  # plane "shm": arena slots; plane "kv": slots of the registered tensors
+    reg: _text(1, 128) | None = None  # plane "kv": name of the registration
+    # Feature "deadlines", added within v1: CLOCK_MONOTONIC ns after which the client no longer waits.
+    deadline_ns: _uint(1, MAX_ID) | None = None
+
+    def __post_init__(self) -> None:
+        if self.plane is None:
+            self.plane = "inline"
+
+
+class StoreRequest(_PlaneRequest, tag="store"):
+    hints: HintFields | None = None
+
+
+class RestoreRequest(_PlaneRequest, tag="restore"):
+    pass
+
+
+class StatsRequest(Message, tag="stats"):
+    pass
+
+
+class HealthRequest(Message, tag="health"):
+    pass
+
+
+class ClearRequest(Message, tag="clear"):
+    pass
+
+
+class EventsRequest(Message, tag="events"):
+    since: _uint(0, MAX_ID)  # the last event already read (a reply's "next"); 0: from the oldest kept
+    max_events: _uint(1, MAX_EVENTS) | None = MAX_EVENTS
+
+    def __post_init__(self) -> None:
+        if self.max_events is None:
+            self.max_events = MAX_EVENTS
+
+
 @dataclass(frozen=True)
 class OpSpec:
-    fields: Mapping[str, Spec]
+    type: type[Message]
     session: str = "required"  # "required" | "none" | "optional"
     payload: bool = False  # may carry a payload frame
     renews_lease: bool = True
     idempotent: bool = False  # safe for a client to resend after a timeout
     doc: str = ""
 
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The op's own fields (not the header's)."""
+        return tuple(f for f in self.type.__struct_fields__ if f not in HEADER_FIELDS)
+
+
+HEADER_FIELDS = ("v", "op", "id", "sid")
 
 OPS: dict[str, OpSpec] = {
-    "hello": OpSpec(
-        {
-            "pool": Spec(Str(1, 128), doc="pool name; the first hello creates the pool"),
-            "layout": Spec(LAYOUT),
-            "client": Spec(Str(0, 128), required=False, default="", doc="free text for logs"),
-            "lease_s": Spec(Seconds(0.0, 3600.0), required=False, doc="requested lease; the daemon may shorten it"),
-            # Added within v1: a daemon that predates tenants refuses it with
-            # INVALID_FIELD, which is right (it cannot honour the namespace).
-            "token": Spec(Str(1, 256), required=False, doc="tenant token (daemons with [tenants]); CURVE keys need none"),
-            # Added within v1, like token: only to daemons that list feature "disk_tier" (others refuse it).
-            "features": Spec(StrList(), required=False, default=None,
-                             doc='reply features this client reads, e.g. ["disk_tier"]; unknown names are ignored'),
-        },
-        session="none",
-        idempotent=True,
-        doc="open a session on a pool (creating the pool), negotiate version and layout",
-    ),
-    "heartbeat": OpSpec({}, idempotent=True, doc="renew the session lease"),
-    "bye": OpSpec({}, idempotent=True, doc="end the session, releasing everything it holds"),
+    "hello": OpSpec(HelloRequest, session="none", idempotent=True,
+                    doc="open a session on a pool (creating the pool), negotiate version and layout"),
+    "heartbeat": OpSpec(HeartbeatRequest, idempotent=True, doc="renew the session lease"),
+    "bye": OpSpec(ByeRequest, idempotent=True, doc="end the session, releasing everything it holds"),
     "attach_arena": OpSpec(
-        {
-            "name": Spec(Str(1, 255), doc="file name in /dev/shm made by kvtier.client.shm_arena (kvtier-...)"),
-            "num_slots": Spec(UInt(1, 2**32 - 1)),
-            "slot_bytes": Spec(UInt(1, 2**40), doc="must equal the pool's block_bytes"),
-        },
+        AttachArenaRequest,
         doc="map the client's shared-memory staging arena (data plane shm); the daemon unlinks it when the session ends",
     ),
-    "register_kv": OpSpec(
-        {
-            "name": Spec(Str(1, 128), doc="registration name, unique within the session"),
-            "tensors": Spec(MapList(KV_TENSOR), doc="one per layer, or one for all layers; block byte order is tensor by tensor"),
-        },
-        doc="register engine KV tensors (engine mode: they become the pool's GPU tier)",
-    ),
-    "unregister_kv": OpSpec({"name": Spec(Str(1, 128))}, doc="drop a registration"),
+    "register_kv": OpSpec(RegisterKvRequest, doc="register engine KV tensors (engine mode: they become the pool's GPU tier)"),
+    "unregister_kv": OpSpec(UnregisterKvRequest, doc="drop a registration"),
     "lookup": OpSpec(
-        {"hashes": HASHES, "pin": Spec(Bool(), required=False, default=False), "hints": HINTS, "pin_tag": PIN_TAG},
+        LookupRequest,
         renews_lease=False,
         # Without "pin": resent after a timeout. A pinned lookup resent pins twice: the Python client does not resend it.
         idempotent=True,
         doc="longest cached prefix and the tier of each block; optionally pin it atomically",
     ),
-    "pin": OpSpec({"hashes": HASHES, "pin_tag": PIN_TAG}, doc="pin the longest available prefix (never evicted while pinned)"),
-    "unpin": OpSpec(
-        {"hashes": Spec(Hashes(), required=False, doc="the hashes to drop a pin on; absent: every pin of 'pin_tag'"),
-         "pin_tag": PIN_TAG},
-        doc="drop this session's pins on these hashes (of the tag), or every pin of a tag",
-    ),
-    "allocate": OpSpec(
-        {"req": REQ, "hashes": HASHES, "num_tokens": Spec(UInt(0, 2**40)), "hints": HINTS},
-        doc="engine mode: block table for a new request; CPU hits are restored into slots before the reply",
-    ),
-    "append": OpSpec(
-        {"req": REQ, "num_tokens": Spec(UInt(0, 2**40), doc="NEW tokens"), "hashes": HASHES},
-        doc="engine mode: grow a request; hashes of the blocks these tokens filled",
-    ),
-    "free": OpSpec(
-        {
-            "req": REQ,
-            "valid_tokens": Spec(
-                UInt(0, 2**40), required=False, default=None,
-                doc="tokens whose K/V the engine wrote; blocks past them lose their hash (a failed request)",
-            ),
-        },
-        doc="engine mode: release a request's blocks",
-    ),
-    "store": OpSpec(
-        {"hashes": HASHES, **PLANE_FIELDS, "hints": HINTS},
-        payload=True,
-        idempotent=True,
-        doc="copy blocks into the pool (content-addressed; present hashes are skipped)",
-    ),
-    "restore": OpSpec(
-        {"hashes": HASHES, **PLANE_FIELDS},
-        idempotent=True,
-        doc="copy the longest available prefix out of the pool",
-    ),
-    "stats": OpSpec({}, session="optional", renews_lease=False, idempotent=True, doc="counters"),
-    "health": OpSpec({}, session="optional", renews_lease=False, idempotent=True, doc="liveness/readiness"),
-    "clear": OpSpec({}, idempotent=True, doc="drop every unpinned, unused cached block of the session's pool"),
+    "pin": OpSpec(PinRequest, doc="pin the longest available prefix (never evicted while pinned)"),
+    "unpin": OpSpec(UnpinRequest, doc="drop this session's pins on these hashes (of the tag), or every pin of a tag"),
+    "allocate": OpSpec(AllocateRequest,
+                       doc="engine mode: block table for a new request; CPU hits are restored into slots before the reply"),
+    "append": OpSpec(AppendRequest, doc="engine mode: grow a request; hashes of the blocks these tokens filled"),
+    "free": OpSpec(FreeRequest, doc="engine mode: release a request's blocks"),
+    "store": OpSpec(StoreRequest, payload=True, idempotent=True,
+                    doc="copy blocks into the pool (content-addressed; present hashes are skipped)"),
+    "restore": OpSpec(RestoreRequest, idempotent=True, doc="copy the longest available prefix out of the pool"),
+    "stats": OpSpec(StatsRequest, session="optional", renews_lease=False, idempotent=True, doc="counters"),
+    "health": OpSpec(HealthRequest, session="optional", renews_lease=False, idempotent=True, doc="liveness/readiness"),
+    "clear": OpSpec(ClearRequest, idempotent=True, doc="drop every unpinned, unused cached block of the session's pool"),
     "events": OpSpec(
-        {
-            "since": Spec(UInt(0, MAX_ID), doc="the last event already read (a reply's 'next'); 0: from the oldest kept"),
-            "max_events": Spec(UInt(1, MAX_EVENTS), required=False, default=MAX_EVENTS),
-        },
+        EventsRequest,
         renews_lease=False,
         idempotent=True,
         doc='feature "events": the keys the pool started ("s") and stopped ("r") holding after event "since", in order',
     ),
 }
 
-HEADER_FIELDS = ("v", "op", "id", "sid")
+# The fields of each op that hold block hashes: the ones that may come packed.
+HASH_FIELDS: dict[str, tuple[str, ...]] = {op: tuple(f for f in spec.fields if f == "hashes") for op, spec in OPS.items()}
 
-# The fields of type Hashes of each op: the ones that may come packed.
-HASH_FIELDS: dict[str, tuple[str, ...]] = {
-    op: tuple(name for name, s in spec.fields.items() if isinstance(s.type, Hashes)) for op, spec in OPS.items()
-}
+# Decodes and validates a header of any op in one step (ops told apart by "op").
+_REQUEST_DECODER = msgspec.msgpack.Decoder(Union[tuple(spec.type for spec in OPS.values())])  # noqa: UP007
+
+
+def check_text(name: str, value: Any, max_len: int, min_len: int = 1) -> str:
+    """A string field's check, for callers that check one value ahead (config, connectors): raises ProtocolError."""
+    if not isinstance(value, str):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"field {name!r}: expected a string, got {type(value).__name__}")
+    if not min_len <= len(value) <= max_len:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"field {name!r}: length {len(value)} is outside {min_len}..{max_len}")
+    return value
+
+
+_ERROR_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_NAMED = re.compile(r"^Object (?P<kind>contains unknown|missing required) field `(?P<name>[^`]*)`$")
+_OVER = re.compile(r"`(array|object)` of length <=")
+_ELEMENT = re.compile(r"^(?P<list>.*)\[(?P<index>\d+)\]$")
+
+
+def _invalid(exc: msgspec.ValidationError, prefix: str = "") -> ProtocolError:
+    """msgspec's validation message as this protocol's error: INVALID_FIELD, or TOO_LARGE for a list over its limit."""
+    m = _ERROR_AT.match(str(exc))
+    what, path = (m["what"], (m["path"] or "").lstrip(".")) if m else (str(exc), "")
+    named = _NAMED.match(what)
+    if named:
+        full = prefix + (f"{path}." if path else "") + named["name"]
+        kind = "unknown" if named["kind"] == "contains unknown" else "missing"
+        return ProtocolError(ErrorCode.INVALID_FIELD, f"{kind} field {full!r}")
+    code = ErrorCode.TOO_LARGE if _OVER.search(what) else ErrorCode.INVALID_FIELD
+    text = what.replace("`", "")
+    text = text[:1].lower() + text[1:]
+    element = _ELEMENT.match(path)
+    if element:  # an element of a list: named as the list's field, then the element's index
+        path, text = element["list"], f"element {element['index']}: {text}"
+    return ProtocolError(code, f"field {prefix + path!r}: {text}")
 
 
 @dataclass(slots=True)
 class Request:
-    """A validated request. ``fields`` holds every field of the op (defaults filled in)."""
+    """A validated request: ``msg`` is the op's Struct (every field set, defaults filled in)."""
 
     op: str
     id: int
     sid: str | None
-    fields: dict[str, Any]
+    msg: Any  # the op's Message subclass
     payload: list[Any]  # raw frames (zmq.Frame or bytes)
     # Its hashes came packed: its reply's tier lists go out packed too.
     packed: bool = False
@@ -794,7 +706,14 @@ def decode(data: bytes | memoryview) -> Any:
 
 
 def recoverable_id(header: Any) -> int:
-    """The id to answer with: the request's own if readable, else RESERVED_ID."""
+    """The id to answer with: the request's own if readable, else RESERVED_ID.
+
+    Takes the decoded header or its frame (decoded here again: this runs for rejected requests only)."""
+    if isinstance(header, (bytes, memoryview)):
+        try:
+            header = decode_header(header)
+        except ProtocolError:
+            return RESERVED_ID
     if isinstance(header, dict):
         rid = header.get("id")
         if isinstance(rid, int) and not isinstance(rid, bool) and 0 < rid <= MAX_ID:
@@ -817,6 +736,84 @@ def decode_header(data: bytes | memoryview) -> dict[str, Any]:
     return header
 
 
+def _check_envelope(spec: OpSpec | None, op: str, sid: Any, payload: Sequence[Any], max_payload_bytes: int) -> OpSpec:
+    """The checks of the header's session id and of the payload frames, in the order the errors are reported."""
+    if spec is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op[:64]!r}")
+    if spec.session == "none":
+        if sid is not None:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"op {op!r} takes no 'sid'")
+    elif sid is None:
+        if spec.session == "required":
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"op {op!r} needs a session: field 'sid' missing")
+    elif not isinstance(sid, str) or not 0 < len(sid) <= 64:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "field 'sid' must be a string of 1..64 chars")
+    if len(payload) > (MAX_PAYLOAD_FRAMES if spec.payload else 0):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"op {op!r} takes {MAX_PAYLOAD_FRAMES if spec.payload else 0} payload frame(s), got {len(payload)}")
+    if payload:
+        payload_bytes = sum(frame_nbytes(f) for f in payload)
+        if payload_bytes > max_payload_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"payload is {payload_bytes} bytes, limit {max_payload_bytes}")
+    return spec
+
+
+def _finish(msg: Message, op: str, payload: Sequence[Any], header: Mapping[str, Any] | bytes | memoryview) -> Request:
+    """The Request of a validated message: packed hashes split, opaque descriptors read from ``header``
+    (the decoded header, or its frame: then decoded again, for register_kv only)."""
+    packed = False
+    if HASH_FIELDS[op]:
+        hashes = msg.hashes  # type: ignore[attr-defined]
+        if type(hashes) is bytes:
+            n, rest = divmod(len(hashes), HASH_BYTES)
+            if rest:
+                raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                    f"field 'hashes': packed hashes are {len(hashes)} bytes, not a multiple of {HASH_BYTES}")
+            if n > MAX_HASHES:
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"field 'hashes': {n} packed hashes, limit {MAX_HASHES}")
+            msg.hashes = unpack_hashes(hashes)  # type: ignore[attr-defined]
+            packed = True
+    elif op == "register_kv":
+        # The descriptors are maps of anything: read with decode()'s limits on the whole header, as before.
+        decoded = header if isinstance(header, Mapping) else decode_header(header)
+        for i, tensor in enumerate(msg.tensors):  # type: ignore[attr-defined]
+            tensor.desc = _opaque_map(f"tensors[{i}].desc", decoded["tensors"][i]["desc"])
+    return Request(op=op, id=msg.id, sid=msg.sid, msg=msg, payload=list(payload), packed=packed)
+
+
+def _opaque_map(name: str, value: Any) -> dict[str, Any]:
+    """A descriptor map the protocol passes through (the daemon's importer checks it): str keys, at most MAX_DESC_KEYS."""
+    if not isinstance(value, dict):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"field {name!r}: expected a map, got {type(value).__name__}")
+    if len(value) > MAX_DESC_KEYS:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r}: {len(value)} keys, limit {MAX_DESC_KEYS}")
+    for key in value:
+        if not isinstance(key, str):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"field {name!r}: map keys must be strings")
+    return value
+
+
+def decode_request(data: bytes | memoryview, payload: Sequence[Any] = (), *,
+                   max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Request:
+    """Decode and validate a request header frame (and check its payload frames) in one step.
+
+    A header msgspec accepts as its op's Struct is checked no further but for its
+    envelope; any other goes through ``decode_header`` and ``validate_request``,
+    which say exactly what is wrong (and with which code)."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header is {len(data)} bytes, limit {MAX_HEADER_BYTES}")
+    try:
+        msg = _REQUEST_DECODER.decode(data)
+    except ProtocolError:
+        raise
+    except Exception:  # msgspec's errors, and UnicodeDecodeError for a str that is not UTF-8
+        return validate_request(decode_header(data), payload, max_payload_bytes=max_payload_bytes)
+    if msg.v != PROTOCOL_VERSION or not 0 < msg.id <= MAX_ID:
+        return validate_request(decode_header(data), payload, max_payload_bytes=max_payload_bytes)
+    op = type(msg).__struct_config__.tag
+    _check_envelope(OPS[op], op, msg.sid, payload, max_payload_bytes)
+    return _finish(msg, op, payload, data)
+
+
 def validate_request(header: Mapping[str, Any], payload: Sequence[Any] = (), *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Request:
     """Check a decoded request header (and its payload frames) against the schema."""
     version = header.get("v")
@@ -830,30 +827,21 @@ def validate_request(header: Mapping[str, Any], payload: Sequence[Any] = (), *, 
     op = header.get("op")
     if not isinstance(op, str):
         raise ProtocolError(ErrorCode.MALFORMED, "header field 'op' missing or not a string")
-    spec = OPS.get(op)
-    if spec is None:
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op[:64]!r}")
-    sid = header.get("sid")
-    if spec.session == "none":
-        if sid is not None:
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"op {op!r} takes no 'sid'")
-    elif sid is None:
-        if spec.session == "required":
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"op {op!r} needs a session: field 'sid' missing")
-    elif not isinstance(sid, str) or not 0 < len(sid) <= 64:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, "field 'sid' must be a string of 1..64 chars")
-    if len(payload) > (MAX_PAYLOAD_FRAMES if spec.payload else 0):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"op {op!r} takes {MAX_PAYLOAD_FRAMES if spec.payload else 0} payload frame(s), got {len(payload)}")
-    payload_bytes = sum(frame_nbytes(f) for f in payload)
-    if payload_bytes > max_payload_bytes:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"payload is {payload_bytes} bytes, limit {max_payload_bytes}")
-    body = {k: v for k, v in header.items() if k not in HEADER_FIELDS}
-    fields = check_fields(body, spec.fields)
-    packed = False
-    for name in HASH_FIELDS[op]:  # no generator: this runs on every request
-        if type(body.get(name)) is bytes:
-            packed = True
-    return Request(op=op, id=rid, sid=sid, fields=fields, payload=list(payload), packed=packed)
+    spec = _check_envelope(OPS.get(op), op, header.get("sid"), payload, max_payload_bytes)
+    for key in header:
+        if not isinstance(key, str):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"field names must be strings, got {key!r}")
+    for name in HASH_FIELDS[op]:
+        value = header.get(name)
+        if value is not None and type(value) is not bytes and not isinstance(value, list):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"field {name!r}: expected an array of 16-byte bin or one bin "
+                                f"of 16*n bytes, got {type(value).__name__}")
+    try:
+        # Through MessagePack, not msgspec.convert: convert would take a str for bytes (base64).
+        msg = msgspec.msgpack.decode(encode(header), type=spec.type)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc) from None
+    return _finish(msg, op, payload, header)
 
 
 def frame_nbytes(frame: Any) -> int:

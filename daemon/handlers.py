@@ -136,19 +136,19 @@ def _resolve_tenant(ctx: HandlerContext, token: str | None) -> str:
 def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     if ctx.draining:
         raise ProtocolError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
-    f = req.fields
+    f = req.msg
     # Who it is comes first: an unauthorised hello must not create a pool,
     # and the pool it opens is that tenant's of that name (no one else's).
-    tenant = _resolve_tenant(ctx, f["token"])
+    tenant = _resolve_tenant(ctx, f.token)
     ctx.sessions.check_room()  # before a pool is created for a session that cannot open
-    entry = ctx.pools.get_or_create(f["pool"], f["layout"], tenant=tenant)
-    lease_s = min(f["lease_s"] or ctx.default_lease_s, ctx.max_lease_s)
+    entry = ctx.pools.get_or_create(f.pool, f.layout.to_dict(), tenant=tenant)
+    lease_s = min(f.lease_s or ctx.default_lease_s, ctx.max_lease_s)
     # The session remembers the pool's key: every later verb reaches this very pool.
-    new = ctx.sessions.open(entry.name, f["client"], lease_s, tenant=tenant, peer=ctx.peer, uid=ctx.peer_uid)
-    new.reads_disk_tier = FEATURE_DISK_TIER in (f["features"] or ())
+    new = ctx.sessions.open(entry.name, f.client, lease_s, tenant=tenant, peer=ctx.peer, uid=ctx.peer_uid)
+    new.reads_disk_tier = FEATURE_DISK_TIER in (f.features or ())
     entry.sessions.add(new.sid)
     entry.idle_since_s = None
-    log.info("session %s opened on pool %r by %r (lease %.1fs%s)", new.sid[:8], entry.name, f["client"], lease_s,
+    log.info("session %s opened on pool %r by %r (lease %.1fs%s)", new.sid[:8], entry.name, f.client, lease_s,
              f", tenant {tenant!r}" if tenant != ANONYMOUS else "")
     pool = entry.pool
     return Reply(
@@ -195,32 +195,32 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     assert session is not None
     entry = pool_entry(ctx, session)
     pool = entry.pool
-    hashes = pool_keys(ctx, session, req.fields["hashes"])
-    tiers = pool.lookup(hashes, hints=request_hints(req.fields["hints"], session, entry, len(hashes), ctx.metrics))
+    hashes = pool_keys(ctx, session, req.msg.hashes)
+    tiers = pool.lookup(hashes, hints=request_hints(req.msg.hints, session, entry, len(hashes), ctx.metrics))
     ctx.tenants.note_lookup(session.tenant, len(hashes), tiers)
-    if req.fields["pin"] and _released(ctx, req, session):
+    if req.msg.pin and _released(ctx, req, session):
         return Reply({"tiers": reply_tiers(req, tiers), "pinned": 0})
-    if req.fields["pin"] and tiers:
+    if req.msg.pin and tiers:
         _check_pins(ctx, session, entry, len(tiers))
         # Same thread, no copy in between: the pinned prefix is the one looked up.
-        tiers = _pin(session, entry, hashes[: len(tiers)], req.fields["pin_tag"])
-    return Reply({"tiers": reply_tiers(req, tiers), "pinned": len(tiers) if req.fields["pin"] else 0})
+        tiers = _pin(session, entry, hashes[: len(tiers)], req.msg.pin_tag)
+    return Reply({"tiers": reply_tiers(req, tiers), "pinned": len(tiers) if req.msg.pin else 0})
 
 
 def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
     entry = pool_entry(ctx, session)
-    hashes = pool_keys(ctx, session, req.fields["hashes"])
+    hashes = pool_keys(ctx, session, req.msg.hashes)
     if _released(ctx, req, session):
         return Reply({"tiers": reply_tiers(req, [])})
     _check_pins(ctx, session, entry, len(entry.pool.lookup(hashes, count=False)))
-    tiers = _pin(session, entry, hashes, req.fields["pin_tag"])
+    tiers = _pin(session, entry, hashes, req.msg.pin_tag)
     return Reply({"tiers": reply_tiers(req, tiers)})
 
 
 def _released(ctx: HandlerContext, req: Request, session: Session) -> bool:
     """Whether this pinning request was sent before its tag's release (see the module docstring)."""
-    tag = req.fields["pin_tag"]
+    tag = req.msg.pin_tag
     if tag is None or not ctx.pin_releases.stale(session.sid, tag, req.id):
         return False
     ctx.metrics.inc("pins_after_release_total")
@@ -259,8 +259,8 @@ def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     """Drop pins on ``hashes`` (the tag's, with ``pin_tag``), or, with ``pin_tag`` alone, every pin of the tag:
     those whose replies the client never read too (a lost reply, a resent lookup)."""
     assert session is not None
-    f = req.fields
-    tag, hashes = f["pin_tag"], f["hashes"]
+    f = req.msg
+    tag, hashes = f.pin_tag, f.hashes
     if hashes is None and tag is None:
         raise ProtocolError(ErrorCode.INVALID_FIELD, "unpin needs 'hashes', or 'pin_tag' alone to drop every pin of a tag")
     pool = pool_entry(ctx, session).pool
@@ -285,15 +285,15 @@ def allocate(ctx: HandlerContext, req: Request, session: Session | None) -> Resu
     assert session is not None
     entry = pool_entry(ctx, session)
     require_mode(entry, "engine", "allocate")
-    f = req.fields
-    hashes = pool_keys(ctx, session, f["hashes"])
-    op = entry.pool.allocate(session.pool_request_id(f["req"]), hashes, f["num_tokens"],
-                             hints=request_hints(f["hints"], session, entry, len(hashes), ctx.metrics))
+    f = req.msg
+    hashes = pool_keys(ctx, session, f.hashes)
+    op = entry.pool.allocate(session.pool_request_id(f.req), hashes, f.num_tokens,
+                             hints=request_hints(f.hints, session, entry, len(hashes), ctx.metrics))
     ctx.tenants.note_lookup(session.tenant, len(hashes), op.result["tiers"])
-    session.requests.add(f["req"])
+    session.requests.add(f.req)
 
     def failed(_op: Op) -> None:
-        session.requests.discard(f["req"])  # the pool freed it when the restore failed
+        session.requests.discard(f.req)  # the pool freed it when the restore failed
 
     return done_or_pending(op, lambda o: Reply(dict(o.result)), on_error=failed)
 
@@ -302,10 +302,10 @@ def append(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     assert session is not None
     entry = pool_entry(ctx, session)
     require_mode(entry, "engine", "append")
-    f = req.fields
-    if f["req"] not in session.requests:
-        raise ProtocolError(ErrorCode.NOT_FOUND, f"no request {f['req']!r} in this session")
-    op = entry.pool.append(session.pool_request_id(f["req"]), f["num_tokens"], pool_keys(ctx, session, f["hashes"]))
+    f = req.msg
+    if f.req not in session.requests:
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"no request {f.req!r} in this session")
+    op = entry.pool.append(session.pool_request_id(f.req), f.num_tokens, pool_keys(ctx, session, f.hashes))
     return done_or_pending(op, lambda o: Reply(dict(o.result)))
 
 
@@ -313,10 +313,10 @@ def free(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
     entry = pool_entry(ctx, session)
     require_mode(entry, "engine", "free")
-    name = req.fields["req"]
+    name = req.msg.req
     if name not in session.requests:
         raise ProtocolError(ErrorCode.NOT_FOUND, f"no request {name!r} in this session")
-    entry.pool.free(session.pool_request_id(name), valid_tokens=req.fields.get("valid_tokens"))
+    entry.pool.free(session.pool_request_id(name), valid_tokens=req.msg.valid_tokens)
     session.requests.discard(name)
     return Reply()
 
@@ -329,19 +329,19 @@ def _plane_call(ctx: HandlerContext, req: Request, session: Session | None, op: 
     assert session is not None
     entry = pool_entry(ctx, session)
     require_mode(entry, "store", op)
-    deadlines.check_arrival(req.fields["deadline_ns"], op)
-    return PlaneCall(ctx, req, session, entry, pool_keys(ctx, session, req.fields["hashes"]))
+    deadlines.check_arrival(req.msg.deadline_ns, op)
+    return PlaneCall(ctx, req, session, entry, pool_keys(ctx, session, req.msg.hashes))
 
 
 def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     call = _plane_call(ctx, req, session, "store")
     if len(set(call.hashes)) != len(call.hashes):
         raise ProtocolError(ErrorCode.INVALID_FIELD, "'hashes' names a hash twice")
-    return plane_for(req.fields["plane"]).store(call)
+    return plane_for(req.msg.plane).store(call)
 
 
 def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    return plane_for(req.fields["plane"]).restore(_plane_call(ctx, req, session, "restore"))
+    return plane_for(req.msg.plane).restore(_plane_call(ctx, req, session, "restore"))
 
 
 # ---- daemon-wide -------------------------------------------------------------
@@ -393,8 +393,8 @@ def events(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     journal = pool_entry(ctx, session).pool.journal
     if journal is None:
         raise ProtocolError(ErrorCode.INVALID_STATE, f"pool {session.pool_name!r} keeps no key journal")
-    f = req.fields
-    found, nxt, lost = journal.since(f["since"], f["max_events"])
+    f = req.msg
+    found, nxt, lost = journal.since(f.since, f.max_events)
     return Reply({"kinds": bytes(EVENT_KIND_CODES[kind] for kind, _ in found),
                   "hashes": b"".join(key for _, key in found), "next": nxt, "lost": lost})
 

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping
-from typing import Any
 
+from kvtier.client.protocol import HintFields
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pools import PoolEntry
 from kvtier.daemon.sessions import Session
@@ -56,20 +55,20 @@ def retain_share_blocks(entry: PoolEntry) -> int:
     return int(entry.capacity_blocks * RETAIN_SHARE_OF_POOL) // max(1, len(entry.sessions))
 
 
-def request_hints(wire: Mapping[str, Any] | None, session: Session, entry: PoolEntry, num_blocks: int,
+def request_hints(wire: HintFields | None, session: Session, entry: PoolEntry, num_blocks: int,
                   metrics: Counters, *, now_s: float | None = None) -> RequestHints | None:
     """The pool's hints for one request of ``num_blocks`` blocks, or None for a request without any."""
-    if not wire:
+    if wire is None:
         return None
     now_s = time.monotonic() if now_s is None else now_s
-    key = wire.get("session")
+    key = wire.session
     scoped = session_key(session.tenant, key) if key is not None else None
-    retain_s = min(float(wire.get("retain_s") or 0.0), MAX_RETAIN_S)
+    retain_s = min(float(wire.retain_s or 0.0), MAX_RETAIN_S)
     if retain_s > 0.0 and not session.retained.reserve(now_s, now_s + retain_s, num_blocks,
                                                         retain_share_blocks(entry)):
         metrics.inc("hints_retain_refused_total")
         retain_s = 0.0
-    hints = RequestHints(session=scoped, retain_s=retain_s, priority=int(wire.get("priority") or 0), at_s=now_s,
-                         output_tokens=int(wire.get("output_tokens") or 0))
+    hints = RequestHints(session=scoped, retain_s=retain_s, priority=int(wire.priority or 0), at_s=now_s,
+                         output_tokens=int(wire.output_tokens or 0))
     return None if hints.empty else hints
 

@@ -97,14 +97,14 @@ import zmq
 from kvtier.client.endpoint import parse_ipc
 from kvtier.client.protocol import (
     MAX_HEADER_BYTES,
+    RESERVED_ID,
     ErrorCode,
     ProtocolError,
     Request,
-    decode_header,
+    decode_request,
     error_reply,
     ok_reply,
     recoverable_id,
-    validate_request,
 )
 from kvtier.daemon.config import PoolSettings
 from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits
@@ -631,16 +631,15 @@ class Server:
     def _handle(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
         started_s = time.monotonic()
-        header: Any = None
         try:
             if len(frames) < 2:
                 raise ProtocolError(ErrorCode.MALFORMED, "empty message: expected [header, *payload]")
-            header = decode_header(frames[1].buffer)
-            req = validate_request(header, frames[2:], max_payload_bytes=self.options.max_payload_bytes)
+            req = decode_request(frames[1].buffer, frames[2:], max_payload_bytes=self.options.max_payload_bytes)
         except ProtocolError as exc:
             self.metrics.inc("protocol_errors_total", code=exc.code.name)
             self._error_log.log(exc.code.name, "rejected a message: %s", exc)
-            self._send_error(identity, recoverable_id(header), exc.code, exc.message)
+            self._send_error(identity, recoverable_id(frames[1].buffer) if len(frames) > 1 else RESERVED_ID, exc.code,
+                             exc.message)
             return
         self.metrics.inc("requests_total", op=req.op)
         refusal = self._connection_guard.refusal(frames[1]) if self._connection_guard is not None else None
@@ -786,7 +785,7 @@ class Server:
         elapsed_s = time.monotonic() - started_s
         self.metrics.inc("request_seconds_total", elapsed_s, op=req.op)
         if log.isEnabledFor(logging.DEBUG):
-            n = len(req.fields.get("hashes") or ())
+            n = len(getattr(req.msg, "hashes", None) or ())
             log.debug("%s id=%d blocks=%d ok in %.3f ms", req.op, req.id, n, elapsed_s * 1e3)
         self.replies.send(identity, ok_reply(req.id, **reply.fields), reply.frames, reply.on_sent, lender)
 

@@ -41,15 +41,15 @@ log = logging.getLogger(__name__)
 
 def attach_arena(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
-    f = req.fields
+    f = req.msg
     entry = pool_entry(ctx, session)
     if session.arena is not None:
         raise ProtocolError(ErrorCode.INVALID_STATE, "this session already has an arena")
-    if f["slot_bytes"] != entry.block_bytes:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"slot_bytes {f['slot_bytes']} != pool block_bytes {entry.block_bytes}")
+    if f.slot_bytes != entry.block_bytes:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"slot_bytes {f.slot_bytes} != pool block_bytes {entry.block_bytes}")
     check_file_budget(ctx, session, 1)
     try:
-        arena = ShmArena.attach(f["name"], f["num_slots"], f["slot_bytes"])
+        arena = ShmArena.attach(f.name, f.num_slots, f.slot_bytes)
     except ShmAccessError as exc:
         raise ProtocolError(ErrorCode.ACCESS_DENIED, str(exc)) from None
     except ShmSparseError as exc:
@@ -57,7 +57,7 @@ def attach_arena(ctx: HandlerContext, req: Request, session: Session | None) -> 
     except ShmArenaError as exc:
         raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
     try:
-        claim_files(ctx, session, [(arena.inode, arena.file_uid)], f"arena {f['name']}")
+        claim_files(ctx, session, [(arena.inode, arena.file_uid)], f"arena {f.name}")
     except BaseException:
         arena.close()
         raise
@@ -68,9 +68,9 @@ def attach_arena(ctx: HandlerContext, req: Request, session: Session | None) -> 
 
 def register_kv(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
-    f = req.fields
+    f = req.msg
     entry = pool_entry(ctx, session)
-    name = f["name"]
+    name = f.name
     if name in session.registrations:
         raise ProtocolError(ErrorCode.INVALID_STATE, f"registration {name!r} exists in this session")
     if entry.mode == "engine" and entry.gpu_owner is not None:
@@ -80,16 +80,15 @@ def register_kv(ctx: HandlerContext, req: Request, session: Session | None) -> R
                             f"this session holds {len(session.registrations)} registrations, the most one may "
                             f"(max_registrations_per_session); unregister_kv one first")
     # Each shm tensor maps its file once (one descriptor): counted before any is opened.
-    check_file_budget(ctx, session, sum(1 for item in f["tensors"]
-                                         if isinstance(item.get("desc"), dict) and item["desc"].get("transport") == "shm"))
+    check_file_budget(ctx, session, sum(1 for item in f.tensors if item.desc.get("transport") == "shm"))
     tensors: list[Any] = []
     handles: list[Closeable] = []
     files: list[tuple[tuple[int, int], int]] = []
     claimed = False
     try:
-        for i, item in enumerate(f["tensors"]):
+        for i, item in enumerate(f.tensors):
             try:
-                tensor, handle = ctx.kv_import(item["desc"])
+                tensor, handle = ctx.kv_import(item.desc)
             except KvShareAccessError as exc:
                 raise ProtocolError(ErrorCode.ACCESS_DENIED, f"tensors[{i}].desc: {exc}") from None
             except KvShareSparseError as exc:
@@ -99,7 +98,7 @@ def register_kv(ctx: HandlerContext, req: Request, session: Session | None) -> R
             tensors.append(tensor)
             handles.append(handle)
         try:
-            layout = BlockLayout(tensors, [item["block_dim"] for item in f["tensors"]])
+            layout = BlockLayout(tensors, [item.block_dim for item in f.tensors])
         except (ValueError, IndexError) as exc:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"tensors: {exc}") from None
         if layout.block_bytes != entry.block_bytes:
@@ -206,7 +205,7 @@ def release_files(ctx: HandlerContext, session: Session, files: Sequence[tuple[t
 
 def unregister_kv(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
-    name = req.fields["name"]
+    name = req.msg.name
     reg = session.registrations.get(name)
     if reg is None:
         raise ProtocolError(ErrorCode.NOT_FOUND, f"no registration {name!r} in this session")

@@ -41,7 +41,8 @@ import psutil
 
 from kvtier.client.admin import default_socket  # one rule for the daemon and the tools
 from kvtier.client.endpoint import EndpointError, check_endpoint, ipc_socket_file  # the one endpoint parser
-from kvtier.client.protocol import HASH_ALGOS, OPS, ProtocolError  # what a hello may send: pool names, leases
+from kvtier.client.protocol import HASH_ALGOS, MAX_POOL_NAME, ProtocolError, check_text  # what a hello may send: pool names
+from kvtier.client.protocol import MAX_LEASE_S as HELLO_MAX_LEASE_S  # ... and leases
 from kvtier.daemon.config.errors import ConfigError
 from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer, descriptor_limit
 from kvtier.daemon.config.units import (
@@ -89,7 +90,7 @@ MIN_MESSAGE_BYTES = 4 * KiB
 # A lease is a client's to hold: no longer than a hello may ask for (the protocol's
 # bound), and long enough for a round trip and a heartbeat or two.
 MIN_LEASE_S = 0.1
-MAX_LEASE_S = OPS["hello"].fields["lease_s"].type.hi_s  # 3600
+MAX_LEASE_S = HELLO_MAX_LEASE_S  # 3600
 MIN_HEARTBEAT_S = 0.01
 # The loop polls in whole milliseconds (below 1 ms: a busy loop), sweeps expired leases
 # and feeds systemd's watchdog when it wakes: at least once a second.
@@ -121,7 +122,6 @@ MAX_REMOTE_BACKOFF_S = 3600.0
 # SET ... EX takes whole seconds; ten years is past any cache's use for a block.
 MAX_REMOTE_TTL_S = 10 * 365 * 24 * 3600
 # The name a hello sends for a pool: a pool table no hello can name would never apply.
-HELLO_POOL_NAME = OPS["hello"].fields["pool"].type
 ENV_PREFIX = "KVTIER_"
 
 
@@ -943,7 +943,7 @@ class DaemonConfig:
             if not isinstance(name, str) or not name:
                 raise ConfigError(key, "pool names must be non-empty strings")
             try:
-                HELLO_POOL_NAME.check("pool", name)
+                check_text("pool", name, MAX_POOL_NAME)
             except ProtocolError as exc:
                 raise ConfigError(key, f"no hello can name this pool ({exc.message}), so its settings would "
                                        "never apply") from None

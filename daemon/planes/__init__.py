@@ -7,7 +7,7 @@ A plane moves block bytes between a client and a pool for the verbs
 ``store`` and ``restore`` of a store-mode pool. ``daemon.handlers`` checks
 what every store and restore share (the pool's mode, the deadline on arrival,
 the session's keys, no hash named twice in a store), builds a ``PlaneCall``
-and hands it to ``plane_for(req.fields["plane"])``; nothing else calls a
+and hands it to ``plane_for(req.msg.plane)``; nothing else calls a
 plane. ``PLANES`` is the table, keyed by the wire name (``client.protocol.PLANES``):
 
 - ``"inline"``: ``InlinePlane`` (``inline``): the bytes travel in the

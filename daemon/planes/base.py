@@ -45,11 +45,11 @@ class PlaneCall:
     @property
     def plane(self) -> str:
         """The wire plane name, as errors name it."""
-        return self.req.fields["plane"]
+        return self.req.msg.plane
 
     @property
     def deadline_ns(self) -> int | None:
-        return self.req.fields["deadline_ns"]
+        return self.req.msg.deadline_ns
 
     def check_store(self) -> None:
         """The tenant's quota for this store: refused (QUOTA) before anything is copied."""
@@ -105,7 +105,7 @@ class ClientMemoryPlane(Plane):
 
 def request_slots(call: PlaneCall) -> Sequence[int]:
     """The request's ``slots``: one per hash (checked first, before the plane's memory is looked up)."""
-    slots = call.req.fields["slots"]
+    slots = call.req.msg.slots
     if slots is None or len(slots) != len(call.hashes):
         raise ProtocolError(ErrorCode.INVALID_FIELD,
                             f"plane {call.plane!r} needs 'slots', one per hash ({len(call.hashes)})")
@@ -127,6 +127,6 @@ def store_into_pool(call: PlaneCall, src: BlockLayout, slots: list[int], *, keep
                     read_by_ns: int | None = None) -> Result:
     """The pool's store of ``src[slots]``; ``keep`` lives until its copy is done, which ends by ``read_by_ns``."""
     entry, session = call.entry, call.session
-    hints = request_hints(call.req.fields["hints"], session, entry, len(call.hashes), call.ctx.metrics)
+    hints = request_hints(call.req.msg.hints, session, entry, len(call.hashes), call.ctx.metrics)
     op = entry.pool.store(call.hashes, src, slots, hints=hints, read_by_ns=read_by_ns)
     return done_or_pending(op, lambda o: Reply(dict(o.result)), keep=keep)

@@ -22,7 +22,7 @@ __all__ = ["EngineKvPlane", "registration_target"]
 def registration_target(call: PlaneCall) -> ClientTarget:
     """The registration the request names, and its ``/dev/shm`` files (none for CUDA IPC tensors)."""
     slots = request_slots(call)
-    name = call.req.fields["reg"]
+    name = call.req.msg.reg
     if name is None:
         raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'kv' needs 'reg'")
     reg = call.session.registrations.get(name)

@@ -23,8 +23,8 @@ __all__ = ["InlinePlane"]
 
 
 def _no_slots_or_reg(call: PlaneCall) -> None:
-    f = call.req.fields
-    if f["slots"] is not None or f["reg"] is not None:
+    f = call.req.msg
+    if f.slots is not None or f.reg is not None:
         raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'inline' takes no 'slots' or 'reg'")
 
 

@@ -19,7 +19,7 @@ class ShmArenaPlane(HostMemoryPlane):
 
     def target(self, call: PlaneCall) -> ClientTarget:
         slots = request_slots(call)
-        if call.req.fields["reg"] is not None:
+        if call.req.msg.reg is not None:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "plane 'shm' takes no 'reg'")
         arena = call.session.arena
         if arena is None:

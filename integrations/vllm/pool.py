@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.client.client import PoolLayout
-from kvtier.client.protocol import LAYOUT_FIELDS, OPS, ProtocolError
+from kvtier.client.protocol import MAX_POOL_NAME, MAX_STR_LEN, ProtocolError, check_text
 from kvtier.integrations.adapter.groups import KvGroup
 from kvtier.integrations.vllm.groups import kv_groups
 
@@ -115,13 +115,12 @@ def _check_names(pool: str, model: str, model_id: str | None) -> None:
     """Refuse (ValueError naming model_id) a pool name or model kvtierd's hello refuses: at every connect, for good."""
     fix = ("shorten kv_connector_extra_config.model_id" if model_id is not None
            else "set kv_connector_extra_config.model_id to a shorter name for this model")
-    for what, value, kind in (("the pool name", pool, OPS["hello"].fields["pool"].type),
-                              ("the model name", model, LAYOUT_FIELDS["model"].type)):
+    for what, value, max_len in (("the pool name", pool, MAX_POOL_NAME), ("the model name", model, MAX_STR_LEN)):
         try:
-            kind.check(what, value)
+            check_text(what, value, max_len)
         except ProtocolError:
             raise ValueError(f"kv_connector_extra_config.model_id: {what} {value[:80]!r}... is {len(value)} "
-                             f"characters, kvtierd takes at most {kind.max_len}: {fix}") from None  # type: ignore[attr-defined]
+                             f"characters, kvtierd takes at most {max_len}: {fix}") from None
 
 
 def _model_name(vllm_config: VllmConfig) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 from kvtier.client.admin import SOCKET_ENV, endpoint_problem, resolve_endpoint
 from kvtier.client.curve import CurveKeys, read_public_key
 from kvtier.client.hashing import HASH_ALGOS
-from kvtier.client.protocol import LAYOUT_FIELDS, OPS, ProtocolError
+from kvtier.client.protocol import MAX_STR_LEN, MAX_TOKEN_LEN, ProtocolError, check_text
 from kvtier.integrations.adapter.load_modes import ASYNC_EXTRA_STEPS, LOAD_MODES
 
 DATA_PLANES = ("auto", "registered", "staged")
@@ -118,17 +118,17 @@ class ConnectorSettings:
         if self.curve_server_key is not None:
             self._check_curve()
         # What kvtierd's hello takes (protocol.OPS): a longer value is refused at every connect.
-        limits = {"model_id": LAYOUT_FIELDS["model"].type, "token": OPS["hello"].fields["token"].type}
-        for key, kind in limits.items():
+        limits = {"model_id": MAX_STR_LEN, "token": MAX_TOKEN_LEN}
+        for key, max_len in limits.items():
             value = getattr(self, key)
             if value is None:
                 continue
             if not isinstance(value, str):
                 fail(key, "a non-empty string")
             try:
-                kind.check(key, value)
+                check_text(key, value, max_len)
             except ProtocolError:
-                fail(key, f"a string of {kind.min_len}..{kind.max_len} characters (kvtierd's hello refuses "  # type: ignore[attr-defined]
+                fail(key, f"a string of 1..{max_len} characters (kvtierd's hello refuses "
                           f"others); this one has {len(value)}")
 
     def _check_curve(self) -> None:

@@ -18,8 +18,10 @@ from kvtier.client.protocol import (
     TIERS,
     ErrorCode,
     ProtocolError,
+    Request,
     TierList,
     decode_header,
+    decode_request,
     encode,
     error_reply,
     pack_tiers,
@@ -43,19 +45,28 @@ def hdr(op: str, **fields: object) -> dict[str, object]:
     return base
 
 
+def body(req: Request) -> dict[str, object]:
+    """A request's own fields (not the header's), as a dict."""
+    return {name: getattr(req.msg, name) for name in OPS[req.op].fields}
+
+
 def code_of(header: dict[str, object], payload: tuple[object, ...] = (), **kw: object) -> ErrorCode:
+    """The error code of a bad request, the same whether it comes decoded or as the frame the daemon reads."""
     with pytest.raises(ProtocolError) as info:
         validate_request(header, payload, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError) as wire:
+        decode_request(encode(header), payload, **kw)  # type: ignore[arg-type]
+    assert (wire.value.code, wire.value.message) == (info.value.code, info.value.message)
     return info.value.code
 
 
 def test_valid_requests_fill_defaults() -> None:
     req = validate_request(hdr("lookup", hashes=[H, H]))
-    assert req.op == "lookup" and req.id == 7 and req.fields == {"hashes": [H, H], "pin": False, "hints": None, "pin_tag": None}
+    assert req.op == "lookup" and req.id == 7 and body(req) == {"hashes": [H, H], "pin": False, "hints": None, "pin_tag": None}
     req = validate_request(hdr("hello", pool="p", layout=LAYOUT))
-    assert req.sid is None and req.fields["layout"] == LAYOUT
+    assert req.sid is None and req.msg.layout.to_dict() == LAYOUT
     req = validate_request(hdr("store", hashes=[H]), (b"x" * 64,))
-    assert req.fields["plane"] == "inline" and len(req.payload) == 1
+    assert req.msg.plane == "inline" and len(req.payload) == 1
     assert validate_request({"v": 1, "op": "health", "id": 1}).sid is None
 
 
@@ -152,12 +163,12 @@ def test_packed_hashes_validate_to_the_same_list(n: int) -> None:
     for op in ("lookup", "pin", "unpin", "restore", "store"):
         array = validate_request(hdr(op, hashes=hs), (b"x",) if op == "store" else ())
         packed = validate_request(hdr(op, hashes=b"".join(hs)), (b"x",) if op == "store" else ())
-        assert packed.fields == array.fields and type(packed.fields["hashes"]) is list
+        assert body(packed) == body(array) and type(packed.msg.hashes) is list
         assert packed.packed and not array.packed
     # Packing is part of the wire schema: request_header does it for every hash field.
     header = request_header("allocate", 3, "s" * 32, packed_hashes=True, req="r", hashes=hs, num_tokens=4)
     assert header["hashes"] == b"".join(hs)
-    assert validate_request(header).fields["hashes"] == hs
+    assert validate_request(header).msg.hashes == hs
     assert request_header("lookup", 3, "s" * 32, hashes=hs)["hashes"] is hs
     # Hashes the client packed go out as an array again to a daemon without the feature.
     assert request_header("lookup", 3, "s" * 32, hashes=b"".join(hs))["hashes"] == hs
@@ -169,7 +180,7 @@ def test_packed_hashes_survive_msgpack() -> None:
     wire = encode(request_header("lookup", 9, "s" * 32, packed_hashes=True, hashes=hs, pin=True))
     assert len(wire) < 16 * 300 + 100 < 18 * 300  # one bin: no per-hash bin header (2 bytes each)
     req = validate_request(decode_header(wire))
-    assert req.fields == {"hashes": hs, "pin": True, "hints": None, "pin_tag": None} and req.packed
+    assert body(req) == {"hashes": hs, "pin": True, "hints": None, "pin_tag": None} and req.packed
 
 
 @pytest.mark.parametrize(
@@ -299,4 +310,4 @@ def test_the_largest_legitimate_header_still_decodes() -> None:
     hs = [bytes([i % 256]) * 16 for i in range(MAX_HASHES)]
     req = validate_request(decode_header(encode({"v": 1, "op": "store", "id": 1, "sid": "s" * 32, "hashes": hs,
                                                  "plane": "shm", "slots": list(range(MAX_HASHES))})))
-    assert len(req.fields["hashes"]) == MAX_HASHES and len(req.fields["slots"]) == MAX_HASHES
+    assert len(req.msg.hashes) == MAX_HASHES and len(req.msg.slots) == MAX_HASHES

@@ -9,7 +9,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvtier.client.client import Client, DaemonError, PoolLayout
-from kvtier.client.protocol import FEATURE_HINT_OUTPUT_TOKENS, FEATURE_HINTS, ErrorCode, Hints, ProtocolError
+from kvtier.client.protocol import FEATURE_HINT_OUTPUT_TOKENS, FEATURE_HINTS, ErrorCode, HintFields, Hints, ProtocolError
 from kvtier.daemon import hints as daemon_hints
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.retention import Retention
@@ -68,7 +68,7 @@ def test_the_client_refuses_the_same_hints_before_sending(bad) -> None:  # type:
 
 def test_output_tokens_reach_the_pool_and_are_not_sent_to_a_daemon_without_the_feature(daemon) -> None:  # type: ignore[no-untyped-def]
     m = Counters()
-    h = daemon_hints.request_hints({"session": "k", "output_tokens": 900}, session(), entry(1), 1, m)  # type: ignore[arg-type]
+    h = daemon_hints.request_hints(HintFields(session="k", output_tokens=900), session(), entry(1), 1, m)
     assert h is not None and h.output_tokens == 900 and not h.continues
     with Client(daemon.endpoint, "hints-old", layout()) as c:
         fields = c._with_hints({}, Hints(session="s", output_tokens=900))
@@ -99,23 +99,23 @@ def session(tenant: str = "") -> SimpleNamespace:
 
 def test_session_keys_are_scoped_to_the_tenant_and_at_s_is_the_daemons_clock() -> None:
     m = Counters()
-    a = daemon_hints.request_hints({"session": "k"}, session("alice"), entry(1), 1, m, now_s=5.0)  # type: ignore[arg-type]
-    b = daemon_hints.request_hints({"session": "k"}, session("bob"), entry(1), 1, m, now_s=5.0)  # type: ignore[arg-type]
+    a = daemon_hints.request_hints(HintFields(session="k"), session("alice"), entry(1), 1, m, now_s=5.0)
+    b = daemon_hints.request_hints(HintFields(session="k"), session("bob"), entry(1), 1, m, now_s=5.0)
     assert a is not None and b is not None and a.session != b.session and a.at_s == 5.0
-    assert daemon_hints.request_hints({}, session(), entry(1), 1, m) is None  # type: ignore[arg-type]
-    assert daemon_hints.request_hints(None, session(), entry(1), 1, m) is None  # type: ignore[arg-type]
+    assert daemon_hints.request_hints(HintFields(), session(), entry(1), 1, m) is None
+    assert daemon_hints.request_hints(None, session(), entry(1), 1, m) is None
 
 
 def test_retention_is_cut_to_an_hour_and_shared_between_the_pools_sessions() -> None:
     m = Counters()
     s = session()
-    h = daemon_hints.request_hints({"retain_s": 86400.0}, s, entry(1), 2, m, now_s=0.0)  # type: ignore[arg-type]
+    h = daemon_hints.request_hints(HintFields(retain_s=86400.0), s, entry(1), 2, m, now_s=0.0)
     assert h is not None and h.retain_s == daemon_hints.MAX_RETAIN_S
     # Four sessions on the pool: a share of (4 + 16) / 2 / 4 = 2 blocks, already held.
-    h = daemon_hints.request_hints({"retain_s": 60.0, "priority": 1}, s, entry(4), 1, m, now_s=1.0)  # type: ignore[arg-type]
+    h = daemon_hints.request_hints(HintFields(retain_s=60.0, priority=1), s, entry(4), 1, m, now_s=1.0)
     assert h is not None and h.retain_s == 0.0 and h.priority == 1  # the other hints stay
     # Once the first retention expires, its blocks count no more.
-    h = daemon_hints.request_hints({"retain_s": 60.0}, s, entry(4), 2, m, now_s=daemon_hints.MAX_RETAIN_S + 1)  # type: ignore[arg-type]
+    h = daemon_hints.request_hints(HintFields(retain_s=60.0), s, entry(4), 2, m, now_s=daemon_hints.MAX_RETAIN_S + 1)
     assert h is not None and h.retain_s == 60.0
 
 
@@ -142,9 +142,9 @@ TENANT_NAMES = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", fullmatch=True)
 def test_every_valid_session_key_of_every_tenant_makes_a_pool_key_within_the_tiers_bound(tenant: str, other: str,
                                                                                           key: str) -> None:
     m = Counters()
-    h = daemon_hints.request_hints({"session": key}, session(tenant), entry(1), 1, m)  # type: ignore[arg-type]
+    h = daemon_hints.request_hints(HintFields(session=key), session(tenant), entry(1), 1, m)
     assert h is not None and h.session is not None and 0 < len(h.session) <= MAX_SESSION_KEY_BYTES
-    again = daemon_hints.request_hints({"session": key}, session(tenant), entry(1), 1, m)  # type: ignore[arg-type]
+    again = daemon_hints.request_hints(HintFields(session=key), session(tenant), entry(1), 1, m)
     assert again is not None and again.session == h.session  # one key, one session
-    theirs = daemon_hints.request_hints({"session": key}, session(other), entry(1), 1, m)  # type: ignore[arg-type]
+    theirs = daemon_hints.request_hints(HintFields(session=key), session(other), entry(1), 1, m)
     assert theirs is not None and (theirs.session == h.session) == (other == tenant)

@@ -299,7 +299,7 @@ def test_tiers_are_packed_after_a_copy_too() -> None:
     from kvtier.daemon.handlers import Pending, Reply, _packs_tiers
 
     def handler(ctx: Any, req: Request, session: Any) -> Any:
-        if req.fields["pending"]:
+        if req.msg["pending"]:
             return Pending(op="op", finish=lambda op: Reply({"tiers": ["gpu", "cpu"], "n": 2}))  # type: ignore[arg-type]
         return Reply({"tiers": ["cpu", "remote"]})
 
