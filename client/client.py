@@ -89,6 +89,7 @@ from kvtier.client.protocol import (
     Hints,
     KvtierError,
     ProtocolError,
+    ReplyMessage,
     TierList,
     check_text,
 )
@@ -270,7 +271,7 @@ class Client:
     # ---- the request path ------------------------------------------------------
 
     def _roundtrip(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any], deadline_s: float, *,
-                   with_sid: bool = True) -> tuple[dict[str, Any], list[zmq.Frame]]:
+                   with_sid: bool = True) -> tuple[Any, list[zmq.Frame]]:
         """Send one request and wait for its reply; raises on error replies (``Transport.roundtrip``)."""
         # The form is settled per send: a call that re-opened its session on
         # an older daemon sends the hashes it packed as an array again.
@@ -284,14 +285,15 @@ class Client:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
     def _call(self, op: str, fields: Mapping[str, Any] | None = None, frames: Sequence[Any] = (), *,
-              timeout_s: float | None = None, idempotent: bool | None = None) -> tuple[dict[str, Any], list[zmq.Frame]]:
+              timeout_s: float | None = None, idempotent: bool | None = None) -> tuple[Any, list[zmq.Frame]]:
+        """(The reply: its op's ``ReplyMessage`` Struct, or a map for stats and health; its payload frames.)"""
         """One request of a verb, in a live session, by the call's deadline (``Session.call``)."""
         deadline_s = self._begin(timeout_s)
         with self._lock:
             return self._session.call(op, dict(fields or {}), frames, deadline_s, idempotent=idempotent)
 
     def _call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], *,
-                   timeout_s: float | None = None) -> list[dict[str, Any] | KvtierError]:
+                   timeout_s: float | None = None) -> list[Any]:
         """``_call`` for many requests of one idempotent verb, pipelined (``Session.call_many``): each
         request's reply fields, or the error it got (one refusal fails only its own request)."""
         if not OPS[op].idempotent:
@@ -299,7 +301,7 @@ class Client:
         deadline_s = self._begin(timeout_s)
         with self._lock:
             replies = self._session.call_many(op, fields_list, deadline_s)
-        return [rh if rh["ok"] is True else error_of(rh, op) for rh in replies]
+        return [rh if isinstance(rh, ReplyMessage) or rh["ok"] is True else error_of(rh, op) for rh in replies]
 
     def _wire_hashes(self, hashes: Sequence[bytes], *, keys: bool = False) -> tuple[list[bytes], Any]:
         """Checked hashes and their wire form: packed when the daemon takes it.
@@ -330,7 +332,7 @@ class Client:
 
     def clear(self, *, timeout_s: float | None = None) -> int:
         rh, _ = self._call("clear", timeout_s=timeout_s)
-        return int(rh["cleared"])
+        return rh.cleared
 
     def events(self, since: int, *, max_events: int = MAX_EVENTS, timeout_s: float | None = None) -> Events:
         """The keys the session's pool started and stopped holding after event ``since``, in order.
@@ -341,12 +343,12 @@ class Client:
         if FEATURE_EVENTS not in self._session.features:
             raise KvtierError("this kvtierd does not serve events (feature 'events'): upgrade it")
         rh, _ = self._call("events", {"since": since, "max_events": max_events}, timeout_s=timeout_s)
-        kinds, keys = bytes(rh["kinds"]), bytes(rh["hashes"])
+        kinds, keys = rh.kinds, rh.hashes
         if len(keys) != HASH_BYTES * len(kinds):
             raise ProtocolError(ErrorCode.MALFORMED, f"events reply: {len(kinds)} kinds but {len(keys)} hash bytes")
         stored = EVENT_STORED[0]
         changes = [(kind == stored, keys[i * HASH_BYTES:(i + 1) * HASH_BYTES]) for i, kind in enumerate(kinds)]
-        return Events(changes, int(rh["next"]), bool(rh["lost"]))
+        return Events(changes, rh.next, rh.lost)
 
     # ---- lookups and pins ------------------------------------------------------
 
@@ -365,9 +367,9 @@ class Client:
         hashes, wire = self._wire_hashes(hashes, keys=pin)
         rh, _ = self._call("lookup", self._lookup_fields(wire, pin, hints, pin_tag), timeout_s=timeout_s,
                            idempotent=not pin)
-        tiers = tier_list(rh["tiers"])
+        tiers = tier_list(rh.tiers)
         if pin:
-            self._note_pins(hashes[: rh.get("pinned", 0)], pin_tag)
+            self._note_pins(hashes[: rh.pinned], pin_tag)
         return tiers
 
     def lookup_many(self, requests: Sequence[Sequence[bytes]], *, pin: bool = False,
@@ -413,8 +415,8 @@ class Client:
                 out[i] = reply
                 continue
             if pin:
-                self._note_pins(hashes[: reply.get("pinned", 0)], tags[i])
-            out[i] = tier_list(reply["tiers"])
+                self._note_pins(hashes[: reply.pinned], tags[i])
+            out[i] = tier_list(reply.tiers)
         return out
 
     def pin(self, hashes: Sequence[bytes], *, pin_tag: str | None = None,
@@ -425,7 +427,7 @@ class Client:
         if pin_tag is not None and self._session.pin_tags:
             fields["pin_tag"] = pin_tag
         rh, _ = self._call("pin", fields, timeout_s=timeout_s)
-        tiers = tier_list(rh["tiers"])
+        tiers = tier_list(rh.tiers)
         self._note_pins(hashes[: len(tiers)], pin_tag)
         return tiers
 
@@ -439,7 +441,7 @@ class Client:
             fields["pin_tag"] = pin_tag
         rh, _ = self._call("unpin", fields, timeout_s=timeout_s)
         self._forget_pins(hashes, pin_tag)
-        return int(rh["unpinned"])
+        return rh.unpinned
 
     def unpin_tag(self, pin_tag: str, *, timeout_s: float | None = None) -> int:
         """Drop every pin taken under ``pin_tag``, those whose replies never came back included
@@ -460,7 +462,7 @@ class Client:
         if known:
             self._session.pins.subtract(known)
             self._session.pins = +self._session.pins
-        return int(rh["unpinned"])
+        return rh.unpinned
 
     def _lookup_fields(self, wire: Any, pin: bool, hints: Hints | None, pin_tag: str | None) -> dict[str, Any]:
         fields = self._with_hints({"hashes": wire, "pin": pin}, hints)
@@ -511,14 +513,14 @@ class Client:
         rh, _ = self._call("allocate", self._with_hints({"req": req, "hashes": wire, "num_tokens": num_tokens}, hints),
                            timeout_s=timeout_s)
         self._session.requests.add(req)
-        return Allocation(list(rh["block_ids"]), tier_list(rh["tiers"]), int(rh["num_gpu_hits"]), int(rh["num_cpu_hits"]))
+        return Allocation(rh.block_ids, tier_list(rh.tiers), rh.num_gpu_hits, rh.num_cpu_hits)
 
     def append(self, req: str, num_new_tokens: int, new_hashes: Sequence[bytes], *,
                timeout_s: float | None = None) -> tuple[list[int], list[int]]:
         """Grow a request; returns (whole block table, newly allocated block ids)."""
         _, wire = self._wire_hashes(new_hashes)
         rh, _ = self._call("append", {"req": req, "num_tokens": num_new_tokens, "hashes": wire}, timeout_s=timeout_s)
-        return list(rh["block_ids"]), list(rh["new_block_ids"])
+        return rh.block_ids, rh.new_block_ids
 
     def free(self, req: str, *, valid_tokens: int | None = None, timeout_s: float | None = None) -> None:
         """Release a request. ``valid_tokens``: after a failure, how many leading
@@ -570,7 +572,7 @@ class Client:
         fields, frames = self._plane(data, slots, reg, len(hashes))
         fields["hashes"] = wire
         rh, _ = self._call("store", self._with_hints(fields, hints), frames, timeout_s=timeout_s)
-        return int(rh["stored"]), int(rh["present"])
+        return rh.stored, rh.present
 
     def restore(self, hashes: Sequence[bytes], *, slots: Sequence[int] | None = None, reg: str | None = None,
                 timeout_s: float | None = None) -> RestoreResult:
@@ -579,7 +581,7 @@ class Client:
         fields, _ = self._plane(None, slots, reg, len(hashes))
         fields["hashes"] = wire
         rh, frames = self._call("restore", fields, timeout_s=timeout_s)
-        tiers = tier_list(rh["tiers"])
+        tiers = tier_list(rh.tiers)
         if fields["plane"] != "inline":
             return RestoreResult(tiers)
         data = frames[0].buffer if frames else memoryview(b"")
@@ -632,7 +634,7 @@ class Client:
         data_planes.share_with_daemon(self.endpoint, data_planes.shm_names(wire))
         rh, _ = self._call("register_kv", {"name": name, "tensors": wire}, timeout_s=timeout_s)
         self._session.registrations[name] = Registration(wire, list(tensors))
-        return int(rh["num_blocks"])
+        return rh.num_blocks
 
     def unregister_kv(self, name: str, *, timeout_s: float | None = None) -> None:
         self._call("unregister_kv", {"name": name}, timeout_s=timeout_s)

@@ -22,9 +22,11 @@ Reply header: ``{"v": 1, "id": id, "ok": True, ...result}`` or
 ``{"v": 1, "id": id, "ok": False, "error": {"code": int, "name": str,
 "message": str}}``. Exactly one reply per request.
 
-Every field a request may carry is listed in ``OPS`` with its type; unknown
-fields, missing required fields, wrong types and out-of-range values are
-INVALID_FIELD errors. Block hashes are 16-byte MessagePack ``bin`` values in a
+Every field a request may carry is declared once, in its op's msgspec
+``Struct`` (``OPS[op].type``), with its type and bounds; unknown fields,
+missing required fields, wrong types and out-of-range values are
+INVALID_FIELD errors. ``decode_request`` decodes and validates a header in one
+step; ``decode_reply`` does the same for an ok reply (``OPS[op].reply``). Block hashes are 16-byte MessagePack ``bin`` values in a
 list, in prefix order. Tiers in replies are the strings ``"gpu"`` / ``"cpu"`` /
 ``"remote"``, and ``"disk"`` to a session whose hello named feature
 ``"disk_tier"`` (others get ``"remote"`` for a disk-tier block: below the CPU
@@ -559,9 +561,103 @@ class EventsRequest(Message, tag="events"):
             self.max_events = MAX_EVENTS
 
 
+# ---- replies -----------------------------------------------------------------
+#
+# An ok reply of each op, one Struct: the envelope and the op's result fields.
+# Unknown fields are ignored (a daemon may add reply fields within v1); stats
+# and health reply free-form maps (docs/protocol.md) and have no Struct.
+
+
+class ReplyMessage(msgspec.Struct, kw_only=True):
+    """The envelope of an ok reply; a subclass adds an op's result fields."""
+
+    v: int
+    id: int
+    ok: bool
+
+
+class NoFieldsReply(ReplyMessage):
+    pass
+
+
+TierField = bytes | list[str]  # tier names, or packed codes (TIER_CODES) to a request whose hashes were packed
+
+
+class HelloReply(ReplyMessage):
+    sid: str
+    lease_s: float
+    heartbeat_s: float
+    protocol_version: int = PROTOCOL_VERSION
+    daemon_version: str = ""
+    features: list[Any] | None = None  # absent from daemons before features; names this client does not know are ignored
+    pool: dict[str, Any] = msgspec.field(default_factory=dict)
+    limits: dict[str, Any] = msgspec.field(default_factory=dict)
+    clock: Any = None  # feature "deadlines": checked by kvtier.client.shared_clock
+
+
+class HeartbeatReply(ReplyMessage):
+    lease_s: float
+
+
+class AttachArenaReply(ReplyMessage):
+    num_slots: int
+
+
+class RegisterKvReply(ReplyMessage):
+    num_blocks: int
+    gpu_tier: bool = False
+
+
+class LookupReply(ReplyMessage):
+    tiers: TierField
+    pinned: int = 0
+
+
+class TiersReply(ReplyMessage):
+    """pin and restore: the tiers of the prefix."""
+
+    tiers: TierField
+
+
+class UnpinReply(ReplyMessage):
+    unpinned: int
+
+
+class AllocateReply(ReplyMessage):
+    block_ids: list[int]
+    tiers: TierField
+    num_gpu_hits: int
+    num_cpu_hits: int
+    num_remote_hits: int = 0
+    num_disk_hits: int = 0  # to sessions whose hello named feature "disk_tier"
+
+
+class AppendReply(ReplyMessage):
+    block_ids: list[int]
+    new_block_ids: list[int]
+
+
+class StoreReply(ReplyMessage):
+    stored: int
+    present: int
+
+
+class ClearReply(ReplyMessage):
+    cleared: int
+
+
+class EventsReply(ReplyMessage):
+    kinds: bytes
+    hashes: bytes
+    next: int
+    lost: bool
+
+
+
 @dataclass(frozen=True)
 class OpSpec:
     type: type[Message]
+    reply: type[ReplyMessage] | None  # None: a free-form map (stats, health)
     session: str = "required"  # "required" | "none" | "optional"
     payload: bool = False  # may carry a payload frame
     renews_lease: bool = True
@@ -577,37 +673,37 @@ class OpSpec:
 HEADER_FIELDS = ("v", "op", "id", "sid")
 
 OPS: dict[str, OpSpec] = {
-    "hello": OpSpec(HelloRequest, session="none", idempotent=True,
+    "hello": OpSpec(HelloRequest, HelloReply, session="none", idempotent=True,
                     doc="open a session on a pool (creating the pool), negotiate version and layout"),
-    "heartbeat": OpSpec(HeartbeatRequest, idempotent=True, doc="renew the session lease"),
-    "bye": OpSpec(ByeRequest, idempotent=True, doc="end the session, releasing everything it holds"),
+    "heartbeat": OpSpec(HeartbeatRequest, HeartbeatReply, idempotent=True, doc="renew the session lease"),
+    "bye": OpSpec(ByeRequest, NoFieldsReply, idempotent=True, doc="end the session, releasing everything it holds"),
     "attach_arena": OpSpec(
-        AttachArenaRequest,
+        AttachArenaRequest, AttachArenaReply,
         doc="map the client's shared-memory staging arena (data plane shm); the daemon unlinks it when the session ends",
     ),
-    "register_kv": OpSpec(RegisterKvRequest, doc="register engine KV tensors (engine mode: they become the pool's GPU tier)"),
-    "unregister_kv": OpSpec(UnregisterKvRequest, doc="drop a registration"),
+    "register_kv": OpSpec(RegisterKvRequest, RegisterKvReply, doc="register engine KV tensors (engine mode: they become the pool's GPU tier)"),
+    "unregister_kv": OpSpec(UnregisterKvRequest, NoFieldsReply, doc="drop a registration"),
     "lookup": OpSpec(
-        LookupRequest,
+        LookupRequest, LookupReply,
         renews_lease=False,
         # Without "pin": resent after a timeout. A pinned lookup resent pins twice: the Python client does not resend it.
         idempotent=True,
         doc="longest cached prefix and the tier of each block; optionally pin it atomically",
     ),
-    "pin": OpSpec(PinRequest, doc="pin the longest available prefix (never evicted while pinned)"),
-    "unpin": OpSpec(UnpinRequest, doc="drop this session's pins on these hashes (of the tag), or every pin of a tag"),
-    "allocate": OpSpec(AllocateRequest,
+    "pin": OpSpec(PinRequest, TiersReply, doc="pin the longest available prefix (never evicted while pinned)"),
+    "unpin": OpSpec(UnpinRequest, UnpinReply, doc="drop this session's pins on these hashes (of the tag), or every pin of a tag"),
+    "allocate": OpSpec(AllocateRequest, AllocateReply,
                        doc="engine mode: block table for a new request; CPU hits are restored into slots before the reply"),
-    "append": OpSpec(AppendRequest, doc="engine mode: grow a request; hashes of the blocks these tokens filled"),
-    "free": OpSpec(FreeRequest, doc="engine mode: release a request's blocks"),
-    "store": OpSpec(StoreRequest, payload=True, idempotent=True,
+    "append": OpSpec(AppendRequest, AppendReply, doc="engine mode: grow a request; hashes of the blocks these tokens filled"),
+    "free": OpSpec(FreeRequest, NoFieldsReply, doc="engine mode: release a request's blocks"),
+    "store": OpSpec(StoreRequest, StoreReply, payload=True, idempotent=True,
                     doc="copy blocks into the pool (content-addressed; present hashes are skipped)"),
-    "restore": OpSpec(RestoreRequest, idempotent=True, doc="copy the longest available prefix out of the pool"),
-    "stats": OpSpec(StatsRequest, session="optional", renews_lease=False, idempotent=True, doc="counters"),
-    "health": OpSpec(HealthRequest, session="optional", renews_lease=False, idempotent=True, doc="liveness/readiness"),
-    "clear": OpSpec(ClearRequest, idempotent=True, doc="drop every unpinned, unused cached block of the session's pool"),
+    "restore": OpSpec(RestoreRequest, TiersReply, idempotent=True, doc="copy the longest available prefix out of the pool"),
+    "stats": OpSpec(StatsRequest, None, session="optional", renews_lease=False, idempotent=True, doc="counters"),
+    "health": OpSpec(HealthRequest, None, session="optional", renews_lease=False, idempotent=True, doc="liveness/readiness"),
+    "clear": OpSpec(ClearRequest, ClearReply, idempotent=True, doc="drop every unpinned, unused cached block of the session's pool"),
     "events": OpSpec(
-        EventsRequest,
+        EventsRequest, EventsReply,
         renews_lease=False,
         idempotent=True,
         doc='feature "events": the keys the pool started ("s") and stopped ("r") holding after event "since", in order',
@@ -616,6 +712,33 @@ OPS: dict[str, OpSpec] = {
 
 # The fields of each op that hold block hashes: the ones that may come packed.
 HASH_FIELDS: dict[str, tuple[str, ...]] = {op: tuple(f for f in spec.fields if f == "hashes") for op, spec in OPS.items()}
+
+# Decode and validate an ok reply of one op in one step.
+_REPLY_DECODERS: dict[str, msgspec.msgpack.Decoder] = {
+    op: msgspec.msgpack.Decoder(spec.reply) for op, spec in OPS.items() if spec.reply is not None}
+
+
+def decode_reply(op: str, data: bytes | memoryview) -> ReplyMessage | None:
+    """An ok reply to ``op`` as its op's Struct, or None if ``data`` is none (an error reply, another op's, or
+    not valid: ``reply_error`` says why). Ops without a reply Struct (stats, health): always None."""
+    decoder = _REPLY_DECODERS.get(op)
+    if decoder is None:
+        return None
+    try:
+        reply = decoder.decode(data)
+    except Exception:  # msgspec's errors, UnicodeDecodeError
+        return None
+    return reply if reply.ok is True and reply.v == PROTOCOL_VERSION else None
+
+
+def reply_error(op: str, data: bytes | memoryview) -> ProtocolError:
+    """Why an ok reply to ``op`` does not decode as its Struct (MALFORMED)."""
+    try:
+        _REPLY_DECODERS[op].decode(data)
+    except Exception as exc:
+        return ProtocolError(ErrorCode.MALFORMED, f"bad reply to {op}: {str(exc).replace('`', '')}")
+    return ProtocolError(ErrorCode.MALFORMED, f"bad reply to {op}")
+
 
 # Decodes and validates a header of any op in one step (ops told apart by "op").
 _REQUEST_DECODER = msgspec.msgpack.Decoder(Union[tuple(spec.type for spec in OPS.values())])  # noqa: UP007

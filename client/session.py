@@ -159,8 +159,10 @@ class Registration:
     keep: list[Any]  # the exported tensors/handles, alive while registered
 
 
-def _error_code(rh: Mapping[str, Any]) -> int | None:
-    """The error code of reply header ``rh``; None for a success."""
+def _error_code(rh: Any) -> int | None:
+    """The error code of reply ``rh`` (a map, or an ok reply's Struct); None for a success."""
+    if not isinstance(rh, Mapping):
+        return None
     err = rh.get("error") if rh.get("ok") is not True else None
     return err.get("code") if isinstance(err, dict) else None
 
@@ -169,7 +171,7 @@ class Send(Protocol):
     """The client's ``_roundtrip``: one request, its reply header and frames."""
 
     def __call__(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any], deadline_s: float, *,
-                 with_sid: bool = True) -> tuple[dict[str, Any], list[Any]]: ...
+                 with_sid: bool = True) -> tuple[Any, list[Any]]: ...
 
 
 class Session:
@@ -213,7 +215,7 @@ class Session:
     def hello(self, deadline_s: float) -> None:
         window_ns = [0, 0]  # the last attempt's send and receive: the daemon's clock reading lies between
 
-        def attempt(attempt_deadline_s: float) -> tuple[dict[str, Any], list[Any]]:
+        def attempt(attempt_deadline_s: float) -> tuple[Any, list[Any]]:
             fields = self._hello_fields
             if self._send_features:
                 fields = {**fields, "features": list(CLIENT_FEATURES)}
@@ -240,23 +242,23 @@ class Session:
                 if not (self._send_features and exc.code == ErrorCode.INVALID_FIELD and "'features'" in str(exc)):
                     raise
                 self._send_features = False
-        self.sid = str(rh["sid"])
-        self.lease_s = float(rh["lease_s"])
-        self.heartbeat_s = float(rh["heartbeat_s"])
-        self.pool_info = dict(rh.get("pool", {}))
-        self.limits = dict(rh.get("limits", {}))
-        features = rh.get("features")
+        self.sid = rh.sid
+        self.lease_s = rh.lease_s
+        self.heartbeat_s = rh.heartbeat_s
+        self.pool_info = dict(rh.pool)
+        self.limits = dict(rh.limits)
+        features = rh.features
         self.features = tuple(f for f in features if isinstance(f, str)) if isinstance(features, list) else ()
         self.packed_hashes = isinstance(features, list) and FEATURE_PACKED_HASHES in features
         self.hints = isinstance(features, list) and FEATURE_HINTS in features
         self.hint_output_tokens = self.hints and FEATURE_HINT_OUTPUT_TOKENS in features
         self.pin_tags = isinstance(features, list) and FEATURE_PIN_TAGS in features
         self.deadlines = (isinstance(features, list) and FEATURE_DEADLINES in features
-                          and shares_clock(rh.get("clock"), window_ns[0], window_ns[1]))
+                          and shares_clock(rh.clock, window_ns[0], window_ns[1]))
         self.gone = False
 
     def call(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any], deadline_s: float, *,
-             idempotent: bool | None = None) -> tuple[dict[str, Any], list[Any]]:
+             idempotent: bool | None = None) -> tuple[Any, list[Any]]:
         """One request in a live session: reopened first if the daemon forgot ours, resent if it forgets it now.
         ``idempotent`` overrides the verb's (a pinned lookup is not: resent, it would pin twice)."""
         self._raise_pending_loss()
@@ -305,7 +307,7 @@ class Session:
             return fields
         return {**fields, "deadline_ns": int(deadline_s * 1e9) - DEADLINE_ROUNDING_NS}
 
-    def call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], deadline_s: float) -> list[dict[str, Any]]:
+    def call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], deadline_s: float) -> list[Any]:
         """Many requests of one verb, pipelined: every reply header, errors included; no resend after a timeout."""
         self._raise_pending_loss()
         for attempt in range(2):

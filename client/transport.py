@@ -63,18 +63,22 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvtier.client.curve import CurveKeys
 from kvtier.client.protocol import (
+    OPS,
     PROTOCOL_VERSION,
     ErrorCode,
     KvtierError,
     ProtocolError,
     decode,
+    decode_reply,
     encode,
     error_name,
+    reply_error,
     request_header,
 )
 
@@ -183,8 +187,9 @@ class Transport:
         self._zctx.term()
 
     def roundtrip(self, op: str, fields: Mapping[str, Any], frames: Sequence[Any], deadline_s: float, *,
-                  sid: str | None, packed_hashes: bool) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        """Send one request and wait for its reply; raises on error replies."""
+                  sid: str | None, packed_hashes: bool) -> tuple[Any, list[zmq.Frame]]:
+        """Send one request and wait for its reply: its op's ``ReplyMessage`` (a map for stats and health);
+        raises on error replies, and on an ok reply that is not its op's (MALFORMED)."""
         rid = self.next_id()
         header = request_header(op, rid, sid, packed_hashes=packed_hashes, **fields)
         sock = self._socket()
@@ -194,16 +199,25 @@ class Transport:
         except zmq.Again:
             raise KvtierTimeout(f"{op}: cannot queue the request (daemon unreachable at {self.endpoint})") from None
         while True:
-            rh, rest = self._next_reply(sock, op, deadline_s)
+            frames = self._recv(sock, op, deadline_s)
+            typed = decode_reply(op, frames[0].buffer)  # an ok reply, decoded and checked in one step
+            if typed is not None:
+                if typed.id == rid:
+                    return typed, frames[1:]
+                continue  # a late reply to an earlier request on this socket
+            rh, _ = self._envelope(frames, op)
             if rh.get("id") not in (rid, 0):
                 continue  # a late reply to an earlier request on this socket
             if rh["ok"] is True:
-                return rh, rest
+                if OPS[op].reply is None:
+                    return rh, frames[1:]
+                raise reply_error(op, frames[0].buffer)
             raise error_of(rh, op)
 
     def roundtrip_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], deadline_s: float, *,
-                       sid: str | None, packed_hashes: bool) -> list[dict[str, Any]]:
-        """Send every request, then collect every reply (error replies too): one round trip for all of them."""
+                       sid: str | None, packed_hashes: bool) -> list[Any]:
+        """Send every request, then collect every reply (error replies too, as maps; ok ones as ``roundtrip``
+        returns them): one round trip for all of them."""
         sock = self._socket()
         self._disconnected()
         rids: list[int] = []
@@ -224,14 +238,31 @@ class Transport:
             if answered not in rids or answered in replies:
                 continue  # a late reply to an earlier request on this socket
             replies[answered] = rh
-        return [replies[rid] for rid in rids]
+        return [self._typed(op, replies[rid]) for rid in rids]
+
+    @staticmethod
+    def _typed(op: str, rh: dict[str, Any]) -> Any:
+        """An ok reply of ``roundtrip_many`` as its op's Struct (error replies stay maps)."""
+        if rh["ok"] is not True or OPS[op].reply is None:
+            return rh
+        try:
+            return msgspec.msgpack.decode(encode(rh), type=OPS[op].reply)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(ErrorCode.MALFORMED, f"bad reply to {op}: {str(exc).replace('`', '')}") from None
 
     def _next_reply(self, sock: zmq.Socket, op: str, deadline_s: float) -> tuple[dict[str, Any], list[zmq.Frame]]:
         """The next well-formed reply on ``sock``, whatever request it answers."""
+        return self._envelope(self._recv(sock, op, deadline_s), op)
+
+    def _recv(self, sock: zmq.Socket, op: str, deadline_s: float) -> list[zmq.Frame]:
+        """The next reply's frames on ``sock``, by the deadline."""
         remaining_ms = int((deadline_s - time.monotonic()) * 1000)
         if remaining_ms <= 0 or not self._poll(sock, remaining_ms):
             raise KvtierTimeout(f"{op}: no reply from {self.endpoint} in time")
-        reply = sock.recv_multipart(copy=False)
+        return sock.recv_multipart(copy=False)
+
+    def _envelope(self, reply: list[zmq.Frame], op: str) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """A reply's header as a map (any op's, error replies too), checked to be a v1 reply."""
         try:
             rh = decode(reply[0].buffer)
         except Exception as exc:

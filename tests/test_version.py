@@ -70,6 +70,8 @@ def test_both_commands_print_it() -> None:
 
 
 def test_the_daemon_reports_it_in_hello_and_health(kvtierd_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import msgspec
+
     from kvtier.client.client import Client, PoolLayout, probe_health
     from kvtier.client.transport import Transport
 
@@ -81,7 +83,7 @@ def test_the_daemon_reports_it_in_hello_and_health(kvtierd_factory: Any, monkeyp
     def spy(self: Transport, op: str, *args: Any, **kwargs: Any) -> Any:
         got = retry(self, op, *args, **kwargs)
         if op == "hello":
-            hello.update(got[0])
+            hello.update(msgspec.structs.asdict(got[0]))  # the hello reply's Struct
         return got
 
     monkeypatch.setattr(Transport, "retry", spy)

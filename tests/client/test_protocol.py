@@ -311,3 +311,20 @@ def test_the_largest_legitimate_header_still_decodes() -> None:
     req = validate_request(decode_header(encode({"v": 1, "op": "store", "id": 1, "sid": "s" * 32, "hashes": hs,
                                                  "plane": "shm", "slots": list(range(MAX_HASHES))})))
     assert len(req.msg.hashes) == MAX_HASHES and len(req.msg.slots) == MAX_HASHES
+
+
+def test_ok_replies_decode_as_their_ops_struct_and_bad_ones_are_malformed() -> None:
+    from kvtier.client.protocol import LookupReply, decode_reply, ok_reply, reply_error
+
+    tiers = pack_tiers(["gpu", "cpu"])
+    reply = decode_reply("lookup", encode(ok_reply(9, tiers=tiers, pinned=2, added_later=1)))  # unknown fields: ignored
+    assert isinstance(reply, LookupReply) and (reply.id, reply.tiers, reply.pinned) == (9, tiers, 2)
+    assert decode_reply("lookup", encode(ok_reply(9, tiers=["gpu"]))).pinned == 0  # type: ignore[union-attr]
+    assert decode_reply("lookup", encode(error_reply(9, ErrorCode.NO_SPACE, "full"))) is None
+    assert decode_reply("stats", encode(ok_reply(9, pools={}))) is None  # free-form: the client keeps the map
+    bad = encode(ok_reply(9, tiers=7))
+    assert decode_reply("lookup", bad) is None
+    err = reply_error("lookup", bad)
+    assert err.code == ErrorCode.MALFORMED and "tiers" in err.message and "lookup" in err.message
+    for op, spec in OPS.items():  # every op but the free-form two has a reply Struct
+        assert (spec.reply is None) == (op in ("stats", "health")), op

@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import random
 import time
+from typing import Any
 
 import pytest
 
 from kvtier.client.client import Client, DaemonError, PoolLayout
-from kvtier.client.protocol import ErrorCode
+from kvtier.client.protocol import ErrorCode, StoreReply, TiersReply
 
 BLOCK_BYTES = 1024
 GPU_BLOCKS = 4
@@ -289,18 +290,18 @@ def test_registered_kv_is_neither_read_nor_written_past_the_deadline(daemon, kin
         past_ns = time.monotonic_ns() - 1
         far_ns = time.monotonic_ns() + 30_000_000_000
 
-        def call(op: str, slots: list[int], deadline_ns: int) -> dict:
+        def call(op: str, slots: list[int], deadline_ns: int) -> Any:  # the op's reply Struct
             rh, _ = c._call(op, {"hashes": wire, "plane": "kv", "reg": "kv", "slots": slots, "deadline_ns": deadline_ns})
             return rh
 
         with pytest.raises(DaemonError) as err:
             call("store", [0, 1, 2, 3], past_ns)
         assert err.value.code == ErrorCode.DEADLINE_EXCEEDED and c.lookup(hashes) == []
-        assert call("store", [0, 1, 2, 3], far_ns)["stored"] == 4
+        assert (stored := call("store", [0, 1, 2, 3], far_ns)).stored == 4 and isinstance(stored, StoreReply)
         with pytest.raises(DaemonError) as err:
             call("restore", [4, 5, 6, 7], past_ns)
         assert err.value.code == ErrorCode.DEADLINE_EXCEEDED
         assert blocks(4) == bytes(4 * BLOCK_BYTES)  # not written
-        assert len(call("restore", [4, 5, 6, 7], far_ns)["tiers"]) == 4
+        assert len((restored := call("restore", [4, 5, 6, 7], far_ns)).tiers) == 4 and isinstance(restored, TiersReply)
         assert blocks(4) == data
         c.unregister_kv("kv")
