@@ -138,6 +138,7 @@ def options_from_config(cfg: DaemonConfig, device: str, *, fault_plan: FaultPlan
         max_payload_bytes=cfg.max_message_bytes,
         max_shm_files_per_session=cfg.max_shm_files_per_session,
         max_registrations_per_session=cfg.max_registrations_per_session,
+        lend_lease_s=cfg.lend_lease_s,
         max_pinned_share=cfg.max_pinned_share,
         cpu_budget_bytes=resolve_cpu_budget_bytes(
             cfg, int(psutil.virtual_memory().available) + (arenas.memory_bytes() if arenas is not None else 0)),

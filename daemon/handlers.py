@@ -61,6 +61,7 @@ from kvtier.client.protocol import (
     EVENT_REMOVED,
     EVENT_STORED,
     FEATURE_DISK_TIER,
+    FEATURE_LEND,
     FEATURES,
     MAX_HASHES,
     MAX_HEADER_BYTES,
@@ -79,6 +80,7 @@ from kvtier.daemon.auth_limits import AuthFailureLimiter
 from kvtier.daemon.connections import Peer
 from kvtier.daemon.hints import request_hints
 from kvtier.daemon.kv_import import KvShareAccessError, KvShareSparseError
+from kvtier.daemon.lends import LendTable
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pin_releases import PinReleases
 from kvtier.daemon.pools import PoolEntry, PoolRegistry
@@ -152,6 +154,7 @@ class HandlerContext:
     max_pinned_share: float = 0.5  # of a pool's blocks: pins of one session, and of one tenant's sessions
     max_shm_files_total: int = 4096  # the server sets it below RLIMIT_NOFILE
     pin_releases: PinReleases = field(default_factory=PinReleases)  # tags released, by which request
+    lends: LendTable = field(default_factory=LendTable)  # CPU-tier slots lent to same-user clients (daemon.lends)
 
 
 def _entry(ctx: HandlerContext, session: Session) -> PoolEntry:
@@ -233,7 +236,7 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
             "heartbeat_s": min(ctx.heartbeat_s or lease_s / 3, lease_s / 3),
             "protocol_version": PROTOCOL_VERSION,
             "daemon_version": DAEMON_VERSION,
-            "features": list(FEATURES),
+            "features": list(FEATURES) + ([FEATURE_LEND] if ctx.lends.may_lend(new) else []),
             "clock": daemon_clock(),
             "pool": {
                 "name": entry.bare_name,
@@ -700,6 +703,12 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
     dst, slots = _plane_layout(ctx, req, session, n)
     files = _plane_files(session, req)
     deadline_ns = f["deadline_ns"]
+    if f["lend"]:
+        # The client copies the blocks itself from its mapping of the CPU tier's file (daemon.lends);
+        # where it cannot be lent, the restore goes on below as if it had not asked.
+        lent = ctx.lends.offer(session, entry, hashes, getattr(entry.transfer, "fault_hook", None))
+        if lent is not None:
+            return Reply({"tiers": ["cpu"] * len(lent["slots"]), "lent": lent})
     if not client_memory.is_client_host_memory(dst):
         op = pool.restore(hashes, dst, slots, start_by_ns=deadlines.write_by_ns(deadline_ns, n * entry.block_bytes))
         return _done_or_pending(op, lambda o: Reply({"tiers": list(o.result["tiers"])}))
@@ -999,6 +1008,11 @@ def _disk_as_remote(reply: Reply) -> Reply:
 _DISK_CODE, _REMOTE_CODE = TIER_CODES["disk"], TIER_CODES["remote"]
 
 
+def release_lends(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    return Reply({"released": ctx.lends.release(session.sid, req.fields["ids"])})
+
+
 HANDLERS: dict[str, Handler] = {
     "hello": hello,
     "heartbeat": heartbeat,
@@ -1018,4 +1032,5 @@ HANDLERS: dict[str, Handler] = {
     "health": health,
     "clear": clear,
     "events": events,
+    "release_lends": release_lends,
 }

@@ -20,6 +20,10 @@ a block layout of its own in the staged arena.
   (CUDA IPC on a GPU; on a CPU-only machine their storage is first moved
   into ``/dev/shm`` in place), and kvtierd gathers and scatters blocks
   straight between them and its tiers: no copy in vLLM's process at all.
+  On KV in host memory (``lend``, on by default) a restore asks for a
+  lend: blocks in kvtierd's CPU tier are copied by the worker itself, from
+  its read-only mapping of the tier's file (``lent_restore.py``), faster
+  than a copy by kvtierd's process; others kvtierd copies as before.
 - ``StagedPlane``: for KV memory that cannot be shared (CUDA's expandable
   segments, a backend whose storage cannot move): the worker copies blocks
   through a shared-memory arena, ``staging_blocks`` at a time. One call at a
@@ -44,6 +48,7 @@ from kvtier.client.client import Client
 from kvtier.client.kv_share import KvShareError, export_kv, share_kv_in_place
 from kvtier.client.protocol import Hints
 from kvtier.client.shm_arena import SHM_DIR
+from kvtier.integrations.vllm.lent_restore import LentRestore
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.transfer import copy_host_blocks
 
@@ -93,7 +98,8 @@ def registration_name(group: int, groups: int) -> str:
 class RegisteredPlane:
     name = "registered"
 
-    def __init__(self, tensors: GroupTensors, block_dims: GroupDims, deadline: CopyDeadline) -> None:
+    def __init__(self, tensors: GroupTensors, block_dims: GroupDims, deadline: CopyDeadline, *,
+                 lend: bool = False) -> None:
         self._deadline = deadline
         self._tensors = {g: list(ts) for g, ts in tensors.items()}
         self._dims = {g: list(block_dims[g]) for g in tensors}
@@ -103,13 +109,32 @@ class RegisteredPlane:
             share_kv_in_place(every)  # a storage the groups share moves once; every view follows
         for g, ts in self._tensors.items():
             export_kv(ts, self._dims[g])  # refuses what cannot be shared, before any daemon sees it
+        self._lent: LentRestore | None = None
+        if lend and every[0].device.type == "cpu":
+            # Device KV: a copy from host memory by this process would not beat kvtierd's (pinned, CUDA IPC).
+            self._lent = LentRestore({g: BlockLayout(ts, self._dims[g]) for g, ts in self._tensors.items()})
 
     def connect(self, client: Client) -> None:
         for g, ts in self._tensors.items():
             client.register_kv(self._names[g], ts, self._dims[g])
 
     def restore(self, client: Client, keys: list[bytes], block_ids: list[int], group: int = 0) -> int:
-        return len(client.restore(keys, slots=block_ids, reg=self._names[group], timeout_s=self._deadline(len(keys))))
+        lent = self._lent
+        ask = lent is not None and lent.ask(client)
+        got = client.restore(keys, slots=block_ids, reg=self._names[group], timeout_s=self._deadline(len(keys)),
+                             lend=ask)
+        if got.lent is None:
+            return len(got)
+        assert lent is not None
+        done = lent.copy(client, got.lent, block_ids, group)
+        if done is None:  # the lent file cannot be mapped here: kvtierd copies instead
+            return len(client.restore(keys, slots=block_ids, reg=self._names[group],
+                                      timeout_s=self._deadline(len(keys))))
+        return done
+
+    def close(self) -> None:
+        if self._lent is not None:
+            self._lent.close()
 
     def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None,
               group: int = 0) -> None:
@@ -186,10 +211,10 @@ def _check_arena_fits(staging_blocks: int, block_bytes: int) -> None:
 
 
 def make_plane(choice: str, tensors: GroupTensors, block_dims: GroupDims, staging_blocks: int,
-               deadline: CopyDeadline) -> Plane:
+               deadline: CopyDeadline, *, lend: bool = False) -> Plane:
     if choice in ("auto", "registered"):
         try:
-            return RegisteredPlane(tensors, block_dims, deadline)
+            return RegisteredPlane(tensors, block_dims, deadline, lend=lend)
         except KvShareError as exc:
             if choice == "registered":
                 raise

@@ -121,7 +121,7 @@ class WorkerSide:
         dims = [d for ds in dims_by_group.values() for d in ds]
         deadline = CopyDeadline(self._settings.timeout_s, self._pool.layout.block_bytes)
         self._plane = plane = make_plane(self._settings.data_plane, by_group, dims_by_group,
-                                         self._settings.staging_blocks, deadline)
+                                         self._settings.staging_blocks, deadline, lend=self._settings.lend)
         self._link = DaemonLink(self._settings.socket, self._pool.name, self._pool.layout,
                                 retry_s=self._settings.retry_s, client_kwargs=self._settings.client_kwargs(),
                                 on_connect=plane.connect)
@@ -281,3 +281,6 @@ class WorkerSide:
         self._stores.close(timeout_s=1.0)
         if self._link is not None:
             self._link.close()
+        close = getattr(self._plane, "close", None)  # RegisteredPlane's lent restores: their thread, mappings
+        if close is not None:
+            close()
