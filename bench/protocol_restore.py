@@ -18,8 +18,8 @@ tier. Planes:
 - ``shm lent`` / ``kv-vllm lent`` (CPU tier): ``restore(..., lend=True)``:
   kvtierd lends its CPU-tier rows and this process copies them into the
   arena / the vLLM-style tensors from its read-only mapping of the tier's
-  file (``kvtier.client.arena_map``; memmove plans), then ends the lend on
-  a thread of its own, as the vLLM connector's worker does.
+  file (``kvtier.client.arena_map``; memmove plans); the lend ends with
+  the next lent restore (its ``release``), as the vLLM connector's worker does.
 
 Baselines on the same bytes: ``memcpy numpy`` (``np.copyto`` of a same-size
 buffer), ``memcpy torch`` (``Tensor.copy_``), ``zmq raw`` (the echo server
@@ -82,27 +82,26 @@ def restore_fns(pcs: dict[str, PoolClient], hashes: list[bytes]
 
 
 _lent_maps: Any = None
-_releases: Any = None
+_pending: dict[int, list[int]] = {}  # id(client) -> lends copied, ended by its next lent restore
 
 
 def lent_restore(pc: PoolClient, hashes: list[bytes], dst: Any) -> Any:
     """One lent restore (see the module docstring); raises if the daemon did not lend."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from kvtier.client.arena_map import ArenaMaps
     from kvtier.tiers.layout import BlockLayout
     from kvtier.tiers.transfer import copy_host_blocks
 
-    global _lent_maps, _releases
+    global _lent_maps
     if _lent_maps is None:
-        _lent_maps, _releases = ArenaMaps(BlockLayout.from_buffer), ThreadPoolExecutor(1)
-    res = pc.client.restore(hashes, slots=pc.slots, lend=True)
+        _lent_maps = ArenaMaps(BlockLayout.from_buffer)
+    done = _pending.pop(id(pc.client), [])
+    res = pc.client.restore(hashes, slots=pc.slots, lend=True, release=done)
     if res.lent is None:
         raise AssertionError("kvtierd did not lend the CPU-tier blocks")
     copy_host_blocks(_lent_maps.layout(res.lent), res.lent.slots, dst, pc.slots[:len(res.lent.slots)])
     if not res.lent.intact():
         raise AssertionError("the lent copy ended past its lease")
-    _releases.submit(pc.client.release_lends, [res.lent.id])
+    _pending[id(pc.client)] = [res.lent.id]
     return res
 
 

@@ -581,16 +581,20 @@ class Client:
         return int(rh["stored"]), int(rh["present"])
 
     def restore(self, hashes: Sequence[bytes], *, slots: Sequence[int] | None = None, reg: str | None = None,
-                timeout_s: float | None = None, lend: bool = False) -> RestoreResult:
+                timeout_s: float | None = None, lend: bool = False,
+                release: Sequence[int] = ()) -> RestoreResult:
         """Copy out the longest held prefix: inline (``data``), to arena ``slots``, or to ``reg``'s slots.
 
         ``lend`` (with ``slots``; sent only to a daemon that lists feature ``"lend"``): the daemon may
-        lend the blocks instead (``RestoreResult.lent``; ``kvtier.client.arena_map``)."""
+        lend the blocks instead (``RestoreResult.lent``; ``kvtier.client.arena_map``); ``release``: lends to
+        end first, as ``release_lends`` would (sent only with ``lend``)."""
         hashes, wire = self._wire_hashes(hashes)
         fields, _ = self._plane(None, slots, reg, len(hashes))
         fields["hashes"] = wire
         if lend and fields["plane"] != "inline" and FEATURE_LEND in self._session.features:
             fields["lend"] = True
+            if release:
+                fields["release"] = [int(i) for i in release]
         rh, frames = self._call("restore", fields, timeout_s=timeout_s)
         tiers = tier_list(rh["tiers"])
         if fields["plane"] != "inline":

@@ -723,7 +723,9 @@ OPS: dict[str, OpSpec] = {
          # Feature "lend", added within v1: a daemon without it refuses the key.
          "lend": Spec(Bool(), required=False, default=False,
                       doc='planes "shm"/"kv": the daemon may lend the prefix\'s CPU-tier slots ("lent" in the reply) '
-                          "instead of copying; the client copies them and sends release_lends")},
+                          "instead of copying; the client copies them and sends release_lends"),
+         "release": Spec(UIntList(), required=False, default=None,
+                         doc='feature "lend": lends of this session to end first (release_lends\'s ids, sent along)')},
         idempotent=True,
         doc="copy the longest available prefix out of the pool",
     ),

@@ -662,6 +662,8 @@ def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Resul
     entry = _entry(ctx, session)
     _require_mode(entry, "store", "restore")
     f = req.fields
+    if f["release"]:
+        ctx.lends.release(session.sid, f["release"])  # release_lends sent along (the client copied them)
     deadlines.check_arrival(f["deadline_ns"], "restore")
     hashes = _keys(ctx, session, f["hashes"])
     n = len(hashes)

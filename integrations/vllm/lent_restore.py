@@ -12,14 +12,17 @@ memory (``engines``: vLLM group id -> the ``BlockLayout`` of its tensors).
 - ``copy(client, lent, block_ids, group) -> int | None``: copies the lent
   blocks (``kvtier.client.arena_map.Lent``) from the worker's read-only
   mapping of kvtierd's CPU-tier file into ``block_ids`` of the group's
-  tensors (memmove plans: ``copy_host_blocks``), then ends the lend on a
-  thread of its own (the forward does not wait for that round trip).
-  Returns the blocks restored: all of them, or 0 when the copy ended past
+  tensors (memmove plans: ``copy_host_blocks``). Returns the blocks restored: all of them, or 0 when the copy ended past
   the lend's lease (the daemon may have reused the slots: vLLM recomputes
   them). None where the file cannot be mapped (another user's, replaced):
-  the lend is ended and lends are not asked for again; the caller restores
-  the usual way.
-- ``close()``: ends the release thread and unmaps the files.
+  lends are not asked for again; the caller restores the usual way.
+- The lend is not ended at once (a round trip the forward would wait for,
+  or a thread hand-off that costs as much on a busy host): its id waits in
+  ``take_pending()``, which the plane sends along with its next restore
+  (``restore``'s ``release``), or ``flush(client)`` ends them (the plane's
+  store, on the store thread). A worker that goes quiet leaves its last
+  lend to end with its lease (``lend_lease_s``, 2 s by default).
+- ``close()`` unmaps the files (the session's end ends its lends).
 
 Why: kvtierd copying into vLLM's tensors is a copy by another process,
 ~0.4-0.6x of a memcpy on a loaded host (bench/vllm_restore.py); here the
@@ -29,12 +32,12 @@ copy runs in the process that owns the destination.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 
 from kvtier.client.arena_map import ArenaMaps, Lent, LendUnavailable
 from kvtier.client.client import Client
 from kvtier.client.protocol import FEATURE_LEND, KvtierError
-from kvtier.integrations.vllm.background import Background
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.transfer import copy_host_blocks
 
@@ -49,7 +52,8 @@ class LentRestore:
     def __init__(self, engines: Mapping[int, BlockLayout]) -> None:
         self._engines = dict(engines)
         self._maps = ArenaMaps(BlockLayout.from_buffer)
-        self._releases = Background("kvtier-lends")
+        self._pending: list[int] = []  # lends copied, not yet ended
+        self._pending_lock = threading.Lock()  # the loads thread and the forward's thread both restore
         self._off = False
         self.lent_blocks = 0
         self.late_copies = 0
@@ -64,12 +68,12 @@ class LentRestore:
             self._off = True
             log.warning("kvtier: cannot read the CPU-tier blocks kvtierd lends (%s); kvtierd copies them from now on",
                         exc)
-            self._release(client, lent.id)
+            self._done(lent.id)
             return None
         n = len(lent.slots)
         copy_host_blocks(src, lent.slots, self._engines[group], block_ids[:n])
         intact = lent.intact()
-        self._release(client, lent.id)
+        self._done(lent.id)
         if not intact:
             # The lease ran out during the copy: kvtierd may have reused a slot under it.
             self.late_copies += 1
@@ -78,16 +82,22 @@ class LentRestore:
         self.lent_blocks += n
         return n
 
-    def _release(self, client: Client, lend_id: int) -> None:
-        def release() -> None:
-            try:
-                client.release_lends([lend_id], timeout_s=RELEASE_TIMEOUT_S)
-            except KvtierError:
-                pass  # the daemon ends it at the lease's end, or with the session
+    def _done(self, lend_id: int) -> None:
+        with self._pending_lock:
+            self._pending.append(lend_id)
 
-        self._releases.submit(release)
+    def take_pending(self) -> list[int]:
+        with self._pending_lock:
+            ids, self._pending = self._pending, []
+        return ids
+
+    def flush(self, client: Client) -> None:
+        ids = self.take_pending()
+        if ids:
+            try:
+                client.release_lends(ids, timeout_s=RELEASE_TIMEOUT_S)
+            except KvtierError:
+                pass  # the daemon ends them at their lease's end, or with the session
 
     def close(self) -> None:
-        self._releases.wait_idle(RELEASE_TIMEOUT_S)
-        self._releases.close(timeout_s=1.0)
         self._maps.close()

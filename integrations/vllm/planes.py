@@ -121,8 +121,9 @@ class RegisteredPlane:
     def restore(self, client: Client, keys: list[bytes], block_ids: list[int], group: int = 0) -> int:
         lent = self._lent
         ask = lent is not None and lent.ask(client)
+        done_ids = lent.take_pending() if ask and lent is not None else []  # lends copied before: ended first
         got = client.restore(keys, slots=block_ids, reg=self._names[group], timeout_s=self._deadline(len(keys)),
-                             lend=ask)
+                             lend=ask, release=done_ids)
         if got.lent is None:
             return len(got)
         assert lent is not None
@@ -138,6 +139,8 @@ class RegisteredPlane:
 
     def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None,
               group: int = 0) -> None:
+        if self._lent is not None:
+            self._lent.flush(client)  # lends copied and not yet ended (no restore since): end them here
         client.store(keys, slots=block_ids, reg=self._names[group], hints=hints, timeout_s=self._deadline(len(keys)))
 
 

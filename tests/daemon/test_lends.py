@@ -86,6 +86,21 @@ def test_lent_restore_is_byte_exact_and_holds_its_blocks_until_released(daemon) 
         assert got.lent is None and arena_bytes(c, slots) == data
 
 
+def test_a_restore_ends_the_lends_it_names_before_lending_again(daemon) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(7)
+    with Client(daemon.endpoint, "lend-along", layout()) as c:
+        (h1, d1), (h2, d2) = chain(rng, 2), chain(rng, 3)
+        c.store(h1, d1)
+        c.store(h2, d2)
+        c.open_arena(4)
+        first = c.restore(h1, slots=[0, 1], lend=True).lent
+        assert first is not None and read_lent(first) == d1
+        second = c.restore(h2, slots=[0, 1, 2], lend=True, release=[first.id]).lent
+        assert second is not None and read_lent(second) == d2
+        assert c.clear() == 2  # h1's blocks: their lend ended with the second restore
+        assert c.release_lends([first.id, second.id]) == 1
+
+
 def test_lends_are_the_sessions_own(daemon) -> None:  # type: ignore[no-untyped-def]
     # Another session cannot end a lend it was not given; the holder's bye ends it.
     rng = random.Random(2)
