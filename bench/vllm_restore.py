@@ -100,7 +100,7 @@ def worker(endpoint: str, name: str, plane: str, kv: dict[str, Any], lend: bool 
     from kvtier.integrations.vllm.worker import WorkerSide
 
     settings = ConnectorSettings.from_extra_config({"socket": endpoint, "data_plane": plane, "timeout_s": 30.0,
-                                                    "staging_blocks": 64, "lend": lend})
+                                                    "staging_blocks": 64, "lend": "auto" if lend else False})
     w = WorkerSide(settings, pool_choice(name), NUM_BLOCKS)
     w.register_kv_caches(kv)
     assert w._link is not None and w._link.is_up(), f"the worker did not connect to {endpoint}"

@@ -99,7 +99,7 @@ class RegisteredPlane:
     name = "registered"
 
     def __init__(self, tensors: GroupTensors, block_dims: GroupDims, deadline: CopyDeadline, *,
-                 lend: bool = False) -> None:
+                 lend: bool | str = False) -> None:
         self._deadline = deadline
         self._tensors = {g: list(ts) for g, ts in tensors.items()}
         self._dims = {g: list(block_dims[g]) for g in tensors}
@@ -112,7 +112,8 @@ class RegisteredPlane:
         self._lent: LentRestore | None = None
         if lend and every[0].device.type == "cpu":
             # Device KV: a copy from host memory by this process would not beat kvtierd's (pinned, CUDA IPC).
-            self._lent = LentRestore({g: BlockLayout(ts, self._dims[g]) for g, ts in self._tensors.items()})
+            self._lent = LentRestore({g: BlockLayout(ts, self._dims[g]) for g, ts in self._tensors.items()},
+                                     always=lend is True)
 
     def connect(self, client: Client) -> None:
         for g, ts in self._tensors.items():
@@ -214,7 +215,7 @@ def _check_arena_fits(staging_blocks: int, block_bytes: int) -> None:
 
 
 def make_plane(choice: str, tensors: GroupTensors, block_dims: GroupDims, staging_blocks: int,
-               deadline: CopyDeadline, *, lend: bool = False) -> Plane:
+               deadline: CopyDeadline, *, lend: bool | str = False) -> Plane:
     if choice in ("auto", "registered"):
         try:
             return RegisteredPlane(tensors, block_dims, deadline, lend=lend)

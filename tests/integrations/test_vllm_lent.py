@@ -1,6 +1,7 @@
 """The worker half's lent restores (integrations/vllm/lent_restore.py) against a real kvtierd, every byte checked.
 
-kvtierd here has no GPU tier, so every stored block lies in its CPU tier and
+The test model's blocks are small (4 KiB runs), so ``lend = true`` makes
+the worker ask for lends all the same. kvtierd here has no GPU tier, so every stored block lies in its CPU tier and
 the registered plane's restores come back lent: the worker copies them from
 its read-only mapping of the tier's file. A copy that ends past the lend's
 lease is not trusted: its blocks are load errors (vLLM recomputes them).
@@ -23,7 +24,7 @@ from kvtier.integrations.vllm.worker import WorkerSide
 from tests.integrations.test_vllm_worker import BS, LAYOUTS, NUM_BLOCKS, _block, _kv, _pool
 
 
-def _worker(endpoint: str, *, lend: bool = True) -> WorkerSide:
+def _worker(endpoint: str, *, lend: bool | str = True) -> WorkerSide:
     settings = ConnectorSettings.from_extra_config({"socket": endpoint, "data_plane": "registered", "lend": lend,
                                                     "timeout_s": 5.0, "retry_s": 0.2})
     return WorkerSide(settings, _pool(torch.bfloat16), NUM_BLOCKS)
@@ -86,6 +87,16 @@ def test_a_copy_past_the_lease_is_a_load_error(kvtierd_factory: Callable[..., An
     assert w.get_block_ids_with_load_errors() == {4, 5, 6}
     assert _lent_blocks(w) == 0
     w.shutdown()
+
+
+def test_lend_auto_asks_only_for_layouts_of_large_runs() -> None:
+    from kvtier.integrations.vllm.lent_restore import MIN_RUN_BYTES, LentRestore
+    from kvtier.tiers.layout import BlockLayout
+
+    small = [torch.zeros(LAYOUTS["flash_attn [1]"](), dtype=torch.bfloat16) for _ in range(2)]
+    assert LentRestore({0: BlockLayout(small, [1, 1])}).min_run_bytes < MIN_RUN_BYTES
+    big = [torch.zeros((4, 2, 2, 128, 128)) for _ in range(2)]  # bench/vllm.py's model: 256 KiB a layer
+    assert LentRestore({0: BlockLayout(big, [0, 0])}).min_run_bytes == 256 * 1024
 
 
 def test_lend_off_copies_in_kvtierd(kvtierd_factory: Callable[..., Any]) -> None:
