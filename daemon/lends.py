@@ -32,7 +32,10 @@ Contract
   many ended.
 - ``expire(now_ns=None) -> int``: ends every lend past its lease (the
   server's sweep). A client that finished its copy before ``expires_ns``
-  read intact bytes: a lend never ends before then but by its own release.
+  read intact bytes: a lend never ends before then but by its client's
+  release, its session's end (a bye, or a lease expired: the client is taken
+  for dead) or the daemon's stop (a successor of a hand-over waits for lends
+  to end: ``Server.quiet``).
 - ``session_ended(sid) -> int`` (a dead client's, a bye's: ``release_session``)
   and ``close()`` (shutdown) end lends without waiting. ``len()``: lends held.
 """
