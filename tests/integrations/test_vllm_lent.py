@@ -115,3 +115,46 @@ def test_lend_off_copies_in_kvtierd(kvtierd_factory: Callable[..., Any]) -> None
         for layer_got, layer_want in zip(_block(engine, b), expected):
             assert torch.equal(layer_got.view(torch.int16), layer_want.view(torch.int16))
     w.shutdown()
+
+
+def test_a_parallel_lent_copy_is_byte_exact() -> None:
+    # 6 MiB: past PARALLEL_COPY_BYTES, split over threads (torch's thread count, at least 2 here).
+    from kvtier.integrations.vllm.lent_restore import PARALLEL_COPY_BYTES, LentRestore
+    from kvtier.tiers.copy_plan import plan_block_copy
+    from kvtier.tiers.layout import BlockLayout
+
+    layers, blocks, n = 3, 10, 6
+    engine_t = [torch.zeros((blocks, 2, 2, 128, 128)) for _ in range(layers)]  # 256 KiB a layer-block
+    engine = BlockLayout(engine_t, [0] * layers)
+    src = BlockLayout.contiguous(blocks, engine.block_bytes)
+    src.slab().copy_(torch.randint(0, 256, src.slab().shape, dtype=torch.uint8))
+    assert n * engine.block_bytes >= PARALLEL_COPY_BYTES
+    lent = LentRestore({0: engine})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        src_slots, dst_slots = [9, 0, 4, 5, 6, 2], [1, 2, 3, 7, 8, 0]
+        lent._copy_parallel(plan_block_copy(src, src_slots, engine, dst_slots))
+        assert torch.equal(engine.gather(dst_slots), src.gather(src_slots))
+        untouched = sorted(set(range(blocks)) - set(dst_slots))
+        assert not engine.gather(untouched).any()
+    finally:
+        torch.set_num_threads(threads)
+        lent.close()
+
+
+def test_shares_split_runs_into_equal_consecutive_parts() -> None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from kvtier.integrations.vllm.lent_restore import _shares
+
+    @given(st.lists(st.integers(1, 1 << 20), min_size=1, max_size=200), st.integers(1, 8))
+    def check(sizes: list[int], k: int) -> None:
+        bounds = _shares(sizes, k)
+        assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
+        assert all(a <= b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(k - 1))
+        # No share holds more than its fair part plus one run.
+        assert all(sum(sizes[a:b]) <= sum(sizes) / k + max(sizes) for a, b in bounds)
+
+    check()
