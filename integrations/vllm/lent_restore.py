@@ -15,10 +15,7 @@ memory (``engines``: vLLM group id -> the ``BlockLayout`` of its tensors).
 - ``copy(client, lent, block_ids, group) -> int | None``: copies the lent
   blocks (``kvtier.client.arena_map.Lent``) from the worker's read-only
   mapping of kvtierd's CPU-tier file into ``block_ids`` of the group's
-  tensors (memmove plans, split over ``torch.get_num_threads()`` threads
-  from ``PARALLEL_COPY_BYTES`` on: the cores vLLM gives the worker's forward,
-  idle while a synchronous load runs; ``Tensor.copy_`` of the same bytes
-  uses them too). Returns the blocks restored: all of them, or 0 when the copy ended past
+  tensors (memmove plans: ``copy_host_blocks``). Returns the blocks restored: all of them, or 0 when the copy ended past
   the lend's lease (the daemon may have reused the slots: vLLM recomputes
   them). None where the file cannot be mapped (another user's, replaced):
   lends are not asked for again; the caller restores the usual way.
@@ -37,16 +34,14 @@ copy runs in the process that owns the destination.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.client.arena_map import ArenaMaps, Lent, LendUnavailable
 from kvtier.client.client import Client
 from kvtier.client.protocol import FEATURE_LEND, KvtierError
-from kvtier.tiers.copy_plan import CopyPlan, plan_block_copy
+from kvtier.tiers.copy_plan import plan_block_copy
 from kvtier.tiers.layout import BlockLayout
 from kvtier.tiers.transfer import copy_host_blocks
 
@@ -56,10 +51,6 @@ RELEASE_TIMEOUT_S = 5.0
 # A memmove call from Python costs ~1-2 us on the 2-core VM. bench/protocol.py's vLLM layout (64 runs per
 # block) ran lent at 0.16x memcpy against kvtierd's 0.24x with 4 KiB runs, at 0.41x against 0.35x with 32 KiB.
 MIN_RUN_BYTES = 16 * 1024
-# Copies from this size on are split over threads (ctypes' memmove releases the GIL); below it one thread
-# is as fast (a hand-off costs ~50 us).
-PARALLEL_COPY_BYTES = 4 << 20
-MAX_COPY_THREADS = 8
 
 
 class LentRestore:
@@ -73,8 +64,6 @@ class LentRestore:
         self._pending: list[int] = []  # lends copied, not yet ended
         self._pending_lock = threading.Lock()  # the loads thread and the forward's thread both restore
         self._off = False
-        self._workers: ThreadPoolExecutor | None = None
-        self._workers_n = 0
         self.lent_blocks = 0
         self.late_copies = 0
 
@@ -91,11 +80,7 @@ class LentRestore:
             self._done(lent.id)
             return None
         n = len(lent.slots)
-        engine = self._engines[group]
-        if n * lent.block_bytes >= PARALLEL_COPY_BYTES and self._threads() > 1:
-            self._copy_parallel(plan_block_copy(src, lent.slots, engine, block_ids[:n]))
-        else:
-            copy_host_blocks(src, lent.slots, engine, block_ids[:n])
+        copy_host_blocks(src, lent.slots, self._engines[group], block_ids[:n])
         intact = lent.intact()
         self._done(lent.id)
         if not intact:
@@ -105,28 +90,6 @@ class LentRestore:
             return 0
         self.lent_blocks += n
         return n
-
-    def _threads(self) -> int:
-        import torch
-
-        return max(1, min(MAX_COPY_THREADS, torch.get_num_threads()))
-
-    def _copy_parallel(self, plan: CopyPlan) -> None:
-        """The plan's runs in ``_threads()`` shares of about equal bytes, this thread copying the first."""
-        k = self._threads()
-        if self._workers is None or self._workers_n != k - 1:
-            if self._workers is not None:
-                self._workers.shutdown(wait=True)
-            self._workers, self._workers_n = ThreadPoolExecutor(k - 1, thread_name_prefix="kvtier-lent-copy"), k - 1
-        src, dst, sizes = plan.src_ptrs.tolist(), plan.dst_ptrs.tolist(), plan.sizes.tolist()
-        if len(sizes) < k:  # a few large runs: cut each into k pieces
-            src, dst, sizes = _cut(src, dst, sizes, k)
-        bounds = _shares(sizes, k)
-        futures = [self._workers.submit(_memmoves, src[a:b], dst[a:b], sizes[a:b]) for a, b in bounds[1:]]
-        a, b = bounds[0]
-        _memmoves(src[a:b], dst[a:b], sizes[a:b])
-        for f in futures:
-            f.result()
 
     def _done(self, lend_id: int) -> None:
         with self._pending_lock:
@@ -146,9 +109,6 @@ class LentRestore:
                 pass  # the daemon ends them at their lease's end, or with the session
 
     def close(self) -> None:
-        if self._workers is not None:
-            self._workers.shutdown(wait=True)
-            self._workers = None
         self._maps.close()
 
 
@@ -156,37 +116,3 @@ def _smallest_run(engine: BlockLayout) -> int:
     """The smallest memmove a block of a contiguous slab copied into ``engine`` takes."""
     one = BlockLayout.contiguous(1, engine.block_bytes)
     return int(plan_block_copy(one, [0], engine, [0], merge=False).sizes.min())
-
-
-def _memmoves(src: list[int], dst: list[int], sizes: list[int]) -> None:
-    for s, d, n in zip(src, dst, sizes):
-        ctypes.memmove(d, s, n)
-
-
-def _cut(src: list[int], dst: list[int], sizes: list[int], k: int) -> tuple[list[int], list[int], list[int]]:
-    out_s: list[int] = []
-    out_d: list[int] = []
-    out_n: list[int] = []
-    for s, d, n in zip(src, dst, sizes):
-        step = -(-n // k)
-        for off in range(0, n, step):
-            out_s.append(s + off)
-            out_d.append(d + off)
-            out_n.append(min(step, n - off))
-    return out_s, out_d, out_n
-
-
-def _shares(sizes: list[int], k: int) -> list[tuple[int, int]]:
-    """``k`` consecutive index ranges of ``sizes`` with about equal sums (some may be empty)."""
-    total = sum(sizes)
-    bounds: list[tuple[int, int]] = []
-    start, acc = 0, 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if acc * k >= total * (len(bounds) + 1) and len(bounds) < k - 1:
-            bounds.append((start, i + 1))
-            start = i + 1
-    bounds.append((start, len(sizes)))
-    while len(bounds) < k:
-        bounds.append((len(sizes), len(sizes)))
-    return bounds
