@@ -105,6 +105,9 @@ FEATURE_PIN_TAGS = "pin_tags"  # lookup / pin / unpin take "pin_tag"; unpin of a
 # hello takes "features" (what the client reads in replies); a session naming "disk_tier" there gets
 # tier "disk" (code "d") for disk-tier blocks, others "remote" for them (added within v1).
 FEATURE_DISK_TIER = "disk_tier"
+# restore takes "lend": the reply may lend CPU-tier slots ("lent") instead of copying; the "release_lends"
+# verb ends lends (added within v1). Listed only to sessions that may get lends (the daemon's user).
+FEATURE_LEND = "lend"
 FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS, FEATURE_DEADLINES, FEATURE_EVENTS,
             FEATURE_PIN_TAGS, FEATURE_DISK_TIER)
 # What this client reads in replies: sent in hello's "features" to daemons that list FEATURE_DISK_TIER.
@@ -716,9 +719,20 @@ OPS: dict[str, OpSpec] = {
         doc="copy blocks into the pool (content-addressed; present hashes are skipped)",
     ),
     "restore": OpSpec(
-        {"hashes": HASHES, **PLANE_FIELDS},
+        {"hashes": HASHES, **PLANE_FIELDS,
+         # Feature "lend", added within v1: a daemon without it refuses the key.
+         "lend": Spec(Bool(), required=False, default=False,
+                      doc='planes "shm"/"kv": the daemon may lend the prefix\'s CPU-tier slots ("lent" in the reply) '
+                          "instead of copying; the client copies them and sends release_lends"),
+         "release": Spec(UIntList(), required=False, default=None,
+                         doc='feature "lend": lends of this session to end first (release_lends\'s ids, sent along)')},
         idempotent=True,
         doc="copy the longest available prefix out of the pool",
+    ),
+    "release_lends": OpSpec(
+        {"ids": Spec(UIntList(), doc="the lends (restore replies' lent.id) this session is done reading")},
+        idempotent=True,
+        doc='feature "lend": end these lends of the session (unknown or ended ids are ignored)',
     ),
     "stats": OpSpec({}, session="optional", renews_lease=False, idempotent=True, doc="counters"),
     "health": OpSpec({}, session="optional", renews_lease=False, idempotent=True, doc="liveness/readiness"),
