@@ -25,8 +25,8 @@ Contract
   session's. None, with nothing changed, where it cannot lend (the caller
   restores as it would have): lending off, another user, a GPU-tier block,
   a tier in private memory, a write in flight, a remote or disk tier to
-  consult, an empty prefix, test fault injection, or the session already
-  holding ``max_per_session`` lends.
+  consult, an empty prefix, test fault injection, a hand-over under way
+  (``paused``), or the session already holding ``max_per_session`` lends.
 - ``release(sid, ids) -> int``: ends those of the session's lends (others'
   ids and unknown ones are ignored: a release is idempotent); returns how
   many ended.
@@ -81,6 +81,11 @@ class LendTable:
         self._uid = os.geteuid()
         self.lent_total = 0
         self.expired_total = 0
+        # Set while a hand-over is under way (the server, each loop turn): the successor adopts the CPU tier's
+        # file and may write any slot once this daemon lets go, so that must wait for every lend's end. Lending
+        # nothing new from the successor's start, the lends have ended (lease_s) before it is ready (its start
+        # takes seconds), and requests held for the swap wait for copies only, not for leases.
+        self.paused = False
 
     @property
     def enabled(self) -> bool:
@@ -95,7 +100,7 @@ class LendTable:
 
     def offer(self, session: Session, entry: Any, hashes: Sequence[bytes], *,
               allowed: bool = True) -> dict[str, Any] | None:
-        if not allowed or not self.may_lend(session):
+        if not allowed or self.paused or not self.may_lend(session):
             return None
         if self._per_session.get(session.sid, 0) >= self.max_per_session:
             return None

@@ -482,6 +482,7 @@ class Server:
         if self.stop.requested and not upgrade.releasing:
             upgrade.stop()
         upgrade.turn(now_s)
+        self.ctx.lends.paused = upgrade.state != "idle"  # no new lend while a successor starts (daemon.lends)
         fd = upgrade.fileno
         if fd != self._upgrade_fd:
             assert self._poller is not None

@@ -244,3 +244,15 @@ def test_lend_table_lends_only_to_the_daemons_user() -> None:
     assert table.may_lend(mine) and not table.may_lend(other) and not table.may_lend(tcp)
     assert table.offer(other, object(), [b"k" * 16]) is None  # refused before the pool is asked
     assert not LendTable(lease_s=0).may_lend(mine)
+
+
+def test_no_new_lend_while_a_hand_over_is_under_way() -> None:
+    # The server pauses the table from a successor's start: held requests of the swap then wait for copies,
+    # not for leases (tests/integrations/test_vllm.py's upgrade under vLLM failed its lookups before).
+    import os
+
+    table = LendTable(lease_s=1.0)
+    mine = Session("s1", "p", "c", 10.0, 0.0, uid=os.geteuid())
+    table.paused = True
+    assert table.may_lend(mine)  # still told the feature: the pause is the swap's, not the session's
+    assert table.offer(mine, object(), [b"k" * 16]) is None  # declined before the pool is asked
