@@ -117,6 +117,18 @@ class PoolClient:
         self.client.register_kv("vllm", [self.kv_all[layer] for layer in range(NUM_LAYERS)], 1)
         self.slots = list(range(batch))
 
+    def arena_layout(self) -> Any:
+        """The arena as a BlockLayout (a lent restore's destination)."""
+        from kvtier.blocks.layout import BlockLayout
+
+        return BlockLayout.from_buffer(self.arena.buffer, self.batch, self.bb)
+
+    def vllm_layout(self) -> Any:
+        """The vLLM-style per-layer tensors as a BlockLayout (block dim 1)."""
+        from kvtier.blocks.layout import BlockLayout
+
+        return BlockLayout([self.kv_all[layer] for layer in range(NUM_LAYERS)], [1] * NUM_LAYERS)
+
     def slab_bytes(self) -> Any:
         """The kv slab's bytes as a uint8 numpy view (to compare with what was stored)."""
         import torch

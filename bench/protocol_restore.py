@@ -14,7 +14,12 @@ tier. Planes:
   block-major slab tensor [blocks, ...] (like for like with memcpy);
 - ``kv-vllm``: the same into vLLM-style per-layer tensors
   [2, blocks, 16, heads, 128] (32 tensors, block_dim 1): 64 fragments per
-  block, which is what an engine actually registers.
+  block, which is what an engine actually registers;
+- ``shm lent`` / ``kv-vllm lent`` (CPU tier): ``restore(..., lend=True)``:
+  kvtierd lends its CPU-tier rows and this process copies them into the
+  arena / the vLLM-style tensors from its read-only mapping of the tier's
+  file (``kvtier.client.arena_map``; memmove plans); the lend ends with
+  the next lent restore (its ``release``), as the vLLM connector's worker does.
 
 Baselines on the same bytes: ``memcpy numpy`` (``np.copyto`` of a same-size
 buffer), ``memcpy torch`` (``Tensor.copy_``), ``zmq raw`` (the echo server
@@ -69,7 +74,35 @@ def restore_fns(pcs: dict[str, PoolClient], hashes: list[bytes]
         fns[f"kvtier {tier}-tier kv-vllm"] = lambda c=c, s=slots: c.restore(hashes, slots=s, reg="vllm")
         for plane in ("inline", "shm", "kv", "kv-vllm"):
             check[f"kvtier {tier}-tier {plane}"] = want
+        if tier == "cpu":
+            fns["kvtier cpu-tier shm lent"] = lambda pc=pc: lent_restore(pc, hashes, pc.arena_layout())
+            fns["kvtier cpu-tier kv-vllm lent"] = lambda pc=pc: lent_restore(pc, hashes, pc.vllm_layout())
+            check["kvtier cpu-tier shm lent"] = check["kvtier cpu-tier kv-vllm lent"] = want
     return fns, check
+
+
+_lent_maps: Any = None
+_pending: dict[int, list[int]] = {}  # id(client) -> lends copied, ended by its next lent restore
+
+
+def lent_restore(pc: PoolClient, hashes: list[bytes], dst: Any) -> Any:
+    """One lent restore (see the module docstring); raises if the daemon did not lend."""
+    from kvtier.client.arena_map import ArenaMaps
+    from kvtier.blocks.layout import BlockLayout
+    from kvtier.blocks.copy_plan import copy_host_blocks
+
+    global _lent_maps
+    if _lent_maps is None:
+        _lent_maps = ArenaMaps(BlockLayout.from_buffer)
+    done = _pending.pop(id(pc.client), [])
+    res = pc.client.restore(hashes, slots=pc.slots, lend=True, release=done)
+    if res.lent is None:
+        raise AssertionError("kvtierd did not lend the CPU-tier blocks")
+    copy_host_blocks(_lent_maps.layout(res.lent), res.lent.slots, dst, pc.slots[:len(res.lent.slots)])
+    if not res.lent.intact():
+        raise AssertionError("the lent copy ended past its lease")
+    _pending[id(pc.client)] = [res.lent.id]
+    return res
 
 
 def verify_planes(pcs: dict[str, PoolClient], hashes: list[bytes], expected: Any) -> None:
@@ -89,6 +122,13 @@ def verify_planes(pcs: dict[str, PoolClient], hashes: list[bytes], expected: Any
         pc.kv_all.zero_()
         c.restore(hashes, slots=slots, reg="vllm")
         assert np.array_equal(pc.vllm_canonical(), expected), f"{tier} kv-vllm bytes differ"
+        if tier == "cpu":
+            pc.arena.as_numpy()[:] = 0
+            lent_restore(pc, hashes, pc.arena_layout())
+            assert np.array_equal(pc.arena.as_numpy().reshape(-1), expected), "cpu shm lent bytes differ"
+            pc.kv_all.zero_()
+            lent_restore(pc, hashes, pc.vllm_layout())
+            assert np.array_equal(pc.vllm_canonical(), expected), "cpu kv-vllm lent bytes differ"
 
 
 def bench_restore(args: argparse.Namespace, env: dict[str, Any], spec: Spec) -> dict[str, Any]:
@@ -192,7 +232,7 @@ def bench_restore(args: argparse.Namespace, env: dict[str, Any], spec: Spec) -> 
                    vs_memcpy=per_rep_ratio(times[memcpy_ref], ts), vs_zmq_raw=per_rep_ratio(times["zmq raw"], ts))
         if vname.startswith("kvtier"):
             row["tier"] = vname.split()[1].split("-")[0]
-            row["plane"] = vname.split()[2]
+            row["plane"] = " ".join(vname.split()[2:])
         out["variants"][vname] = row
     out["pool_stats_delta"] = {
         t: {k: stats_after[t][k] - stats_before[t].get(k, 0) for k in
@@ -209,6 +249,9 @@ def bench_restore(args: argparse.Namespace, env: dict[str, Any], spec: Spec) -> 
         inline = out["variants"][f"kvtier {tier}-tier inline"]["vs_zmq_raw"]
         out["targets"][tier] = dict(shm_vs_memcpy=shm, shm_met=shm >= TARGET_SHM_VS_MEMCPY,
                                     inline_vs_zmq=inline, inline_met=inline >= TARGET_INLINE_VS_ZMQ)
+        lent = out["variants"].get(f"kvtier {tier}-tier shm lent")
+        if lent is not None:  # for information beside the shm target: the same restore, lent
+            out["targets"][tier]["shm_lent_vs_memcpy"] = lent["vs_memcpy"]
     return out
 
 

@@ -23,6 +23,12 @@ repetition in a fresh random order (``bench/protocol_common.interleaved``):
 - ``kvtier <tier>-tier, contiguous slots``: the load's vLLM block ids
   follow each other (a fresh engine's free list);
 - ``kvtier <tier>-tier, scattered slots``: a random set of block ids;
+  a CPU-tier restore comes back lent (``lend``: the worker copies from its
+  read-only mapping of kvtierd's CPU-tier file, integrations/adapter/lent_restore.py);
+  GPU-tier blocks kvtierd copies;
+- ``kvtier cpu-tier, contiguous slots, kvtierd copies (lend off)``: the
+  same restore with the worker's ``lend`` off (before lends; leave out with
+  ``--no-lend-variant``);
 - ``kvtier gpu-tier, staged plane (info)``: the worker copies from a
   shared arena (``data_plane="staged"``);
 - ``memcpy torch`` / ``memcpy numpy``: ``Tensor.copy_`` / ``np.copyto`` of
@@ -89,12 +95,12 @@ def pool_choice(name: str) -> Any:
                       BLOCK_TOKENS)
 
 
-def worker(endpoint: str, name: str, plane: str, kv: dict[str, Any]) -> Any:
+def worker(endpoint: str, name: str, plane: str, kv: dict[str, Any], lend: bool = True) -> Any:
     from kvtier.integrations.vllm.settings import ConnectorSettings
     from kvtier.integrations.vllm.worker import WorkerSide
 
     settings = ConnectorSettings.from_extra_config({"socket": endpoint, "data_plane": plane, "timeout_s": 30.0,
-                                                    "staging_blocks": 64})
+                                                    "staging_blocks": 64, "lend": "auto" if lend else False})
     w = WorkerSide(settings, pool_choice(name), NUM_BLOCKS)
     w.register_kv_caches(kv)
     assert w._link is not None and w._link.is_up(), f"the worker did not connect to {endpoint}"
@@ -139,11 +145,15 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     check: dict[str, Any] = {}
     by_daemon: dict[str, Any] = {}  # daemon label -> its registered-plane worker
     want_by_tier: dict[str, Any] = {}
+    if not args.no_lend_variant:
+        # The same CPU-tier daemon with the worker's lend off: kvtierd copies into vLLM's tensors (before/after).
+        daemons.append(("cpu", dc, ", kvtierd copies (lend off)"))
     for tier, d, which in daemons:
         kv = kv_tensors(seed=1 if tier == "gpu" else 2)
-        w = worker(d.endpoint, f"restore-{tier}", "registered", kv)
+        w = worker(d.endpoint, f"restore-{tier}", "registered", kv, lend="lend off" not in which)
         env["workers"].append(w)
-        by_daemon[f"{tier} tier{which}"] = w
+        if "lend off" not in which:  # the daemon's counters are the cpu daemon's, lent and copied together
+            by_daemon[f"{tier} tier{which}"] = w
         w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys, src_slots, "store")]))
         w.wait_for_stores()
         layout = BlockLayout(list(kv.values()), [0] * LAYERS)
@@ -266,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None,
                    help="results (default bench/results/vllm-restore-cpu.json; --quick writes only with --json)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")
+    p.add_argument("--no-lend-variant", action="store_true",
+                   help="leave out the CPU-tier variant with the worker's lend off (kvtierd copies)")
     p.add_argument("--baseline-pythonpath", default=None, metavar="PATH",
                    help="also run the daemons with this PYTHONPATH (an older kvtier), side by side: before/after")
     args = p.parse_args(argv)

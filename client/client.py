@@ -75,12 +75,14 @@ from typing import Any
 import zmq
 
 from kvtier.client import data_planes
+from kvtier.client.arena_map import Lent
 from kvtier.client.curve import CurveKeys
 from kvtier.client.hash_wire import check_hashes, pack_hashes, tier_list, wire_hashes
 from kvtier.client.hashing import BlockHasher
 from kvtier.client.protocol import (
     EVENT_STORED,
     FEATURE_EVENTS,
+    FEATURE_LEND,
     HASH_BYTES,
     MAX_EVENTS,
     MAX_STR_LEN,
@@ -137,6 +139,9 @@ class Allocation:
 class RestoreResult:
     tiers: Sequence[str]  # one per restored block: the longest held prefix
     data: memoryview | None = None  # inline plane: len(tiers) * block_bytes bytes, zero-copy
+    # lend=True: the daemon lent its CPU-tier slots instead of copying (kvtier.client.arena_map); nothing
+    # was written into the slots asked for: the caller copies, then calls release_lends([lent.id])
+    lent: Lent | None = None
 
     def __len__(self) -> int:
         return len(self.tiers)
@@ -286,8 +291,8 @@ class Client:
 
     def _call(self, op: str, fields: Mapping[str, Any] | None = None, frames: Sequence[Any] = (), *,
               timeout_s: float | None = None, idempotent: bool | None = None) -> tuple[Any, list[zmq.Frame]]:
-        """(The reply: its op's ``ReplyMessage`` Struct, or a map for stats and health; its payload frames.)"""
-        """One request of a verb, in a live session, by the call's deadline (``Session.call``)."""
+        """One request of a verb, in a live session, by the call's deadline (``Session.call``): the reply (its
+        op's ``ReplyMessage`` Struct, or a map for stats and health) and its payload frames."""
         deadline_s = self._begin(timeout_s)
         with self._lock:
             return self._session.call(op, dict(fields or {}), frames, deadline_s, idempotent=idempotent)
@@ -318,6 +323,11 @@ class Client:
         return fields
 
     # ---- verbs: session and daemon -------------------------------------------
+
+    def release_lends(self, ids: Sequence[int], *, timeout_s: float | None = None) -> int:
+        """End lends (``RestoreResult.lent.id``) this client is done reading; returns how many the daemon ended."""
+        rh, _ = self._call("release_lends", {"ids": [int(i) for i in ids]}, timeout_s=timeout_s)
+        return int(rh.released)
 
     def heartbeat(self, *, timeout_s: float | None = None) -> None:
         self._call("heartbeat", timeout_s=timeout_s)
@@ -575,15 +585,25 @@ class Client:
         return rh.stored, rh.present
 
     def restore(self, hashes: Sequence[bytes], *, slots: Sequence[int] | None = None, reg: str | None = None,
-                timeout_s: float | None = None) -> RestoreResult:
-        """Copy out the longest held prefix: inline (``data``), to arena ``slots``, or to ``reg``'s slots."""
+                timeout_s: float | None = None, lend: bool = False,
+                release: Sequence[int] = ()) -> RestoreResult:
+        """Copy out the longest held prefix: inline (``data``), to arena ``slots``, or to ``reg``'s slots.
+
+        ``lend`` (with ``slots``; sent only to a daemon that lists feature ``"lend"``): the daemon may
+        lend the blocks instead (``RestoreResult.lent``; ``kvtier.client.arena_map``); ``release``: lends to
+        end first, as ``release_lends`` would (sent only with ``lend``)."""
         hashes, wire = self._wire_hashes(hashes)
         fields, _ = self._plane(None, slots, reg, len(hashes))
         fields["hashes"] = wire
+        if lend and fields["plane"] != "inline" and FEATURE_LEND in self._session.features:
+            fields["lend"] = True
+            if release:
+                fields["release"] = [int(i) for i in release]
         rh, frames = self._call("restore", fields, timeout_s=timeout_s)
         tiers = tier_list(rh.tiers)
         if fields["plane"] != "inline":
-            return RestoreResult(tiers)
+            lent = rh.lent
+            return RestoreResult(tiers, lent=Lent.from_wire(lent) if lent is not None else None)
         data = frames[0].buffer if frames else memoryview(b"")
         expected = len(tiers) * int(self.pool_info.get("block_bytes", self.layout["block_bytes"]))
         if data.nbytes != expected:

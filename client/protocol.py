@@ -108,6 +108,9 @@ FEATURE_PIN_TAGS = "pin_tags"  # lookup / pin / unpin take "pin_tag"; unpin of a
 # hello takes "features" (what the client reads in replies); a session naming "disk_tier" there gets
 # tier "disk" (code "d") for disk-tier blocks, others "remote" for them (added within v1).
 FEATURE_DISK_TIER = "disk_tier"
+# restore takes "lend": the reply may lend CPU-tier slots ("lent") instead of copying; the "release_lends"
+# verb ends lends (added within v1). Listed only to sessions that may get lends (the daemon's user).
+FEATURE_LEND = "lend"
 FEATURES = (FEATURE_PACKED_HASHES, FEATURE_HINTS, FEATURE_HINT_OUTPUT_TOKENS, FEATURE_DEADLINES, FEATURE_EVENTS,
             FEATURE_PIN_TAGS, FEATURE_DISK_TIER)
 # What this client reads in replies: sent in hello's "features" to daemons that list FEATURE_DISK_TIER.
@@ -532,12 +535,27 @@ class _PlaneRequest(Message):
             self.plane = "inline"
 
 
+LendIds = Annotated[list[_uint(0, 2**32 - 1)], msgspec.Meta(max_length=MAX_HASHES)]
+
+
 class StoreRequest(_PlaneRequest, tag="store"):
     hints: HintFields | None = None
 
 
 class RestoreRequest(_PlaneRequest, tag="restore"):
-    pass
+    # Feature "lend", added within v1: planes "shm"/"kv": the daemon may lend the prefix's CPU-tier slots
+    # ("lent" in the reply) instead of copying; the client copies them and sends release_lends.
+    lend: bool | None = False
+    release: LendIds | None = None  # feature "lend": lends of this session to end first (release_lends's ids)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lend is None:
+            self.lend = False
+
+
+class ReleaseLendsRequest(Message, tag="release_lends"):
+    ids: LendIds  # the lends (restore replies' lent.id) this session is done reading
 
 
 class StatsRequest(Message, tag="stats"):
@@ -619,6 +637,16 @@ class TiersReply(ReplyMessage):
     tiers: TierField
 
 
+class RestoreReply(TiersReply):
+    # Feature "lend": the lent CPU-tier slots (id, path, inode, block_bytes, slots, expires_ns) when the
+    # daemon lent instead of copying (kvtier.client.arena_map.Lent.from_wire reads it).
+    lent: dict[str, Any] | None = None
+
+
+class ReleaseLendsReply(ReplyMessage):
+    released: int
+
+
 class UnpinReply(ReplyMessage):
     unpinned: int
 
@@ -698,7 +726,9 @@ OPS: dict[str, OpSpec] = {
     "free": OpSpec(FreeRequest, NoFieldsReply, doc="engine mode: release a request's blocks"),
     "store": OpSpec(StoreRequest, StoreReply, payload=True, idempotent=True,
                     doc="copy blocks into the pool (content-addressed; present hashes are skipped)"),
-    "restore": OpSpec(RestoreRequest, TiersReply, idempotent=True, doc="copy the longest available prefix out of the pool"),
+    "restore": OpSpec(RestoreRequest, RestoreReply, idempotent=True, doc="copy the longest available prefix out of the pool"),
+    "release_lends": OpSpec(ReleaseLendsRequest, ReleaseLendsReply, idempotent=True,
+                            doc='feature "lend": end these lends of the session (unknown or ended ids are ignored)'),
     "stats": OpSpec(StatsRequest, None, session="optional", renews_lease=False, idempotent=True, doc="counters"),
     "health": OpSpec(HealthRequest, None, session="optional", renews_lease=False, idempotent=True, doc="liveness/readiness"),
     "clear": OpSpec(ClearRequest, ClearReply, idempotent=True, doc="drop every unpinned, unused cached block of the session's pool"),

@@ -25,6 +25,7 @@ from typing import Any
 from kvtier.client.protocol import DEFAULT_MAX_PAYLOAD_BYTES, ErrorCode, ProtocolError, Request, pack_tiers
 from kvtier.daemon.auth_limits import AuthFailureLimiter
 from kvtier.daemon.connections import Peer
+from kvtier.daemon.lends import LendTable
 from kvtier.daemon.metrics import Counters
 from kvtier.daemon.pin_releases import PinReleases
 from kvtier.daemon.pools import PoolEntry, PoolRegistry
@@ -101,6 +102,7 @@ class HandlerContext:
     pin_releases: PinReleases = field(default_factory=PinReleases)  # tags released, by which request
     # Restores into client memory up to this size are lent in place (daemon.planes.lent); 0: none (the test seam's).
     lend_restore_max_bytes: int = LOOP_COPY_MAX_BYTES
+    lends: LendTable = field(default_factory=LendTable)  # CPU-tier slots lent to same-user clients (daemon.lends)
 
 
 def pool_entry(ctx: HandlerContext, session: Session) -> PoolEntry:

@@ -66,6 +66,7 @@ from kvtier.client.protocol import (
     EVENT_REMOVED,
     EVENT_STORED,
     FEATURE_DISK_TIER,
+    FEATURE_LEND,
     FEATURES,
     MAX_HASHES,
     MAX_HEADER_BYTES,
@@ -158,7 +159,7 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
             "heartbeat_s": min(ctx.heartbeat_s or lease_s / 3, lease_s / 3),
             "protocol_version": PROTOCOL_VERSION,
             "daemon_version": DAEMON_VERSION,
-            "features": list(FEATURES),
+            "features": list(FEATURES) + ([FEATURE_LEND] if ctx.lends.may_lend(new) else []),
             "clock": daemon_clock(),
             "pool": {
                 "name": entry.bare_name,
@@ -341,7 +342,15 @@ def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
 
 
 def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    return plane_for(req.msg.plane).restore(_plane_call(ctx, req, session, "restore"))
+    msg = req.msg
+    if session is not None and msg.release:
+        ctx.lends.release(session.sid, msg.release)  # release_lends sent along (the client copied them)
+    return plane_for(msg.plane).restore(_plane_call(ctx, req, session, "restore"))
+
+
+def release_lends(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    assert session is not None
+    return Reply({"released": ctx.lends.release(session.sid, req.msg.ids)})
 
 
 # ---- daemon-wide -------------------------------------------------------------
@@ -479,4 +488,5 @@ HANDLERS: dict[str, Handler] = {
     "health": health,
     "clear": clear,
     "events": events,
+    "release_lends": release_lends,
 }

@@ -39,6 +39,7 @@ def release_session(ctx: HandlerContext, replies: ReplyQueue, session: Session, 
         release_arena(ctx, session, unlink=False)
         return
     replies.session_ended(session.sid, reason, session.lease_s)
+    ctx.lends.session_ended(session.sid)  # a dead client's lends: the blocks may go
     try:
         entry = ctx.pools.get(session.pool_name)
     except ProtocolError:

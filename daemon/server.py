@@ -116,6 +116,8 @@ from kvtier.daemon.heap_trim import HeapTrimmer
 from kvtier.daemon.handler_context import LOOP_COPY_MAX_BYTES, HandlerContext, KvImporter, Reply
 from kvtier.daemon.handlers import HANDLERS
 from kvtier.daemon.stats_verbs import stats_fields
+from kvtier.daemon.lends import DEFAULT_LEASE_S as DEFAULT_LEND_LEASE_S
+from kvtier.daemon.lends import LendTable
 from kvtier.daemon.handover import Successor
 from kvtier.daemon.lifecycle import StopFlag
 from kvtier.daemon.listener import Listener, bind_listener
@@ -183,6 +185,7 @@ class ServeOptions:
     tenants: TenantRegistry = field(default_factory=TenantRegistry)  # none configured: one anonymous tenant
     max_shm_files_per_session: int = 1024
     max_registrations_per_session: int = 64
+    lend_lease_s: float = DEFAULT_LEND_LEASE_S
     max_pools: int = 128  # pools held at once; a hello that would create one more gets TOO_MANY_POOLS
     max_sessions: int = 4096  # live sessions at once; a hello past it gets TOO_MANY_SESSIONS
     max_auth_failures_per_minute: int = 10  # wrong tenant tokens one peer may send (daemon.auth_limits)
@@ -293,6 +296,7 @@ class Server:
             max_shm_files_total=self.fds.shm_files,
             auth_failures=AuthFailureLimiter(options.max_auth_failures_per_minute),
             lend_restore_max_bytes=options.lend_restore_max_bytes,
+            lends=LendTable(options.lend_lease_s),
         )
         self._parked = ParkingLot()  # requests whose copies are in flight
         # Replies libzmq has not sent yet: their buffers (lent tier memory, staging).
@@ -478,6 +482,7 @@ class Server:
         if self.stop.requested and not upgrade.releasing:
             upgrade.stop()
         upgrade.turn(now_s)
+        self.ctx.lends.paused = upgrade.state != "idle"  # no new lend while a successor starts (daemon.lends)
         fd = upgrade.fileno
         if fd != self._upgrade_fd:
             assert self._poller is not None
@@ -490,7 +495,8 @@ class Server:
     # ---- the hand-over's hooks (daemon.upgrade.UpgradeHost) ------------------------
 
     def quiet(self) -> bool:
-        return not self._parked and not self.replies.lending
+        # A lend still held is read by its client from tier memory the successor would write into.
+        return not self._parked and not self.replies.lending and not len(self.ctx.lends)
 
     def shut_lent(self) -> None:
         n = self.replies.shut_lent()
@@ -592,6 +598,7 @@ class Server:
         now_s = time.monotonic()
         if now_s >= self._next_sweep_s:
             self._next_sweep_s = now_s + self._sweep_every_s
+            self.ctx.lends.expire()
             expired = self.sessions.sweep()
             if expired:
                 self.metrics.inc("lease_expiries_total", len(expired))
@@ -825,6 +832,7 @@ class Server:
         # Pools first: closing waits for (or abandons) the copies still in
         # flight, which may read the sessions' arenas and registered tensors.
         remaining_s = max(0.5, deadline_s - time.monotonic())
+        self.ctx.lends.close()
         self.pools.close_all(remaining_s)
         self.sessions.end_all("shutdown")
         self.close(linger_s=min(1.0, remaining_s), remove_file=True)

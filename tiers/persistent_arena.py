@@ -247,9 +247,12 @@ class ArenaDirectory:
             if fd >= 0:
                 os.close(fd)
             raise
+        data_inode = os.fstat(fd).st_ino
         os.close(fd)  # the mapping keeps the pages; the index's descriptor keeps the lock
         opened.seconds = time.monotonic() - started
-        return PersistentArena(index, layout_, opened, next_seq=max((r.seq for r in records), default=0) + 1)
+        arena = PersistentArena(index, layout_, opened, next_seq=max((r.seq for r in records), default=0) + 1)
+        arena.data_path, arena.data_inode = data_path, data_inode
+        return arena
 
 
 def _allocate(fd: int, start: int, end: int, where: Path, progress: Callable[[int, int], None] | None) -> None:
@@ -337,6 +340,10 @@ class PersistentArena:
         self.layout = layout
         self.opened = opened
         self.block_bytes = layout.block_bytes
+        # The slab's file, and its inode: a same-user client maps it to read lent slots (kvtier.daemon.lends)
+        # and tells a file re-created under the same name (a reset) by the inode.
+        self.data_path: Path | None = None
+        self.data_inode = 0
         self._rows = layout.slab().numpy()  # per-slot buffers for the checksums (any thread)
         self._next_seq = next_seq
 

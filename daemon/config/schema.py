@@ -777,6 +777,10 @@ class DaemonConfig:
     max_registrations_per_session: int = field(default=64, metadata=key(
         _as_int, "KV registrations (register_kv) one session may hold", "N",
         group=SERVER, rank=9, check=partial(_check_int, minimum=1, maximum=MAX_PER_SESSION)))
+    lend_lease_s: float = field(default=2.0, metadata=key(
+        _as_float, "how long a restore may lend CPU-tier slots to a client of this daemon's user, which copies "
+        "them itself from the tier's file (faster than kvtierd copying into it); 0 turns lending off",
+        "SECONDS", group=SERVER, rank=9, check=partial(_check_duration, allow_zero=True, maximum=60.0)))
     # Each pool holds a CPU tier, a GPU tier in store mode, and 2 threads.
     max_pools: int = field(default=128, metadata=key(
         _as_int, "pools the daemon holds at once; a hello that would create one more gets TOO_MANY_POOLS", "N",

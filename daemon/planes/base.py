@@ -88,7 +88,15 @@ class ClientMemoryPlane(Plane):
         return self.store_at(call, self.target(call))
 
     def restore(self, call: PlaneCall) -> Result:
-        return self.restore_at(call, self.target(call))
+        target = self.target(call)
+        if call.req.msg.lend:
+            # The client copies the blocks itself from its mapping of the CPU tier's file (daemon.lends);
+            # where they cannot be lent, the restore goes on as if it had not asked.
+            lent = call.ctx.lends.offer(call.session, call.entry, call.hashes,
+                                        allowed=call.ctx.lend_restore_max_bytes > 0)
+            if lent is not None:
+                return Reply({"tiers": ["cpu"] * len(lent["slots"]), "lent": lent})
+        return self.restore_at(call, target)
 
     @abstractmethod
     def target(self, call: PlaneCall) -> ClientTarget:

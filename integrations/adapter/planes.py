@@ -21,6 +21,10 @@ arena.
   (CUDA IPC on a GPU; on a CPU-only machine their storage is first moved
   into ``/dev/shm`` in place), and kvtierd gathers and scatters blocks
   straight between them and its tiers: no copy in the engine's process at all.
+  On KV in host memory (``lend``) a restore asks for a lend: blocks in
+  kvtierd's CPU tier are copied by the worker itself, from its read-only
+  mapping of the tier's file (``lent_restore.py``), faster than a copy by
+  kvtierd's process; others kvtierd copies as before.
 - ``StagedPlane``: for KV memory that cannot be shared (CUDA's expandable
   segments, a backend whose storage cannot move): the worker copies blocks
   through a shared-memory arena, ``staging_blocks`` at a time. One call at a
@@ -48,6 +52,7 @@ from kvtier.client.client import Client
 from kvtier.client.kv_share import KvShareError, export_kv, share_kv_in_place
 from kvtier.client.protocol import Hints
 from kvtier.client.shm_arena import SHM_DIR
+from kvtier.integrations.adapter.lent_restore import LentRestore
 
 if TYPE_CHECKING:
     import torch
@@ -94,7 +99,8 @@ def registration_name(registration: str, group: int, groups: int) -> str:
 class RegisteredPlane:
     name = "registered"
 
-    def __init__(self, tensors: GroupTensors, block_dims: GroupDims, deadline: CopyDeadline, registration: str) -> None:
+    def __init__(self, tensors: GroupTensors, block_dims: GroupDims, deadline: CopyDeadline, registration: str, *,
+                 lend: bool | str = False) -> None:
         self._deadline = deadline
         self._tensors = {g: list(ts) for g, ts in tensors.items()}
         self._dims = {g: list(block_dims[g]) for g in tensors}
@@ -104,16 +110,39 @@ class RegisteredPlane:
             share_kv_in_place(every)  # a storage the groups share moves once; every view follows
         for g, ts in self._tensors.items():
             export_kv(ts, self._dims[g])  # refuses what cannot be shared, before any daemon sees it
+        self._lent: LentRestore | None = None
+        if lend and every[0].device.type == "cpu":
+            # Device KV: a copy from host memory by this process would not beat kvtierd's (pinned, CUDA IPC).
+            self._lent = LentRestore({g: BlockLayout(ts, self._dims[g]) for g, ts in self._tensors.items()},
+                                     always=lend is True)
 
     def connect(self, client: Client) -> None:
         for g, ts in self._tensors.items():
             client.register_kv(self._names[g], ts, self._dims[g])
 
     def restore(self, client: Client, keys: list[bytes], block_ids: list[int], group: int = 0) -> int:
-        return len(client.restore(keys, slots=block_ids, reg=self._names[group], timeout_s=self._deadline(len(keys))))
+        lent = self._lent
+        ask = lent is not None and lent.ask(client)
+        done_ids = lent.take_pending() if ask and lent is not None else []  # lends copied before: ended first
+        got = client.restore(keys, slots=block_ids, reg=self._names[group], timeout_s=self._deadline(len(keys)),
+                             lend=ask, release=done_ids)
+        if got.lent is None:
+            return len(got)
+        assert lent is not None
+        done = lent.copy(client, got.lent, block_ids, group)
+        if done is None:  # the lent file cannot be mapped here: kvtierd copies instead
+            return len(client.restore(keys, slots=block_ids, reg=self._names[group],
+                                      timeout_s=self._deadline(len(keys))))
+        return done
+
+    def close(self) -> None:
+        if self._lent is not None:
+            self._lent.close()
 
     def store(self, client: Client, keys: list[bytes], block_ids: list[int], hints: Hints | None = None,
               group: int = 0) -> None:
+        if self._lent is not None:
+            self._lent.flush(client)  # lends copied and not yet ended (no restore since): end them here
         client.store(keys, slots=block_ids, reg=self._names[group], hints=hints, timeout_s=self._deadline(len(keys)))
 
 
@@ -187,11 +216,12 @@ def _check_arena_fits(staging_blocks: int, block_bytes: int, setting_prefix: str
 
 
 def make_plane(choice: str, tensors: GroupTensors, block_dims: GroupDims, staging_blocks: int,
-               deadline: CopyDeadline, *, registration: str, setting_prefix: str = "") -> Plane:
+               deadline: CopyDeadline, *, registration: str, setting_prefix: str = "",
+               lend: bool | str = False) -> Plane:
     """The plane ``choice`` names (``auto``, ``registered``, ``staged``; see the contract)."""
     if choice in ("auto", "registered"):
         try:
-            return RegisteredPlane(tensors, block_dims, deadline, registration)
+            return RegisteredPlane(tensors, block_dims, deadline, registration, lend=lend)
         except KvShareError as exc:
             if choice == "registered":
                 raise

@@ -52,6 +52,9 @@ class ConnectorSettings:
     retry_s: float = 2.0  # after a failure, calls are skipped (recompute) for this long
     data_plane: str = "auto"  # "registered": kvtierd copies in place; "staged": through an arena
     staging_blocks: int = 64  # arena size of the staged plane, in blocks
+    # registered plane, CPU KV: copy CPU-tier blocks kvtierd lends, in this process (lent_restore.py);
+    # "auto": where vLLM's layout takes a block in runs of 16 KiB or more; true: always; false: never
+    lend: bool | str = "auto"
     token: str | None = None  # tenant token, when kvtierd serves tenants
     curve_server_key: str | None = None  # kvtierd's public key (tcp:// with CURVE)
     curve_secret_key_file: str | None = None  # this engine's secret key file
@@ -99,6 +102,8 @@ class ConnectorSettings:
             fail("lookup_wait_ms", "a number of milliseconds in [0, 1000]")
         if self.data_plane not in DATA_PLANES:
             fail("data_plane", f"one of {', '.join(DATA_PLANES)}")
+        if self.lend not in (True, False, "auto") or (self.lend in (0, 1) and not isinstance(self.lend, bool)):
+            fail("lend", "true, false or 'auto'")
         if self.load_mode not in LOAD_MODES:
             fail("load_mode", f"one of {', '.join(LOAD_MODES)}")
         if isinstance(self.async_extra_steps, bool) or not isinstance(self.async_extra_steps, (int, float)) \

@@ -119,7 +119,7 @@ class WorkerSide:
         deadline = CopyDeadline(self._settings.timeout_s, self._pool.layout.block_bytes)
         self._plane = plane = make_plane(self._settings.data_plane, by_group, dims_by_group,
                                          self._settings.staging_blocks, deadline, registration=REGISTRATION,
-                                         setting_prefix=SETTING_PREFIX)
+                                         setting_prefix=SETTING_PREFIX, lend=self._settings.lend)
         self._link = DaemonLink(self._settings.socket, self._pool.name, self._pool.layout,
                                 retry_s=self._settings.retry_s, client_kwargs=self._settings.client_kwargs(),
                                 on_connect=plane.connect, client_name=CLIENT_NAME, socket_setting=SOCKET_SETTING)
@@ -279,3 +279,6 @@ class WorkerSide:
         self._stores.close(timeout_s=1.0)
         if self._link is not None:
             self._link.close()
+        close = getattr(self._plane, "close", None)  # RegisteredPlane's lent restores: their thread, mappings
+        if close is not None:
+            close()

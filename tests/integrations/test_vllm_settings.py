@@ -23,6 +23,8 @@ SOCKET = "ipc:///tmp/kvtier-settings-test.sock"
     ({"model_id": "m" * 257}, "model_id"),  # hello's layout.model is 1..256 characters
     ({"token": "t" * 257}, "token"),
     ({"staging_blocks": 10**12}, "staging_blocks"),
+    ({"lend": "yes"}, "lend"),
+    ({"lend": 1}, "lend"),
     ({"socket": "ipc://"}, "socket"),
     ({"socket": "x://y"}, "socket"),
     ({"socket": "ipc://relative.sock"}, "socket"),

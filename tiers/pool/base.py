@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 from kvtier.tiers.block_manager import Block
@@ -35,6 +35,9 @@ class Borrowed:
     tiers: list[Tier]
     views: list[Any]
     release: Callable[[], None]
+    # Each block's slot in its tier (``cpu_only`` borrows: slots of the CPU tier's slab, which a
+    # persistent arena's file holds: ``kvtier.daemon.lends`` hands them to same-user clients).
+    slots: list[int] = field(default_factory=list)
 
 
 class PoolError(ValueError):

@@ -418,12 +418,13 @@ class TieredPool:
         return self._store.restore(hashes, dst, dst_slots, count=count, start_by_ns=start_by_ns,
                                    max_blocks=max_blocks)
 
-    def borrow(self, hashes: Sequence[bytes], *, max_views: int | None = None) -> Borrowed | None:
+    def borrow(self, hashes: Sequence[bytes], *, max_views: int | None = None,
+               cpu_only: bool = False) -> Borrowed | None:
         """Views of the longest held prefix, for a sender that reads it in place (see the contract
         and ``lending``). One view per run of consecutive slots in one tier; with ``max_views``, a
         prefix scattered over more runs than that is declined (None, nothing changed). Counted like
         a restore."""
-        return self._lender.borrow(hashes, max_views=max_views)
+        return self._lender.borrow(hashes, max_views=max_views, cpu_only=cpu_only)
 
     # ---- maintenance ---------------------------------------------------------------------
 

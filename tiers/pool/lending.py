@@ -7,7 +7,8 @@ evicted, not overwritten) until ``Borrowed.release()``. Declined (None,
 nothing changed) where a view would be unsafe or impossible: bookkeeping
 mode, device memory, a write in flight into a block, a remote tier to
 consult (restore fetches from it), a disk tier that continues the prefix,
-or more runs of slots than ``max_views``.
+or more runs of slots than ``max_views``. ``cpu_only`` also declines a prefix
+with a block held in the GPU tier (a lend of CPU-tier slots by offset).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class Lender:
         self.consults_remote = consults_remote  # a remote tier, with caching on: restore() fetches from it
         self.disk = disk  # the DiskTier below the CPU tier (with caching on), or None
 
-    def borrow(self, hashes: Sequence[bytes], *, max_views: int | None) -> Borrowed | None:
+    def borrow(self, hashes: Sequence[bytes], *, max_views: int | None,
+               cpu_only: bool = False) -> Borrowed | None:
         if not self.data or self.consults_remote:
             return None  # bookkeeping has no bytes; remote blocks are fetched by restore()
         state = self.state
@@ -62,6 +64,8 @@ class Lender:
             return None  # the disk tier continues the prefix: restore() reads it into the CPU tier
         blocks = [obj for tier, obj in held if tier is Tier.GPU]
         entries = [obj for tier, obj in held if tier is Tier.CPU]
+        if blocks and cpu_only:
+            return None
         if blocks:
             ids = [b.block_id for b in blocks]  # type: ignore[union-attr]
             if gpu_slab is None or self.copies.busy_copies(ids, writes_only=True):
@@ -106,4 +110,5 @@ class Lender:
                 cpu.end_read(e)  # type: ignore[arg-type]
             demoter.clean_ahead()
 
-        return Borrowed(tiers, views, release)
+        slots = [obj.block_id if tier is Tier.GPU else obj.slot for tier, obj in held]  # type: ignore[union-attr]
+        return Borrowed(tiers, views, release, slots)

@@ -1,0 +1,117 @@
+"""The worker half's lent restores (integrations/adapter/lent_restore.py) against a real kvtierd, every byte checked.
+
+The test model's blocks are small (4 KiB runs), so ``lend = true`` makes
+the worker ask for lends all the same. kvtierd here has no GPU tier, so every stored block lies in its CPU tier and
+the registered plane's restores come back lent: the worker copies them from
+its read-only mapping of the tier's file. A copy that ends past the lend's
+lease is not trusted: its blocks are load errors (vLLM recomputes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.client.hashing import hash_token_blocks
+from kvtier.integrations.adapter.planes import RegisteredPlane
+from kvtier.integrations.vllm.pool import block_dim_of
+from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
+from kvtier.integrations.vllm.worker import WorkerSide
+from tests.integrations.test_vllm_worker import BS, LAYOUTS, NUM_BLOCKS, _block, _kv, _pool
+
+
+def _worker(endpoint: str, *, lend: bool | str = True) -> WorkerSide:
+    settings = ConnectorSettings.from_extra_config({"socket": endpoint, "data_plane": "registered", "lend": lend,
+                                                    "timeout_s": 5.0, "retry_s": 0.2})
+    return WorkerSide(settings, _pool(torch.bfloat16), NUM_BLOCKS)
+
+
+def _lent_blocks(w: WorkerSide) -> int:
+    plane = w._plane
+    assert isinstance(plane, RegisteredPlane) and plane._lent is not None
+    return plane._lent.lent_blocks
+
+
+def _store(endpoint: str, shape: tuple[int, ...], keys: list[bytes], src_blocks: list[int]) -> list[list[torch.Tensor]]:
+    engine = _kv(shape, "cpu", torch.bfloat16, seed=1)
+    w = _worker(endpoint)
+    w.register_kv_caches(engine)
+    w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys, src_blocks, "r")]))
+    w.wait_for_stores()
+    w.shutdown()
+    return [_block(engine, b) for b in src_blocks]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layout: str) -> None:
+    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20)
+    shape = LAYOUTS[layout]()
+    keys = hash_token_blocks(list(range(5 * BS)), BS)
+    want = _store(daemon.endpoint, shape, keys, [3, 5, 7, 8, 10])
+    engine = _kv(shape, "cpu", torch.bfloat16, seed=2)
+    before = {n: t.clone() for n, t in engine.items()}
+    w = _worker(daemon.endpoint)
+    w.register_kv_caches(engine)
+    dst_blocks = [0, 1, 2, 6, 11]
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, dst_blocks, "r2")]))
+    assert w.get_block_ids_with_load_errors() == set()
+    assert _lent_blocks(w) == 5  # copied here, from the lent slots
+    for b, expected in zip(dst_blocks, want):
+        for layer_got, layer_want in zip(_block(engine, b), expected):
+            assert torch.equal(layer_got.view(torch.int16), layer_want.view(torch.int16))
+    for name, t in engine.items():
+        dim = block_dim_of(t, NUM_BLOCKS)
+        for b in set(range(NUM_BLOCKS)) - set(dst_blocks):
+            assert torch.equal(t.select(dim, b), before[name].select(dim, b))
+    w.shutdown()
+    # The worker released its lend: nothing holds the blocks.
+    from kvtier.client.client import Client
+
+    with Client(daemon.endpoint, "vllm/test-worker", _pool(torch.bfloat16).layout) as c:
+        assert c.clear() == 5
+
+
+def test_a_copy_past_the_lease_is_a_load_error(kvtierd_factory: Callable[..., Any]) -> None:
+    # A lease shorter than any copy: the worker copies, sees the lease gone, and reports every block.
+    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20, lend_lease_s=0.001)
+    shape = LAYOUTS["cpu_attn [0]"]()
+    keys = hash_token_blocks(list(range(3 * BS)), BS)
+    _store(daemon.endpoint, shape, keys, [1, 2, 3])
+    w = _worker(daemon.endpoint)
+    w.register_kv_caches(_kv(shape, "cpu", torch.bfloat16, seed=2))
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, [4, 5, 6], "r")]))
+    assert w.get_block_ids_with_load_errors() == {4, 5, 6}
+    assert _lent_blocks(w) == 0
+    w.shutdown()
+
+
+def test_lend_auto_asks_only_for_layouts_of_large_runs() -> None:
+    from kvtier.integrations.adapter.lent_restore import MIN_RUN_BYTES, LentRestore
+    from kvtier.blocks.layout import BlockLayout
+
+    small = [torch.zeros(LAYOUTS["flash_attn [1]"](), dtype=torch.bfloat16) for _ in range(2)]
+    assert LentRestore({0: BlockLayout(small, [1, 1])}).min_run_bytes < MIN_RUN_BYTES
+    big = [torch.zeros((4, 2, 2, 128, 128)) for _ in range(2)]  # bench/vllm.py's model: 256 KiB a layer
+    assert LentRestore({0: BlockLayout(big, [0, 0])}).min_run_bytes == 256 * 1024
+
+
+def test_lend_off_copies_in_kvtierd(kvtierd_factory: Callable[..., Any]) -> None:
+    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20)
+    shape = LAYOUTS["cpu_attn [0]"]()
+    keys = hash_token_blocks(list(range(2 * BS)), BS)
+    want = _store(daemon.endpoint, shape, keys, [1, 2])
+    engine = _kv(shape, "cpu", torch.bfloat16, seed=2)
+    w = _worker(daemon.endpoint, lend=False)
+    w.register_kv_caches(engine)
+    w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, [7, 8], "r")]))
+    assert w.get_block_ids_with_load_errors() == set()
+    plane = w._plane
+    assert isinstance(plane, RegisteredPlane) and plane._lent is None
+    for b, expected in zip([7, 8], want):
+        for layer_got, layer_want in zip(_block(engine, b), expected):
+            assert torch.equal(layer_got.view(torch.int16), layer_want.view(torch.int16))
+    w.shutdown()
