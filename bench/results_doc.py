@@ -873,6 +873,40 @@ def render_gpu_repeats(d: Result) -> str:
               "measured on the busy host.")
 
 
+def render_peers_partial(d: Result) -> str:
+    """A peers run of some systems and phases (``--systems``/``--phases``): what it has, and its targets."""
+    s, t = d["summary"], d["targets"]
+    names = {"kvtier": "kvtier", "lmcache": "LMCache", "native": "vLLM native offloading",
+             "example": "ExampleConnector", "prefix_cache": "vLLM prefix cache", "recompute": "recompute"}
+    rows = []
+    for key, x in s.items():
+        single, multi = x.get("single") or {}, x.get("multi") or {}
+        bd = single.get("breakdown_ms_median_hits") or {}
+        rows.append([
+            names.get(key, key),
+            f"{single['ttft_ms_median']:,.1f} ms" if single else "–",
+            (f"{num(bd.get('load_ms'), 1) if bd.get('load_ms') is not None else '–'} / "
+             f"{num(bd['ttft_less_model_forward_ms'], 1)} ms" if bd else "–"),
+            (f"{multi['total_s_median']:.1f} s ({num(multi.get('later_turns_total_s_median'), 1)} s)"
+             if multi else "–"),
+            f"{multi['ttft_ms_p90']:,.0f} ms" if multi else "–",
+            rate(multi["hit_rate"], 2) if multi else "–",
+            f"{x['load1_min_median_max'][1]:.1f}"])
+    table = md_table(["system", "single-prefix TTFT", "restore / added (TTFT − forward)", "multi-turn total (turns 2+)",
+                      "multi-turn TTFT p90", "multi-turn hit rate", "load (median)"], rows, "lrrrrrr")
+    verdicts = md_table(["target (issue 35), kvtier against each", "verdict", "numbers"], [
+        [name, met(v["met"]), ", ".join(f"{k} {num(x, 1)}" for k, x in v.items() if k != "met" and not isinstance(x, dict))
+         + "; " + ", ".join(f"{names.get(k, k)} {num(x, 1)}" for o in v.values() if isinstance(o, dict)
+                            for k, x in o.items())]
+        for name, v in t.items()], "lll")
+    a = d["args"]
+    return "\n\n".join([
+        f"Systems {a['systems']}, phases {a['phases']}, {a['rounds']} rounds in alternating order, one engine at a "
+        f"time; prompts: a {int(a['prefix_tokens']):,}-token prefix; {a['convs']} "
+        f"conversations × {a['turns']} turns against vLLM's KV of {d['vllm_kv_blocks']} blocks, so every turn 2+ needs its prefix back from the connector.",
+        table, verdicts])
+
+
 # --- Results that arrived from other branches after the generator (peers, vLLM families, upgrades ...) ---
 
 
@@ -1242,6 +1276,11 @@ RENDERERS: list[Renderer] = [
              "tensors) of a 32-block prefix into KV tensors registered as vLLM's CPU backend has them, against numpy's "
              "memcpy of the same bytes, beside the same daemons running `main`'s code.",
              "python bench/vllm_restore.py --baseline-pythonpath <main's checkout shim>", render_vllm_restore),
+    Renderer("peers-lends-*.json", "peers-lends", "Beside its peers, with lent restores (kvtier at 2bfa3fd)",
+             "A `bench/peers.py` run of kvtier, LMCache and vLLM native after lent restores landed (issue 35 item 2: "
+             "the worker copies CPU-tier blocks itself from kvtierd's file), single-prefix and multi-turn phases only.",
+             "python bench/peers.py --systems kvtier,lmcache,native --phases single,multi --rounds 2 "
+             "--peers-python <venv with lmcache>", render_peers_partial),
     Renderer("peers-*.json", "peers", "Beside its peers: LMCache, vLLM's native offloading, ExampleConnector",
              "`bench/peers.py` (issue 35 items 1 and 4): kvtier, LMCache 0.5.6, vLLM's `OffloadingConnector`, "
              "`ExampleConnector`, vLLM's prefix cache alone and recompute, on bench/vllm.py's model.",
