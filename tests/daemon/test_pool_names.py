@@ -25,7 +25,6 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 

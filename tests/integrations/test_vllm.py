@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import queue
 import random
-import signal
 import subprocess
 import sys
 import threading

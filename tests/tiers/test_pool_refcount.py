@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.persistent_arena import ArenaDirectory
