@@ -104,10 +104,20 @@ def served(c: Client, keys: list[bytes]) -> tuple[set[bytes], int]:
     return held, wrong
 
 
+def _is_kvtierd(p: psutil.Process) -> bool:
+    try:
+        return "kvtier.daemon" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[KvtierDaemon]:
     become_subreaper()  # the standbys outlive their primaries: reaped here
     d = KvtierDaemon(tmp_path / "d", flags=FLAGS, start_timeout_s=START_TIMEOUT_S)
+    # Only the kvtierd processes this fixture started are reaped below: the test process has other children
+    # (torch's shared-memory manager, module-scoped daemons, Redis servers) that later tests still use.
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     d.spawn()
     try:
         yield d
@@ -119,7 +129,7 @@ def daemon(tmp_path: Path) -> Iterator[KvtierDaemon]:
             pass
         if isinstance(serving, int) and serving != d.pid:
             d.proc = ReparentedProcess(serving)
-        leftovers = [p for p in psutil.Process().children(recursive=True)]
+        leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and _is_kvtierd(p)]
         d.cleanup()  # SIGTERM: the serving one drains and stands its standby down
         _, alive = psutil.wait_procs(leftovers, timeout=60)
         for p in alive:
