@@ -14,7 +14,8 @@ Contract:
   socket activation, systemd owns the socket file) and ``owns_file``
   (whether the daemon that stops for good removes the ipc socket file:
   never for systemd's). ``for_zmq()`` returns a new duplicate for libzmq,
-  which closes it with the ROUTER socket. ``remove_file()`` removes an
+  which closes it with the ROUTER socket, and makes the socket non-blocking
+  (two daemons accept on it in a hand-over). ``remove_file()`` removes an
   owned ipc socket file, and only while the path still names the file this
   socket was bound to (a daemon started meanwhile may have bound a new
   one there): a draining daemon removes it first thing, so that clients
@@ -86,7 +87,13 @@ class Listener:
 
     def for_zmq(self) -> int:
         """A duplicate of the socket for ``ZMQ_USE_FD``: libzmq owns (and closes) it."""
-        return os.dup(self.fd)
+        fd = os.dup(self.fd)
+        # libzmq makes its own listeners non-blocking but takes a given one as it is. In a hand-over two
+        # daemons accept on this socket: woken for a connection the other took, a blocking accept() stalls
+        # libzmq's I/O thread (every connection of this daemon, and zmq_ctx_term) until the next one comes.
+        # The flag belongs to the socket, so this holds for every descriptor of it, systemd's included.
+        os.set_blocking(fd, False)
+        return fd
 
     @property
     def ipc_path(self) -> str | None:

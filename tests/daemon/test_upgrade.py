@@ -449,3 +449,79 @@ def test_tcp_listeners_bind_as_libzmq_would_and_check_their_port() -> None:
             pass  # it listens
     finally:
         listener.close(remove_file=True)
+
+
+# ---- two processes accept on one socket (an upgrade's redirect, a standby's take-over) ----------------------
+
+
+@pytest.mark.parametrize("origin", ["bound", "systemd"])
+def test_a_connection_another_process_accepted_first_never_stalls_libzmq(tmp_path: Path, origin: str) -> None:
+    """Both daemons accept during a hand-over: when the other one wins a connection, libzmq's accept must not
+    block its I/O thread (a blocking listening socket did: the old daemon then hung in ``zmq_ctx_term`` until a
+    client's call timed out, 1 run in 4 of the upgrade tests)."""
+    import select
+
+    import zmq
+
+    from kvtier.daemon.listener import bind_listener, inherited_listener
+
+    path = tmp_path / "s" / "kvtierd.sock"
+    endpoint = f"ipc://{path}"
+    if origin == "bound":
+        listener = bind_listener(endpoint, 0o600)
+    else:  # systemd's socket units hand over a blocking socket (NonBlocking=false)
+        path.parent.mkdir()
+        listener = inherited_listener(os.dup(listening_socket(path).detach()), endpoint, origin="systemd",
+                                      owns_file=False)
+    zctx = zmq.Context()
+    router = zctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.USE_FD, listener.for_zmq())
+    router.bind(endpoint)
+    # The other process: accepts whatever it wins, without touching the socket's blocking flag.
+    other = socket.socket(fileno=os.dup(listener.fd))
+    stop = threading.Event()
+    won = [0]
+
+    def steal() -> None:
+        while not stop.is_set():
+            if select.select([other], [], [], 0.05)[0]:
+                try:
+                    conn, _ = other.accept()
+                except BlockingIOError:
+                    continue  # libzmq won this one
+                won[0] += 1
+                conn.close()
+
+    thief = threading.Thread(target=steal, daemon=True)
+    thief.start()
+    try:
+        # Connect until the other process wins one, then nothing more: a libzmq woken for that connection too
+        # must not wait in accept() for the next one.
+        for _ in range(500):
+            before = won[0]
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.connect(str(path))
+            deadline_s = time.monotonic() + 0.2
+            while won[0] == before and time.monotonic() < deadline_s:
+                time.sleep(0.005)
+            if won[0] > before:
+                break
+        time.sleep(0.2)
+        # libzmq closes at once: its I/O thread is not stuck in accept().
+        router.close()
+        term = threading.Thread(target=zctx.term, daemon=True)
+        term.start()
+        term.join(10.0)
+        assert not term.is_alive(), "zmq_ctx_term hung: libzmq's I/O thread is blocked in accept()"
+        assert won[0] > 0, "the race never happened: the test proves nothing"
+    finally:
+        stop.set()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            try:
+                c.connect(str(path))  # wakes an accept() that blocks
+            except OSError:
+                pass
+        thief.join(5.0)
+        other.close()
+        listener.close(remove_file=True)
