@@ -1,11 +1,11 @@
 """The two ends of a hand-over: a running kvtierd (the predecessor) and the successor it starts.
 
 A zero-downtime upgrade (SIGUSR2; ``systemctl reload kvtierd@N``) is a
-conversation over a control channel (an ``AF_UNIX`` ``SOCK_SEQPACKET``
-pair, one JSON object per message) between the daemon that serves and the
-one that is to serve. ``kvtier.daemon.upgrade`` drives the predecessor's
-side from its event loop; ``kvtier.daemon.server`` runs the successor's
-before it binds. This module is the process and channel mechanics.
+conversation over a control channel (``kvtier.daemon.control_channel``)
+between the daemon that serves and the one that is to serve.
+``kvtier.daemon.upgrade`` drives the predecessor's side from its event
+loop; ``kvtier.daemon.server`` runs the successor's before it binds. This
+module is the conversation: its messages and what each end does on them.
 
 Contract:
 
@@ -39,62 +39,23 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import select
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
+from kvtier.daemon.control_channel import (POLL_SLICE_S, StopRequested, inherit, kind_of, receive, receive_kind, send,
+                                            start_peer)
 from kvtier.daemon.listener import Listener
 
 log = logging.getLogger(__name__)
 
 HANDOVER_ENV = "KVTIER_HANDOVER_FDS"
 STOP_TIMEOUT_S = 10.0  # a successor told to stop gets this long before SIGKILL
-MAX_MESSAGE_BYTES = 4096
-POLL_SLICE_S = 0.1  # the successor looks at its stop flag this often while it waits
-
-
-class StopRequested(Protocol):
-    @property
-    def requested(self) -> bool: ...
-
-
-def _send(sock: socket.socket, kind: str, **fields: Any) -> bool:
-    """One message; False when the other end is gone."""
-    try:
-        sock.send(json.dumps({"msg": kind, **fields}).encode())
-        return True
-    except OSError:
-        return False
-
-
-def _recv(sock: socket.socket, timeout_s: float | None) -> dict[str, Any] | None:
-    """The next message; ``{}`` when nothing came in ``timeout_s``, None when the other end closed."""
-    if timeout_s is not None:
-        ready, _, _ = select.select([sock], [], [], max(0.0, timeout_s))
-        if not ready:
-            return {}
-    try:
-        data = sock.recv(MAX_MESSAGE_BYTES)
-    except BlockingIOError:
-        return {}
-    except OSError:
-        return None
-    if not data:
-        return None
-    try:
-        msg = json.loads(data)
-    except ValueError:
-        log.warning("hand-over: an unreadable control message (%d bytes) ignored", len(data))
-        return {}
-    return msg if isinstance(msg, dict) else {}
 
 
 class Predecessor:
@@ -108,19 +69,7 @@ class Predecessor:
 
     @classmethod
     def start(cls, argv: Sequence[str], environ: Mapping[str, str], listener: Listener) -> Predecessor:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listen_fd = os.dup(listener.fd)
-        try:
-            env = dict(environ)
-            env[HANDOVER_ENV] = f"{theirs.fileno()},{listen_fd},{os.getpid()}"
-            proc = subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL,
-                                    pass_fds=(theirs.fileno(), listen_fd))
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-            os.close(listen_fd)
+        proc, ours = start_peer(argv, environ, HANDOVER_ENV, listener)
         ours.setblocking(False)
         return cls(proc, ours)
 
@@ -130,19 +79,18 @@ class Predecessor:
     def read(self) -> str | None:
         if self._closed:
             return "gone"
-        msg = _recv(self.ctl, None)
-        if msg is None:
+        kind = receive_kind(self.ctl)
+        if kind is None:
             self.close()
             return "gone"
-        kind = msg.get("msg")
-        return kind if isinstance(kind, str) and kind else None
+        return kind or None
 
     def release(self, *, stuck: bool, owns_file: bool) -> bool:
-        return _send(self.ctl, "released", stuck=stuck, owns_file=owns_file, pid=os.getpid())
+        return send(self.ctl, "released", stuck=stuck, owns_file=owns_file, pid=os.getpid())
 
     def abort(self, why: str) -> None:
         """Tell the successor to give up, and make sure it does."""
-        _send(self.ctl, "abort", why=why)
+        send(self.ctl, "abort", why=why)
         self.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -182,20 +130,14 @@ class Successor:
 
     @classmethod
     def from_environ(cls, environ: MutableMapping[str, str]) -> Successor | None:
-        value = environ.pop(HANDOVER_ENV, None)
-        os.environ.pop(HANDOVER_ENV, None)  # our own successor gets its own
-        if not value:
+        inherited = inherit(environ, HANDOVER_ENV, 3, "a hand-over")
+        if inherited is None:
             return None
-        try:
-            ctl_fd, listen_fd, pid = (int(x) for x in value.split(","))
-            ctl = socket.socket(fileno=ctl_fd)
-        except (ValueError, OSError) as exc:
-            raise RuntimeError(f"{HANDOVER_ENV}={value!r}: not the descriptors of a hand-over ({exc})") from None
-        os.set_inheritable(ctl.fileno(), False)
+        ctl, (listen_fd, pid) = inherited
         return cls(ctl, listen_fd, pid)
 
     def take_over(self, stop: StopRequested, timeout_s: float) -> Released | None:
-        if not _send(self.ctl, "ready", pid=os.getpid()):
+        if not send(self.ctl, "ready", pid=os.getpid()):
             return self._orphaned(stop, timeout_s)
         log.info("hand-over: ready; waiting for kvtierd pid %d to release the socket and the CPU tiers",
                  self.predecessor_pid)
@@ -203,10 +145,10 @@ class Successor:
         while time.monotonic() < deadline_s:
             if stop.requested:
                 return None
-            msg = _recv(self.ctl, min(POLL_SLICE_S, deadline_s - time.monotonic()))
+            msg = receive(self.ctl, min(POLL_SLICE_S, deadline_s - time.monotonic()))
             if msg is None:
                 return self._orphaned(stop, deadline_s - time.monotonic())
-            kind = msg.get("msg")
+            kind = kind_of(msg)
             if kind == "abort":
                 log.warning("hand-over: kvtierd pid %d gave up the hand-over (%s); exiting", self.predecessor_pid,
                             msg.get("why", "no reason given"))
@@ -238,7 +180,7 @@ class Successor:
         return True
 
     def serving(self) -> None:
-        _send(self.ctl, "serving", pid=os.getpid())
+        send(self.ctl, "serving", pid=os.getpid())
         self.close()
 
     def close(self) -> None:

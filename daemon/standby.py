@@ -8,8 +8,9 @@ has imported everything, built its server and holds a duplicate of the
 listening socket, and waits. When the primary dies (SIGKILL, the OOM
 killer, a crash) the standby adopts the CPU tiers the primary left and
 serves on the very socket (connections made meanwhile wait in its backlog),
-then starts a standby of its own. This module is the process and channel
-mechanics of both ends; ``kvtier.daemon.server`` drives them.
+then starts a standby of its own. This module is the conversation of both
+ends over their control channel (``kvtier.daemon.control_channel``);
+``kvtier.daemon.server`` drives them.
 
 Contract:
 
@@ -17,12 +18,12 @@ Contract:
   event loop calls ``turn(now_s, refused=)`` every iteration): starts a
   standby with ``argv`` and ``environ`` plus ``KVTIER_STANDBY_FDS=
   <control>,<listen>,<primary pid>,<owns file>`` and those two descriptors
-  (an ``AF_UNIX`` ``SOCK_SEQPACKET`` pair, one JSON object per message; a
-  duplicate of the listening socket), stdin from /dev/null, stdout and
-  stderr shared. ``refused``, a reason in words (an upgrade under way: its
-  successor takes over the tiers, and a standby beside it would be a
-  second claimant; a stop), stands the standby down; ``""`` starts one
-  when there is none (again ``RETRY_S`` after one exited on its own). ``stand_down(why)``
+  (the other end of a ``kvtier.daemon.control_channel``; a duplicate of
+  the listening socket), stdin from /dev/null, stdout and stderr shared.
+  ``refused``, a reason in words (an upgrade under way: its successor
+  takes over the tiers, and a standby beside it would be a second
+  claimant; a stop), stands the standby down; ``""`` starts one when there
+  is none (again ``RETRY_S`` after one exited on its own). ``stand_down(why)``
   sends ``stand_down`` and closes the channel: the standby exits 0 (at
   once, or as soon as its start-up reaches the wait). ``pid`` is the
   standby's, ``ready`` whether it said it waits. Never raises: a standby
@@ -48,7 +49,6 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -56,47 +56,14 @@ import socket
 import subprocess
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
+from kvtier.daemon.control_channel import POLL_SLICE_S, StopRequested, inherit, receive_kind, send, start_peer
 from kvtier.daemon.listener import Listener
 
 log = logging.getLogger(__name__)
 
 STANDBY_ENV = "KVTIER_STANDBY_FDS"
-MAX_MESSAGE_BYTES = 4096
-POLL_SLICE_S = 0.1  # the standby looks at its stop flag this often while it waits
 RETRY_S = 30.0  # after a standby exited on its own (a start-up error), before the next try
-
-
-class StopRequested(Protocol):
-    @property
-    def requested(self) -> bool: ...
-
-
-def _send(sock: socket.socket, kind: str, **fields: Any) -> bool:
-    try:
-        sock.send(json.dumps({"msg": kind, **fields}).encode())
-        return True
-    except OSError:
-        return False
-
-
-def _recv_kind(sock: socket.socket) -> str | None:
-    """The next message's kind without blocking: ``""`` when none is there, None when the other end closed."""
-    try:
-        data = sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return ""
-    except OSError:
-        return None
-    if not data:
-        return None
-    try:
-        msg = json.loads(data)
-    except ValueError:
-        return ""
-    kind = msg.get("msg") if isinstance(msg, dict) else None
-    return kind if isinstance(kind, str) else ""
 
 
 class StandbyKeeper:
@@ -130,7 +97,7 @@ class StandbyKeeper:
                 self._start(now_s)
             return
         assert self.ctl is not None
-        while (kind := _recv_kind(self.ctl)):
+        while (kind := receive_kind(self.ctl)):
             if kind == "ready" and not self.ready:
                 self.ready = True
                 log.info("standby kvtierd pid %d is ready: it serves if this daemon dies", self.proc.pid)
@@ -145,23 +112,14 @@ class StandbyKeeper:
         listener = self._listener()
         if listener is None:
             return
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listen_fd = os.dup(listener.fd)
         try:
-            env = dict(self._environ())
-            env[STANDBY_ENV] = f"{theirs.fileno()},{listen_fd},{os.getpid()},{int(listener.owns_file)}"
-            self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
-                                         pass_fds=(theirs.fileno(), listen_fd))
+            self.proc, self.ctl = start_peer(self.argv, self._environ(), STANDBY_ENV, listener,
+                                             int(listener.owns_file))
         except OSError as exc:
-            ours.close()
             log.warning("cannot start a standby kvtierd (%s): %s; next try in %.0f s", " ".join(self.argv), exc,
                         RETRY_S)
             self._retry_at_s = now_s + RETRY_S
             return
-        finally:
-            theirs.close()
-            os.close(listen_fd)
-        self.ctl = ours
         self.ready = False
         log.info("started standby kvtierd pid %d (it imports, then waits to serve if this daemon dies)",
                  self.proc.pid)
@@ -170,7 +128,7 @@ class StandbyKeeper:
         """Tell the standby to exit (it never serves); reaped later, or left to whoever reaps orphans."""
         if self.proc is None or self.ctl is None:
             return
-        _send(self.ctl, "stand_down", why=why)
+        send(self.ctl, "stand_down", why=why)
         log.info("standby kvtierd pid %d stands down: %s", self.proc.pid, why)
         self._leaving.append(self.proc)
         self._forget()
@@ -231,16 +189,10 @@ class StandbyWait:
 
     @classmethod
     def from_environ(cls, environ: MutableMapping[str, str]) -> StandbyWait | None:
-        value = environ.pop(STANDBY_ENV, None)
-        os.environ.pop(STANDBY_ENV, None)  # our own standby gets its own
-        if not value:
+        inherited = inherit(environ, STANDBY_ENV, 4, "a standby")
+        if inherited is None:
             return None
-        try:
-            ctl_fd, listen_fd, pid, owns = (int(x) for x in value.split(","))
-            ctl = socket.socket(fileno=ctl_fd)
-        except (ValueError, OSError) as exc:
-            raise RuntimeError(f"{STANDBY_ENV}={value!r}: not the descriptors of a standby ({exc})") from None
-        os.set_inheritable(ctl.fileno(), False)
+        ctl, (listen_fd, pid, owns) = inherited
         return cls(ctl, listen_fd, pid, bool(owns))
 
     def primary_alive(self) -> bool:
@@ -250,7 +202,7 @@ class StandbyWait:
         return os.getppid() == self.primary_pid
 
     def wait(self, stop: StopRequested) -> Takeover | None:
-        _send(self.ctl, "ready", pid=os.getpid())
+        send(self.ctl, "ready", pid=os.getpid())
         log.info("standby: ready; serving %s as soon as kvtierd pid %d exits", "the socket", self.primary_pid)
         channel_open = True
         try:
@@ -260,7 +212,7 @@ class StandbyWait:
                     watched.append(self._pidfd)
                 select.select(watched, [], [], POLL_SLICE_S)
                 # Messages first: a primary that stood us down and then exited was not a crash.
-                while channel_open and (kind := _recv_kind(self.ctl)) != "":
+                while channel_open and (kind := receive_kind(self.ctl)) != "":
                     if kind is None:
                         channel_open = False
                     elif kind == "stand_down":
