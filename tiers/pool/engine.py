@@ -15,30 +15,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.tiers.block_manager import NoFreeBlocks
-from kvtier.tiers.cpu_tier import CpuEntry, CpuTier
+from kvtier.tiers.cpu_tier import CpuEntry
 from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.pool.base import NoSpace, NotFound, PoolError, Tier
-from kvtier.tiers.pool.copies import CopyScheduler, Op, OpDriver
-from kvtier.tiers.pool.counters import Counters
-from kvtier.tiers.pool.demotion import Demoter
-from kvtier.tiers.pool.learning import LearningQueue
-from kvtier.tiers.pool.resolve import Resolver
-from kvtier.tiers.pool.state import PoolState
+from kvtier.tiers.pool.copies import Op, OpDriver
+from kvtier.tiers.pool.verb_part import VerbCollaborators, VerbPart
 from kvtier.tiers.copy_types import CopyKind
 
 
-class EngineMode:
+class EngineMode(VerbPart):
     """``TieredPool.allocate``, ``append`` and ``free`` (see the module docstring)."""
 
-    def __init__(self, state: PoolState, cpu: CpuTier, copies: CopyScheduler, resolver: Resolver, demoter: Demoter,
-                 learning: LearningQueue, counters: Counters, driver: OpDriver, *, enable_caching: bool) -> None:
-        self.state = state  # its GPU tier (bm, gpu), read at each call
-        self.cpu = cpu
-        self.copies = copies
-        self.resolver = resolver
-        self.demoter = demoter
-        self.learning = learning
-        self.counters = counters
+    def __init__(self, shared: VerbCollaborators, driver: OpDriver, *, enable_caching: bool) -> None:
+        super().__init__(shared)
         self.driver = driver  # what its ops poll (polling.Poller)
         self.enable_caching = enable_caching
 

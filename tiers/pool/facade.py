@@ -117,6 +117,7 @@ from kvtier.tiers.pool.polling import Poller
 from kvtier.tiers.pool.resolve import Resolver, WriteBack
 from kvtier.tiers.pool.state import PoolState
 from kvtier.tiers.pool.store import StoreMode
+from kvtier.tiers.pool.verb_part import VerbCollaborators
 
 if TYPE_CHECKING:
     from kvtier.tiers.disk_tier import DiskTier
@@ -203,12 +204,10 @@ class TieredPool:
         self._learning = learning = LearningQueue(cpu, defer=defer_learning)
         self._demoter = demoter = Demoter(state, cpu, copies, counters)
         self._poller = poller = Poller(copies, demoter)
-        self._engine = EngineMode(state, cpu, copies, resolver, demoter, learning, counters, poller,
-                                  enable_caching=enable_caching)
-        self._store = StoreMode(state, cpu, copies, resolver, demoter, learning, counters, poller,
-                                block_bytes=spec.block_bytes, data=data)
-        self._lender = Lender(state, cpu, copies, resolver, demoter, learning, counters,
-                              block_bytes=spec.block_bytes, data=data,
+        shared = VerbCollaborators(state, cpu, copies, resolver, demoter, learning, counters)
+        self._engine = EngineMode(shared, poller, enable_caching=enable_caching)
+        self._store = StoreMode(shared, poller, block_bytes=spec.block_bytes, data=data)
+        self._lender = Lender(shared, block_bytes=spec.block_bytes, data=data,
                               consults_remote=remote is not None and enable_caching,
                               disk=disk if enable_caching else None)
         # Which keys the pool started and stopped holding, for routers (journal.py); 0: none kept.

@@ -16,32 +16,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tiers.cpu_tier import CpuTier
 from kvtier.tiers.pool.base import Borrowed, Tier
-from kvtier.tiers.pool.copies import CopyScheduler
-from kvtier.tiers.pool.counters import Counters
-from kvtier.tiers.pool.demotion import Demoter
-from kvtier.tiers.pool.learning import LearningQueue
-from kvtier.tiers.pool.resolve import Resolver
-from kvtier.tiers.pool.state import PoolState
+from kvtier.tiers.pool.verb_part import VerbCollaborators, VerbPart
 
 if TYPE_CHECKING:
     from kvtier.tiers.disk_tier import DiskTier
 
 
-class Lender:
+class Lender(VerbPart):
     """``TieredPool.borrow``'s body (see the module docstring)."""
 
-    def __init__(self, state: PoolState, cpu: CpuTier, copies: CopyScheduler, resolver: Resolver, demoter: Demoter,
-                 learning: LearningQueue, counters: Counters, *, block_bytes: int, data: bool,
-                 consults_remote: bool, disk: DiskTier | None) -> None:
-        self.state = state  # its GPU tier (bm, gpu), read at each call
-        self.cpu = cpu
-        self.copies = copies
-        self.resolver = resolver
-        self.demoter = demoter
-        self.learning = learning
-        self.counters = counters
+    def __init__(self, shared: VerbCollaborators, *, block_bytes: int, data: bool, consults_remote: bool,
+                 disk: DiskTier | None) -> None:
+        super().__init__(shared)
         self.block_bytes = block_bytes
         self.data = data
         self.consults_remote = consults_remote  # a remote tier, with caching on: restore() fetches from it

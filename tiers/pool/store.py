@@ -25,33 +25,21 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.tiers.block_manager import NoFreeBlocks
-from kvtier.tiers.cpu_tier import CpuTier, CpuTierFull
+from kvtier.tiers.cpu_tier import CpuTierFull
 from kvtier.tiers.pool.base import NoSpace, PoolError, Tier
-from kvtier.tiers.pool.copies import Copy, CopyScheduler, Op, OpDriver
-from kvtier.tiers.pool.counters import Counters
-from kvtier.tiers.pool.demotion import Demoter
-from kvtier.tiers.pool.learning import LearningQueue
-from kvtier.tiers.pool.resolve import Resolver
-from kvtier.tiers.pool.state import PoolState
+from kvtier.tiers.pool.copies import Copy, Op, OpDriver
+from kvtier.tiers.pool.verb_part import VerbCollaborators, VerbPart
 from kvtier.tiers.copy_types import CopyKind
 
 if TYPE_CHECKING:
     from kvtier.blocks.layout import BlockLayout
 
 
-class StoreMode:
+class StoreMode(VerbPart):
     """``TieredPool.store``, ``restore`` and ``cpu_spill`` (see the module docstring)."""
 
-    def __init__(self, state: PoolState, cpu: CpuTier, copies: CopyScheduler, resolver: Resolver, demoter: Demoter,
-                 learning: LearningQueue, counters: Counters, driver: OpDriver, *, block_bytes: int,
-                 data: bool) -> None:
-        self.state = state  # its GPU tier (bm, gpu), read at each call
-        self.cpu = cpu
-        self.copies = copies
-        self.resolver = resolver
-        self.demoter = demoter
-        self.learning = learning
-        self.counters = counters
+    def __init__(self, shared: VerbCollaborators, driver: OpDriver, *, block_bytes: int, data: bool) -> None:
+        super().__init__(shared)
         self.driver = driver  # what its ops poll (polling.Poller)
         self.block_bytes = block_bytes
         self.data = data
