@@ -69,6 +69,8 @@ class ThreadTransferEngine(TransferEngine):
             except Exception as exc:  # a failed copy fails its transfer, not the engine
                 error = TransferError(f"{job.transfer.kind.value} of {job.transfer.num_blocks} blocks failed: {exc}")
             self._complete(job.transfer, error)
+            # Not kept while waiting for the next: its layouts (a detached GPU tier, a client's buffer) would live on.
+            job = None
 
     def _copy(self, job: CopyJob) -> None:
         """One transfer's copy, on its priority class's worker thread; what it raises fails that transfer only.
@@ -288,6 +290,7 @@ class CudaTransferEngine(TransferEngine):
             if job is None:
                 return
             self._pending[False].put(self._launch_job(job, False))
+            job = None  # as in ThreadTransferEngine._run: the waiter keeps what the copy needs, not this thread
 
     def _launch_job(self, job: CopyJob, high: bool) -> tuple:
         """Enqueue the copy on its stream between two timing events.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -163,6 +164,26 @@ def test_poll_returns_each_transfer_once(engine: ThreadTransferEngine) -> None:
     time.sleep(0.01)
     assert engine.poll() == []
     assert engine.poll() == []
+
+
+def test_an_idle_engine_holds_no_finished_copy_s_buffers(engine: ThreadTransferEngine) -> None:
+    """A worker waiting for its next job keeps none of its last: the pool frees a detached GPU tier's
+    memory (or a client's buffer) by dropping its references, and a worker that still held the last
+    job's layouts would keep those alive until the next copy of its priority class, maybe never."""
+    refs: list[weakref.ref[BlockLayout]] = []
+    transfers: list[Transfer] = []
+    for kind in (CopyKind.RESTORE, CopyKind.DEMOTE):  # one per worker: high and low priority
+        src, dst = rand_slab(4), poisoned_slab(4)
+        transfers.append(engine.submit(kind, src, [0, 1, 2, 3], dst, [3, 2, 1, 0]))
+        assert transfers[-1].wait(10) and transfers[-1].error is None
+        assert torch.equal(dst.slab()[[3, 2, 1, 0]], src.slab())
+        refs += [weakref.ref(src), weakref.ref(dst)]
+        del src, dst
+    assert drain(engine, transfers) == transfers
+    deadline = time.monotonic() + 10
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker drops its job right after it completed the transfer
+    assert [r() is None for r in refs] == [True] * 4
 
 
 def test_fault_hook_failure_fails_only_that_transfer() -> None:
