@@ -256,6 +256,10 @@ def test_two_engines_on_one_daemon_reuse_each_others_prefixes(lab: dict[str, Any
 
 def test_restarted_engine_finds_its_prefixes_in_kvtierd(lab: dict[str, Any]) -> None:
     endpoint = lab["daemon"].endpoint
+    if "workload" not in lab:  # alone (with -k): the engine to restart computes its prefixes here first
+        (a,) = lab["start"](("a", endpoint))
+        firsts = [Conversations(60 + i, 1).prompt(0) for i in range(2)]  # 4 full blocks each
+        lab["a"], lab["workload"] = a, (firsts, [a.generate([p])[0][0] for p in firsts])
     lab["a"].close()
     (c,) = lab["start"](("c", endpoint))
     lab["c"] = c
