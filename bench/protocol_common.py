@@ -29,6 +29,8 @@ TARGET_LOOKUP_VS_REDIS = 0.25  # kvtier p50 / Redis MGET p50, at most
 TARGET_LOOKUP_VS_ECHO = 2.0  # kvtier p50 / raw ZMQ echo p50, at most
 TARGET_SHM_VS_MEMCPY = 0.7  # shm restore bandwidth / memcpy bandwidth, at least
 TARGET_INLINE_VS_ZMQ = 0.8  # inline restore bandwidth / raw ZMQ bandwidth, at least
+# Issue 36 (typed wire messages): the tighter lookup target, reported beside issue 3's.
+TARGET_LOOKUP_VS_ECHO_TYPED = 1.5  # kvtier p50 / raw ZMQ echo p50, at most
 
 LOOKUP_HASHES = 256
 NUM_LAYERS, BLOCK_TOKENS, HEAD_DIM = 32, 16, 128

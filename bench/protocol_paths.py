@@ -78,8 +78,12 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
     side by side; the ``total`` rows add up each form's protocol pieces (the pool lookup aside)."""
     from kvtier.client.client import _check_hashes, _pack_hashes
     from kvtier.client.protocol import (
+        PROTOCOL_VERSION,
+        LookupReply,
         TierList,
         decode,
+        decode_reply,
+        encode_reply,
         decode_header,
         encode,
         ok_reply,
@@ -130,8 +134,10 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
         "packed: daemon decode_request (msgspec: decode + validate, split)": lambda: decode_request(preq),
         "  of which unpack_hashes (cached struct)": lambda: unpack_hashes(pheader["hashes"]),
         "packed: daemon pack_tiers (enum -> codes)": lambda: pack_tiers(tiers),
-        "packed: daemon ok_reply + msgpack encode (tiers as codes)": lambda: encode(ok_reply(1 << 40, tiers=codes, pinned=0)),
-        "packed: client msgpack decode of the reply": lambda: decode(preply),
+        "packed: daemon LookupReply + encode_reply (typed, as sent)":
+            lambda: encode_reply(LookupReply(v=PROTOCOL_VERSION, id=1 << 40, ok=True, tiers=codes, pinned=0)),
+        "  (before: ok_reply + msgpack encode, a map)": lambda: encode(ok_reply(1 << 40, tiers=codes, pinned=0)),
+        "packed: client decode_reply (msgspec: decode + validate, typed)": lambda: decode_reply("lookup", preply),
         "packed: client TierList of the reply's codes": lambda: TierList(preply_codes),
     }
     cases = {

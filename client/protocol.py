@@ -583,7 +583,10 @@ class EventsRequest(Message, tag="events"):
 #
 # An ok reply of each op, one Struct: the envelope and the op's result fields.
 # Unknown fields are ignored (a daemon may add reply fields within v1); stats
-# and health reply free-form maps (docs/protocol.md) and have no Struct.
+# and health reply free-form maps (docs/protocol.md) and have no Struct. Every
+# class is kw_only: msgspec then keeps the fields in declaration order, envelope
+# first, so a typed reply the daemon encodes (encode_reply) is byte for byte
+# the map it used to pack (msgspec moves kw_only fields after the others).
 
 
 class ReplyMessage(msgspec.Struct, kw_only=True):
@@ -594,14 +597,14 @@ class ReplyMessage(msgspec.Struct, kw_only=True):
     ok: bool
 
 
-class NoFieldsReply(ReplyMessage):
+class NoFieldsReply(ReplyMessage, kw_only=True):
     pass
 
 
 TierField = bytes | list[str]  # tier names, or packed codes (TIER_CODES) to a request whose hashes were packed
 
 
-class HelloReply(ReplyMessage):
+class HelloReply(ReplyMessage, kw_only=True):
     sid: str
     lease_s: float
     heartbeat_s: float
@@ -613,45 +616,45 @@ class HelloReply(ReplyMessage):
     clock: Any = None  # feature "deadlines": checked by kvtier.client.shared_clock
 
 
-class HeartbeatReply(ReplyMessage):
+class HeartbeatReply(ReplyMessage, kw_only=True):
     lease_s: float
 
 
-class AttachArenaReply(ReplyMessage):
+class AttachArenaReply(ReplyMessage, kw_only=True):
     num_slots: int
 
 
-class RegisterKvReply(ReplyMessage):
+class RegisterKvReply(ReplyMessage, kw_only=True):
     num_blocks: int
     gpu_tier: bool = False
 
 
-class LookupReply(ReplyMessage):
+class LookupReply(ReplyMessage, kw_only=True):
     tiers: TierField
     pinned: int = 0
 
 
-class TiersReply(ReplyMessage):
+class TiersReply(ReplyMessage, kw_only=True):
     """pin and restore: the tiers of the prefix."""
 
     tiers: TierField
 
 
-class RestoreReply(TiersReply):
+class RestoreReply(TiersReply, kw_only=True):
     # Feature "lend": the lent CPU-tier slots (id, path, inode, block_bytes, slots, expires_ns) when the
     # daemon lent instead of copying (kvtier.client.arena_map.Lent.from_wire reads it).
     lent: dict[str, Any] | None = None
 
 
-class ReleaseLendsReply(ReplyMessage):
+class ReleaseLendsReply(ReplyMessage, kw_only=True):
     released: int
 
 
-class UnpinReply(ReplyMessage):
+class UnpinReply(ReplyMessage, kw_only=True):
     unpinned: int
 
 
-class AllocateReply(ReplyMessage):
+class AllocateReply(ReplyMessage, kw_only=True):
     block_ids: list[int]
     tiers: TierField
     num_gpu_hits: int
@@ -660,21 +663,21 @@ class AllocateReply(ReplyMessage):
     num_disk_hits: int = 0  # to sessions whose hello named feature "disk_tier"
 
 
-class AppendReply(ReplyMessage):
+class AppendReply(ReplyMessage, kw_only=True):
     block_ids: list[int]
     new_block_ids: list[int]
 
 
-class StoreReply(ReplyMessage):
+class StoreReply(ReplyMessage, kw_only=True):
     stored: int
     present: int
 
 
-class ClearReply(ReplyMessage):
+class ClearReply(ReplyMessage, kw_only=True):
     cleared: int
 
 
-class EventsReply(ReplyMessage):
+class EventsReply(ReplyMessage, kw_only=True):
     kinds: bytes
     hashes: bytes
     next: int
@@ -856,6 +859,19 @@ def decode(data: bytes | memoryview) -> Any:
         list_hook=counted,
         object_hook=counted,
     )
+
+
+# One reusable encoder for typed replies (its buffer is reused from call to call).
+_REPLY_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_reply(header: Mapping[str, Any] | ReplyMessage) -> bytes:
+    """A reply header's bytes: a typed reply (its op's ``ReplyMessage``) through one reusable msgspec
+    encoder, a map as ``encode`` packs it. The same fields in the same order give the same bytes either
+    way (a Struct's fields go out in declaration order: the envelope, then the op's)."""
+    if isinstance(header, ReplyMessage):
+        return _REPLY_ENCODER.encode(header)
+    return encode(header)
 
 
 def recoverable_id(header: Any) -> int:

@@ -63,7 +63,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -93,6 +92,8 @@ MIN_ATTEMPT_S = 0.2
 # A reply later than this makes the wait look at the socket's disconnections (then again as often): a request
 # lost with a closing connection is resent within this, and a prompt reply costs no more than before.
 WATCH_SLICE_MS = 50
+# ZMQ_EVENTS is a plain int: masked with an int, not the IntFlag member (whose __and__ is ~1 us of Python).
+_POLLIN = int(zmq.POLLIN)
 
 T = TypeVar("T")
 
@@ -143,6 +144,7 @@ class Transport:
         self._zctx = zmq.Context()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
+        self._poller: zmq.Poller | None = None  # the main socket's, made once per socket (not per wait)
         self._monitor: zmq.Socket | None = None  # the main socket's disconnections
 
     def next_id(self) -> int:
@@ -161,12 +163,15 @@ class Transport:
         if self._sock is None:
             self._sock = self.new_socket()
             self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._poller = zmq.Poller()
+            self._poller.register(self._sock, zmq.POLLIN)
         return self._sock
 
     def _disconnected(self) -> bool:
         """Whether the main socket's connection closed since the last look (the events are consumed)."""
         found = False
-        while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
+        # ZMQ_EVENTS, not poll(0): asked before every request, and a poll builds a Poller each time.
+        while self._monitor is not None and self._monitor.getsockopt(zmq.EVENTS) & _POLLIN:
             found |= recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
         return found
 
@@ -181,6 +186,7 @@ class Transport:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+            self._poller = None
 
     def close(self) -> None:
         self.reset()
@@ -229,30 +235,26 @@ class Transport:
             except zmq.Again:
                 raise KvtierTimeout(f"{op}: cannot queue the request (daemon unreachable at {self.endpoint})") from None
             rids.append(rid)
-        replies: dict[int, dict[str, Any]] = {}
+        wanted = set(rids)
+        replies: dict[int, Any] = {}
         while len(replies) < len(rids):
-            rh, _ = self._next_reply(sock, op, deadline_s)
+            frames = self._recv(sock, op, deadline_s)
+            # An ok reply decodes straight into its op's Struct, checked in the same step (no map, no re-encoding).
+            typed = decode_reply(op, frames[0].buffer)
+            if typed is not None:
+                if typed.id in wanted and typed.id not in replies:
+                    replies[typed.id] = typed
+                continue  # else a late reply to an earlier request on this socket
+            rh, _ = self._envelope(frames, op)
             answered = rh.get("id")
             if answered == 0 and rh["ok"] is not True:
                 raise error_of(rh, op)  # an error the daemon could not tie to a request
-            if answered not in rids or answered in replies:
+            if answered not in wanted or answered in replies:
                 continue  # a late reply to an earlier request on this socket
+            if rh["ok"] is True and OPS[op].reply is not None:
+                raise reply_error(op, frames[0].buffer)  # ours, ok, but not its op's reply
             replies[answered] = rh
-        return [self._typed(op, replies[rid]) for rid in rids]
-
-    @staticmethod
-    def _typed(op: str, rh: dict[str, Any]) -> Any:
-        """An ok reply of ``roundtrip_many`` as its op's Struct (error replies stay maps)."""
-        if rh["ok"] is not True or OPS[op].reply is None:
-            return rh
-        try:
-            return msgspec.msgpack.decode(encode(rh), type=OPS[op].reply)
-        except msgspec.ValidationError as exc:
-            raise ProtocolError(ErrorCode.MALFORMED, f"bad reply to {op}: {str(exc).replace('`', '')}") from None
-
-    def _next_reply(self, sock: zmq.Socket, op: str, deadline_s: float) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        """The next well-formed reply on ``sock``, whatever request it answers."""
-        return self._envelope(self._recv(sock, op, deadline_s), op)
+        return [replies[rid] for rid in rids]
 
     def _recv(self, sock: zmq.Socket, op: str, deadline_s: float) -> list[zmq.Frame]:
         """The next reply's frames on ``sock``, by the deadline."""
@@ -275,9 +277,11 @@ class Transport:
         """Wait up to ``timeout_ms`` for a reply on the main socket; ``ConnectionLost`` if its connection
         closes first with no reply there (see the module docstring)."""
         deadline_s = time.monotonic() + timeout_ms / 1000
+        poller = self._poller if sock is self._sock and self._poller is not None else None
         while True:
             left_ms = int((deadline_s - time.monotonic()) * 1000)
-            if sock.poll(max(0, min(left_ms, WATCH_SLICE_MS)), zmq.POLLIN):
+            slice_ms = max(0, min(left_ms, WATCH_SLICE_MS))
+            if poller.poll(slice_ms) if poller is not None else sock.poll(slice_ms, zmq.POLLIN):
                 return True
             if self._disconnected():
                 if sock.poll(0, zmq.POLLIN):  # the reply came in before the connection closed

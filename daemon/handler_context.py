@@ -4,8 +4,10 @@ Contract (the event loop's thread only):
 
 - ``Handler``: ``(ctx, req, session) -> Reply | Pending`` (``daemon.handlers``
   holds the table and the rules each handler keeps).
-- ``Reply``: a reply's fields and payload frames; ``on_sent`` runs once ZMQ
-  no longer reads the frames (memory they lend goes back there).
+- ``Reply``: a reply's fields (a map the server wraps in the envelope, or the
+  op's typed ``ReplyMessage``, envelope included, sent as it is) and payload
+  frames; ``on_sent`` runs once ZMQ no longer reads the frames (memory they
+  lend goes back there).
 - ``Pending``: a copy still in flight; the server parks it and sends
   ``finish(op)``'s reply when the op is done (see ``daemon.parking``).
 - ``HandlerContext``: the daemon-wide state handlers read and change (pools,
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.client.protocol import DEFAULT_MAX_PAYLOAD_BYTES, ErrorCode, ProtocolError, Request, pack_tiers
+from kvtier.client.protocol import DEFAULT_MAX_PAYLOAD_BYTES, ErrorCode, ProtocolError, ReplyMessage, Request, pack_tiers
 from kvtier.daemon.auth_limits import AuthFailureLimiter
 from kvtier.daemon.connections import Peer
 from kvtier.daemon.lends import LendTable
@@ -39,7 +41,9 @@ __all__ = ["LOOP_COPY_MAX_BYTES", "Handler", "HandlerContext", "KvImporter", "Pe
 
 @dataclass
 class Reply:
-    fields: dict[str, Any] = field(default_factory=dict)
+    # The result fields (the server adds the envelope), or the whole typed reply, envelope included
+    # (encoded as it is: no map built per request).
+    fields: dict[str, Any] | ReplyMessage = field(default_factory=dict)
     frames: list[Any] = field(default_factory=list)
     # Called on the loop thread once ZMQ no longer reads ``frames`` (sent,
     # dropped, or the daemon stopped): frames that lend memory return it here.

@@ -73,6 +73,7 @@ from kvtier.client.protocol import (
     PROTOCOL_VERSION,
     TIER_CODES,
     ErrorCode,
+    LookupReply,
     ProtocolError,
     Request,
     pack_tiers,
@@ -199,13 +200,15 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     hashes = pool_keys(ctx, session, req.msg.hashes)
     tiers = pool.lookup(hashes, hints=request_hints(req.msg.hints, session, entry, len(hashes), ctx.metrics))
     ctx.tenants.note_lookup(session.tenant, len(hashes), tiers)
-    if req.msg.pin and _released(ctx, req, session):
-        return Reply({"tiers": reply_tiers(req, tiers), "pinned": 0})
-    if req.msg.pin and tiers:
-        _check_pins(ctx, session, entry, len(tiers))
-        # Same thread, no copy in between: the pinned prefix is the one looked up.
-        tiers = _pin(session, entry, hashes[: len(tiers)], req.msg.pin_tag)
-    return Reply({"tiers": reply_tiers(req, tiers), "pinned": len(tiers) if req.msg.pin else 0})
+    pinned = 0
+    if req.msg.pin and not _released(ctx, req, session):
+        if tiers:
+            _check_pins(ctx, session, entry, len(tiers))
+            # Same thread, no copy in between: the pinned prefix is the one looked up.
+            tiers = _pin(session, entry, hashes[: len(tiers)], req.msg.pin_tag)
+        pinned = len(tiers)
+    # Typed: the server encodes it as it is, with one reusable encoder (protocol.encode_reply).
+    return Reply(LookupReply(v=PROTOCOL_VERSION, id=req.id, ok=True, tiers=reply_tiers(req, tiers), pinned=pinned))
 
 
 def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
@@ -428,8 +431,9 @@ def _packs_tiers(handler: Handler) -> Handler:
 
 
 def _pack_reply_tiers(reply: Reply) -> Reply:
-    if "tiers" in reply.fields:
-        reply.fields["tiers"] = pack_tiers(reply.fields["tiers"])
+    fields = reply.fields
+    if isinstance(fields, dict) and "tiers" in fields:
+        fields["tiers"] = pack_tiers(fields["tiers"])
     return reply
 
 
@@ -456,14 +460,22 @@ def _names_disk(handler: Handler) -> Handler:
 
 def _disk_as_remote(reply: Reply) -> Reply:
     fields = reply.fields
+    if isinstance(fields, LookupReply):
+        fields.tiers = _tiers_as_remote(fields.tiers)
+        return reply
+    assert isinstance(fields, dict)
     tiers = fields.get("tiers")
-    if isinstance(tiers, bytes):
-        fields["tiers"] = tiers.replace(_DISK_CODE, _REMOTE_CODE)
-    elif tiers:
-        fields["tiers"] = ["remote" if t == "disk" else t for t in tiers]
+    if tiers:
+        fields["tiers"] = _tiers_as_remote(tiers)
     if "num_disk_hits" in fields:
         fields["num_remote_hits"] = fields.get("num_remote_hits", 0) + fields.pop("num_disk_hits")
     return reply
+
+
+def _tiers_as_remote(tiers: bytes | list[str]) -> bytes | list[str]:
+    if isinstance(tiers, bytes):
+        return tiers.replace(_DISK_CODE, _REMOTE_CODE)
+    return ["remote" if t == "disk" else t for t in tiers]
 
 
 _DISK_CODE, _REMOTE_CODE = TIER_CODES["disk"], TIER_CODES["remote"]

@@ -5,7 +5,8 @@ Contract (the event loop's thread only):
 - ``ReplyQueue(metrics, error_log)``; ``attach(sock)`` once the ROUTER
   socket exists.
 - ``send(identity, header, frames, on_sent=None, lender=None)``: one reply
-  (header encoded here). Frames go out with ``copy=False``: block bytes
+  (header encoded here: a map, or a typed reply through
+  ``protocol.encode_reply``'s one reusable encoder). Frames go out with ``copy=False``: block bytes
   are not copied again, and pyzmq keeps their buffers alive until libzmq
   has sent them. A reply with payload or ``on_sent`` is tracked until then;
   ``on_sent`` (a restore that lends tier memory) runs once libzmq let go
@@ -62,7 +63,7 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from kvtier.client.protocol import encode, frame_nbytes
+from kvtier.client.protocol import ReplyMessage, encode_reply, frame_nbytes
 from kvtier.daemon.connections import Connection, shut_down
 from kvtier.daemon.log_limit import RateLimitedLog
 from kvtier.daemon.metrics import Counters
@@ -128,21 +129,22 @@ class ReplyQueue:
     def unsent_bytes(self, identity: bytes) -> int:
         return self._unsent_bytes.get(identity, 0)
 
-    def send(self, identity: bytes, header: dict[str, Any], frames: list[Any],
+    def send(self, identity: bytes, header: dict[str, Any] | ReplyMessage, frames: list[Any],
              on_sent: Callable[[], None] | None = None,
              lender: tuple[str, Connection | None] | None = None) -> None:
         """See the module docstring."""
         assert self._sock is not None
-        nbytes = sum(frame_nbytes(f) for f in frames)
+        nbytes = sum(frame_nbytes(f) for f in frames) if frames else 0
         track = on_sent is not None or nbytes > 0
         try:
             # NOBLOCK: with ROUTER_MANDATORY a full peer would block the loop.
-            tracker = self._sock.send_multipart([identity, encode(header), *frames], flags=zmq.NOBLOCK, copy=False,
-                                                track=track)
+            tracker = self._sock.send_multipart([identity, encode_reply(header), *frames], flags=zmq.NOBLOCK,
+                                                copy=False, track=track)
         except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost, not the daemon
             reason = "full" if exc.errno == zmq.EAGAIN else "gone"
             self.metrics.inc("replies_dropped_total", reason=reason)
-            self._error_log.log(f"dropped-{reason}", "reply %s to a client dropped (%s): %s", header.get("id"),
+            rid = header.id if isinstance(header, ReplyMessage) else header.get("id")
+            self._error_log.log(f"dropped-{reason}", "reply %s to a client dropped (%s): %s", rid,
                                 "it does not read its replies" if reason == "full" else "its connection is gone", exc)
             if on_sent is not None:
                 on_sent()

@@ -100,6 +100,7 @@ from kvtier.client.protocol import (
     RESERVED_ID,
     ErrorCode,
     ProtocolError,
+    ReplyMessage,
     Request,
     decode_request,
     error_reply,
@@ -158,6 +159,8 @@ MAX_LEARN_BACKLOG_KEYS = 1 << 16
 # reported sent (ReplyQueue.settle: a reply its client has read can look unsent for milliseconds), at
 # most this long per turn: clients that really do not read cost the loop no more than that.
 UNREAD_SETTLE_S_PER_TURN = 0.01
+# ZMQ_EVENTS is a plain int: masked with an int, not the IntFlag member (whose __and__ is ~1 us of Python).
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass
@@ -573,7 +576,7 @@ class Server:
                 self._handle(frames)
                 handled += 1
                 # Asking costs less than the zmq.Again a drained socket raises.
-                if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
                     break
         self.pools.poll()
         self._deliver_done()
@@ -605,14 +608,9 @@ class Server:
             if self.replies.sessions_to_shut:
                 self.replies.shut_unread(now_s)
             self.admission.close_expired(now_s)
-        self.metrics.set("sessions", len(self.sessions))
-        self.metrics.set("requests_in_flight", len(self._parked))
-        self.metrics.set("learn_backlog_keys", self.pools.learn_backlog_keys())
-        if self._connection_guard is not None:
-            self._connection_guard.publish(self.metrics)
-        if self.ctx.auth_failures is not None:
-            self.ctx.auth_failures.publish(self.metrics)
+            self._publish_gauges()
         if self.stats_snapshot.wanted():
+            self._publish_gauges()
             self.stats_snapshot.refresh(lambda: stats_fields(self.ctx))
         if self.notifier.watchdog_due(now_s):
             self.notifier.watchdog(now_s)
@@ -621,9 +619,21 @@ class Server:
             self._post_status()
         return handled
 
+    def _publish_gauges(self) -> None:
+        """The gauges that describe the loop's state (sessions, parked requests, learning backlog, connections,
+        auth failures): set at each sweep and just before anything reads them (a ``stats`` request, the
+        Prometheus snapshot), not on every turn: a turn that serves one lookup need not pay for them."""
+        self.metrics.set("sessions", len(self.sessions))
+        self.metrics.set("requests_in_flight", len(self._parked))
+        self.metrics.set("learn_backlog_keys", self.pools.learn_backlog_keys())
+        if self._connection_guard is not None:
+            self._connection_guard.publish(self.metrics)
+        if self.ctx.auth_failures is not None:
+            self.ctx.auth_failures.publish(self.metrics)
+
     def _clients_waiting(self) -> bool:
         assert self._sock is not None
-        return bool(self._parked) or bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(self._parked) or bool(self._sock.getsockopt(zmq.EVENTS) & _POLLIN)
 
     def _post_status(self) -> None:
         """systemctl status shows this line; sent only when it changed."""
@@ -681,6 +691,8 @@ class Server:
                 return
         try:
             session = self._session_for(req)
+            if req.op == "stats":
+                self._publish_gauges()  # the gauges are set lazily: fresh for whoever reads them
             result = HANDLERS[req.op](self.ctx, req, session)
         except ProtocolError as exc:
             self._send_error(identity, req.id, exc.code, exc.message, op=req.op)
@@ -794,7 +806,10 @@ class Server:
         if log.isEnabledFor(logging.DEBUG):
             n = len(getattr(req.msg, "hashes", None) or ())
             log.debug("%s id=%d blocks=%d ok in %.3f ms", req.op, req.id, n, elapsed_s * 1e3)
-        self.replies.send(identity, ok_reply(req.id, **reply.fields), reply.frames, reply.on_sent, lender)
+        body = reply.fields
+        # A typed reply (its op's ReplyMessage, envelope included) is encoded as it is; a map gets the envelope.
+        header = body if isinstance(body, ReplyMessage) else ok_reply(req.id, **body)
+        self.replies.send(identity, header, reply.frames, reply.on_sent, lender)
 
     def _send_error(self, identity: bytes, rid: int, code: ErrorCode, message: str, *, op: str = "") -> None:
         self.metrics.inc("errors_total", code=code.name)

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.client.protocol import (
     FEATURE_PACKED_HASHES,
@@ -328,3 +330,24 @@ def test_ok_replies_decode_as_their_ops_struct_and_bad_ones_are_malformed() -> N
     assert err.code == ErrorCode.MALFORMED and "tiers" in err.message and "lookup" in err.message
     for op, spec in OPS.items():  # every op but the free-form two has a reply Struct
         assert (spec.reply is None) == (op in ("stats", "health")), op
+
+
+@given(rid=st.integers(1, 2**63 - 1), pinned=st.integers(0, 2**32),
+       tiers=st.one_of(st.binary(max_size=300), st.lists(st.sampled_from(TIERS), max_size=40)))
+def test_a_typed_lookup_reply_encodes_to_the_bytes_of_its_map(rid: int, pinned: int, tiers: object) -> None:
+    from kvtier.client.protocol import LookupReply, encode_reply, ok_reply
+
+    typed = LookupReply(v=PROTOCOL_VERSION, id=rid, ok=True, tiers=tiers, pinned=pinned)  # type: ignore[arg-type]
+    assert encode_reply(typed) == encode(ok_reply(rid, tiers=tiers, pinned=pinned))
+    assert encode_reply(ok_reply(rid, tiers=tiers)) == encode(ok_reply(rid, tiers=tiers))  # a map: as before
+
+
+def test_every_reply_struct_keeps_the_envelope_first_and_its_fields_in_order() -> None:
+    # msgspec moves kw_only fields after the others: every reply class is kw_only, so none moves.
+    for op, spec in OPS.items():
+        if spec.reply is None:
+            continue
+        fields = spec.reply.__struct_fields__
+        assert fields[:3] == ("v", "id", "ok"), (op, fields)
+        own = tuple(f for cls in reversed(spec.reply.__mro__) for f in cls.__dict__.get("__annotations__", {}))
+        assert fields == tuple(dict.fromkeys(own)), (op, fields)
