@@ -29,6 +29,10 @@ repetition in a fresh random order (``bench/protocol_common.interleaved``):
 - ``kvtier cpu-tier, contiguous slots, kvtierd copies (lend off)``: the
   same restore with the worker's ``lend`` off (before lends; leave out with
   ``--no-lend-variant``);
+- ``kvtier cpu-tier, contiguous slots, plan per copy (before run tables)``:
+  the lent restore with the worker planning each copy anew
+  (``LentRestore.run_tables`` off: the copy as it was before run tables;
+  leave out with ``--no-lend-variant``);
 - ``kvtier gpu-tier, staged plane (info)``: the worker copies from a
   shared arena (``data_plane="staged"``);
 - ``memcpy torch`` / ``memcpy numpy``: ``Tensor.copy_`` / ``np.copyto`` of
@@ -74,6 +78,7 @@ TARGET_VS_MEMCPY = 0.7
 LAYERS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM = 4, 2, 128, 128  # bench/vllm.py's model, float32
 NUM_BLOCKS = 133  # bench/vllm.py's engines: 4 requests' worth of 33 blocks, + 1
 DEFAULT_JSON = REPO / "bench" / "results" / "vllm-restore-cpu.json"
+PER_COPY = ", plan per copy (before run tables)"
 
 
 def kv_tensors(seed: int) -> dict[str, Any]:
@@ -145,14 +150,21 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     check: dict[str, Any] = {}
     by_daemon: dict[str, Any] = {}  # daemon label -> its registered-plane worker
     want_by_tier: dict[str, Any] = {}
+    lent_workers: dict[str, Any] = {}  # variant -> its worker, where it restores lent
     if not args.no_lend_variant:
         # The same CPU-tier daemon with the worker's lend off: kvtierd copies into vLLM's tensors (before/after).
         daemons.append(("cpu", dc, ", kvtierd copies (lend off)"))
+        # The same lent restore planned per copy, as before run tables (the client's side, before/after).
+        daemons.append(("cpu", dc, PER_COPY))
     for tier, d, which in daemons:
         kv = kv_tensors(seed=1 if tier == "gpu" else 2)
         w = worker(d.endpoint, f"restore-{tier}", "registered", kv, lend="lend off" not in which)
         env["workers"].append(w)
-        if "lend off" not in which:  # the daemon's counters are the cpu daemon's, lent and copied together
+        if which == PER_COPY:
+            w._plane._lent.run_tables = False
+        if tier == "cpu" and "lend off" not in which and w._plane._lent is not None:
+            lent_workers[f"contiguous slots{which}" if which else "cpu tier"] = w
+        if "lend off" not in which and which != PER_COPY:  # the cpu daemon's counters: every worker's on it
             by_daemon[f"{tier} tier{which}"] = w
         w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys, src_slots, "store")]))
         w.wait_for_stores()
@@ -225,12 +237,15 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     rows.slab().copy_(want_by_tier["gpu"])
     fns["in-process copy into vLLM's slots (info)"] = lambda: copy_host_blocks(rows, src_slots, local_layout, contiguous)
 
+    lenders = {t: w._plane._lent for t, w in lent_workers.items()}
+    copies_before = {t: (x.copies, x.copy_seconds_total) for t, x in lenders.items()}
     before = {t: request_counters(w._link.client, "restore") for t, w in by_daemon.items()}
     warm = max(2, args.reps // 10)
     load_start = loadavg()
     times = interleaved(fns, args.reps, warm, label="restore", check=check)
     load_end = loadavg()
     after = {t: request_counters(w._link.client, "restore") for t, w in by_daemon.items()}
+    copies_after = {t: (x.copies, x.copy_seconds_total) for t, x in lenders.items()}
 
     memcpy_ref = min(("memcpy torch", "memcpy numpy"), key=lambda k: statistics.median(times[k]))
     out: dict[str, Any] = {"blocks": n, "block_bytes": block_bytes, "bytes": nbytes, "reps": args.reps, "warmup": warm,
@@ -245,6 +260,11 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     # The daemon's own share of a restore (both kinds of slots and the untimed warm-ups and checks).
     out["daemon_ms_per_restore"] = {t: 1e3 * (after[t][1] - before[t][1]) / max(1.0, after[t][0] - before[t][0])
                                     for t in after}
+    # The worker's own lent copies (mapping lookup to lease check; warm-ups and checks included): the rest of a
+    # lent restore is the round trip.
+    out["lent_copy_ms_per_restore"] = {
+        t: 1e3 * (copies_after[t][1] - copies_before[t][1]) / max(1, copies_after[t][0] - copies_before[t][0])
+        for t in lenders}
     out["targets"] = {t: {"vs_memcpy": out["variants"][f"kvtier {t}-tier, contiguous slots"]["vs_memcpy"]}
                       for t in ("gpu", "cpu")}
     for t in out["targets"].values():
@@ -260,6 +280,9 @@ def report(r: dict[str, Any]) -> str:
                    f"interleaved; vs memcpy = median over reps of memcpy time / variant time ({r['memcpy_reference']})")]
     parts.append("\nkvtierd's own time per restore (receipt to reply handed to ZMQ): "
                  + ", ".join(f"{t} {ms:.2f} ms" for t, ms in r["daemon_ms_per_restore"].items()))
+    if r.get("lent_copy_ms_per_restore"):
+        parts.append("the worker's lent copy per restore (mapping lookup to lease check): "
+                     + ", ".join(f"{t} {ms:.2f} ms" for t, ms in r["lent_copy_ms_per_restore"].items()))
     parts.append(table(["target", "measured", "met"],
                        [[f"contiguous restore >= {TARGET_VS_MEMCPY}x memcpy, {t} tier", f"{v['vs_memcpy']:.2f}x",
                          yes(v["met"])] for t, v in r["targets"].items()], "\nTarget (issue 35)"))
@@ -277,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="results (default bench/results/vllm-restore-cpu.json; --quick writes only with --json)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")
     p.add_argument("--no-lend-variant", action="store_true",
-                   help="leave out the CPU-tier variant with the worker's lend off (kvtierd copies)")
+                   help="leave out the CPU-tier variants with the worker's lend off (kvtierd copies) and with "
+                        "each lent copy planned anew (before run tables)")
     p.add_argument("--baseline-pythonpath", default=None, metavar="PATH",
                    help="also run the daemons with this PYTHONPATH (an older kvtier), side by side: before/after")
     args = p.parse_args(argv)

@@ -27,6 +27,11 @@ memory (``engines``: the engine's KV-cache group id -> the ``BlockLayout`` of it
   store, on the store thread). A worker that goes quiet leaves its last
   lend to end with its lease (``lend_lease_s``, 2 s by default).
 - ``close()`` unmaps the files (the session's end ends its lends).
+- ``copies`` / ``copy_seconds_total``: lent copies made and the seconds they
+  took, mapping lookup to lease check (where a restore's time goes: the rest is
+  the round trip).
+- ``run_tables`` (True): False plans every copy anew (``copy_host_blocks``), as
+  before run tables: bench/vllm_restore.py times both in one run.
 
 Why: kvtierd copying into vLLM's tensors is a copy by another process,
 ~0.4-0.6x of a memcpy on a loaded host (bench/vllm_restore.py); here the
@@ -42,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -73,6 +79,9 @@ class LentRestore:
         self._pending: list[int] = []  # lends copied, not yet ended
         self._pending_lock = threading.Lock()  # the loads thread and the forward's thread both restore
         self._off = False
+        self.run_tables = True
+        self.copies = 0
+        self.copy_seconds_total = 0.0
         self.lent_blocks = 0
         self.late_copies = 0
 
@@ -80,6 +89,7 @@ class LentRestore:
         return not self._off and self._runs_ok and FEATURE_LEND in client.features
 
     def copy(self, client: Client, lent: Lent, block_ids: list[int], group: int) -> int | None:
+        t0 = time.perf_counter()
         try:
             src = self._maps.layout(lent)
         except LendUnavailable as exc:
@@ -91,13 +101,15 @@ class LentRestore:
         n = len(lent.slots)
         dst_slots = block_ids[:n]
         table = self._tables.get(group)
-        if table is None or table.src is not src:
+        if self.run_tables and (table is None or table.src is not src):
             table = self._tables[group] = RunTable.build(src, self._engines[group])
-        if table is not None:
+        if table is not None and self.run_tables:
             table.copy(lent.slots, dst_slots)
         else:
             copy_host_blocks(src, lent.slots, self._engines[group], dst_slots)
         intact = lent.intact()
+        self.copies += 1
+        self.copy_seconds_total += time.perf_counter() - t0
         self._done(lent.id)
         if not intact:
             # The lease ran out during the copy: kvtierd may have reused a slot under it.
