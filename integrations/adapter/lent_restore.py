@@ -184,11 +184,19 @@ class RunTable:
         """Copy blocks ``src_slots`` of the slab into engine blocks ``dst_slots``; returns the bytes copied.
         Raises ``ValueError`` (duplicate engine blocks, lengths that differ, engine runs that overlap) or
         ``IndexError`` (a slot out of range) before any byte moves."""
+        src, dst, sizes = self.runs(src_slots, dst_slots)
+        move = ctypes.memmove
+        for s, d, k in zip(src, dst, sizes):
+            move(d, s, k)
+        return len(src_slots) * self.row_bytes
+
+    def runs(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """The copy's runs: source addresses, destination addresses, bytes (``copy``'s checks and errors)."""
         n = len(src_slots)
         if n != len(dst_slots):
             raise ValueError(f"{n} source slots but {len(dst_slots)} engine blocks")
         if not n:
-            return 0
+            return [], [], []
         if min(src_slots) < 0 or max(src_slots) >= self.src.num_blocks:
             raise IndexError(f"slab slots must be in [0, {self.src.num_blocks})")
         if min(dst_slots) < 0 or max(dst_slots) >= self.dst.num_blocks:
@@ -212,7 +220,4 @@ class RunTable:
                 starts = np.flatnonzero(np.concatenate(([True], ~cont)))
                 sizes = np.add.reduceat(sizes, starts)
                 src, dst = src[starts], dst[starts]
-        move = ctypes.memmove
-        for s, d, k in zip(src.tolist(), dst.tolist(), sizes.tolist()):
-            move(d, s, k)
-        return n * self.row_bytes
+        return src.tolist(), dst.tolist(), sizes.tolist()
