@@ -33,6 +33,9 @@ repetition in a fresh random order (``bench/protocol_common.interleaved``):
   the lent restore with the worker planning each copy anew
   (``LentRestore.run_tables`` off: the copy as it was before run tables;
   leave out with ``--no-lend-variant``);
+- ``kvtier cpu-tier, contiguous slots, 2 copy threads``: the lent restore
+  with the worker's copy shared with a helper thread
+  (``LentRestore.copy_threads = 2``; left out with ``--no-lend-variant``);
 - ``kvtier gpu-tier, staged plane (info)``: the worker copies from a
   shared arena (``data_plane="staged"``);
 - ``memcpy torch`` / ``memcpy numpy``: ``Tensor.copy_`` / ``np.copyto`` of
@@ -79,6 +82,7 @@ LAYERS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM = 4, 2, 128, 128  # bench/vllm.py's mod
 NUM_BLOCKS = 133  # bench/vllm.py's engines: 4 requests' worth of 33 blocks, + 1
 DEFAULT_JSON = REPO / "bench" / "results" / "vllm-restore-cpu.json"
 PER_COPY = ", plan per copy (before run tables)"
+TWO_THREADS = ", 2 copy threads"
 
 
 def kv_tensors(seed: int) -> dict[str, Any]:
@@ -156,15 +160,18 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
         daemons.append(("cpu", dc, ", kvtierd copies (lend off)"))
         # The same lent restore planned per copy, as before run tables (the client's side, before/after).
         daemons.append(("cpu", dc, PER_COPY))
+        daemons.append(("cpu", dc, TWO_THREADS))
     for tier, d, which in daemons:
         kv = kv_tensors(seed=1 if tier == "gpu" else 2)
         w = worker(d.endpoint, f"restore-{tier}", "registered", kv, lend="lend off" not in which)
         env["workers"].append(w)
         if which == PER_COPY:
             w._plane._lent.run_tables = False
+        if which == TWO_THREADS:
+            w._plane._lent.copy_threads = 2
         if tier == "cpu" and "lend off" not in which and w._plane._lent is not None:
             lent_workers[f"contiguous slots{which}" if which else "cpu tier"] = w
-        if "lend off" not in which and which != PER_COPY:  # the cpu daemon's counters: every worker's on it
+        if "lend off" not in which and which not in (PER_COPY, TWO_THREADS):  # the cpu daemon's counters: every worker's on it
             by_daemon[f"{tier} tier{which}"] = w
         w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys, src_slots, "store")]))
         w.wait_for_stores()

@@ -30,6 +30,8 @@ memory (``engines``: the engine's KV-cache group id -> the ``BlockLayout`` of it
 - ``copies`` / ``copy_seconds_total``: lent copies made and the seconds they
   took, mapping lookup to lease check (where a restore's time goes: the rest is
   the round trip).
+- ``copy_threads`` (1): 2 shares each copy's runs with a helper thread
+  (``TwoThreadCopy``); bench/vllm_restore.py times both.
 - ``run_tables`` (True): False plans every copy anew (``copy_host_blocks``), as
   before run tables: bench/vllm_restore.py times both in one run.
 
@@ -45,6 +47,7 @@ per slot, are the plan (~0.05 ms).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import threading
 import time
@@ -80,6 +83,8 @@ class LentRestore:
         self._pending_lock = threading.Lock()  # the loads thread and the forward's thread both restore
         self._off = False
         self.run_tables = True
+        self.copy_threads = 1
+        self._two: TwoThreadCopy | None = None
         self.copies = 0
         self.copy_seconds_total = 0.0
         self.lent_blocks = 0
@@ -103,7 +108,11 @@ class LentRestore:
         table = self._tables.get(group)
         if self.run_tables and (table is None or table.src is not src):
             table = self._tables[group] = RunTable.build(src, self._engines[group])
-        if table is not None and self.run_tables:
+        if table is not None and self.run_tables and self.copy_threads > 1:
+            if self._two is None:
+                self._two = TwoThreadCopy()
+            self._two.copy(*table.runs(lent.slots, dst_slots, max_run_bytes=TwoThreadCopy.PIECE_BYTES))
+        elif table is not None and self.run_tables:
             table.copy(lent.slots, dst_slots)
         else:
             copy_host_blocks(src, lent.slots, self._engines[group], dst_slots)
@@ -137,6 +146,8 @@ class LentRestore:
                 pass  # the daemon ends them at their lease's end, or with the session
 
     def close(self) -> None:
+        if self._two is not None:
+            self._two.close()
         self._tables.clear()
         self._maps.close()
 
@@ -190,8 +201,10 @@ class RunTable:
             move(d, s, k)
         return len(src_slots) * self.row_bytes
 
-    def runs(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
-        """The copy's runs: source addresses, destination addresses, bytes (``copy``'s checks and errors)."""
+    def runs(self, src_slots: Sequence[int], dst_slots: Sequence[int], *,
+             max_run_bytes: int | None = None) -> tuple[list[int], list[int], list[int]]:
+        """The copy's runs: source addresses, destination addresses, bytes (``copy``'s checks and errors);
+        ``max_run_bytes``: none longer (cut into pieces, for sharing between threads)."""
         n = len(src_slots)
         if n != len(dst_slots):
             raise ValueError(f"{n} source slots but {len(dst_slots)} engine blocks")
@@ -220,4 +233,78 @@ class RunTable:
                 starts = np.flatnonzero(np.concatenate(([True], ~cont)))
                 sizes = np.add.reduceat(sizes, starts)
                 src, dst = src[starts], dst[starts]
+        if max_run_bytes is not None and int(sizes.max()) > max_run_bytes:
+            pieces = (sizes + max_run_bytes - 1) // max_run_bytes
+            run = np.repeat(np.arange(sizes.size), pieces)
+            off = (np.arange(run.size, dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_run_bytes
+            src, dst, sizes = src[run] + off, dst[run] + off, np.minimum(sizes[run] - off, max_run_bytes)
         return src.tolist(), dst.tolist(), sizes.tolist()
+
+
+class TwoThreadCopy:
+    """Memmoves a copy's runs on the calling thread and a helper thread together.
+
+    Both take the next run from one counter, so a helper that wakes late (a
+    busy host) just takes fewer; ``copy`` returns once every run is done, none
+    still being copied by the helper. ``close()`` ends the helper.
+    """
+
+    PIECE_BYTES = 1 << 20  # runs longer than this are cut, so both threads get a share
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._job: _Runs | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="kvtier-lent-copy", daemon=True)
+        self._thread.start()
+
+    def copy(self, src: list[int], dst: list[int], sizes: list[int]) -> None:
+        job = _Runs(src, dst, sizes)
+        with self._cv:
+            self._job = job
+            self._cv.notify()
+        job.work()
+        job.finished.wait()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                job, self._job = self._job, None
+            assert job is not None
+            job.work()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=5.0)
+
+
+class _Runs:
+    """One copy's runs and who copied how many of them (``TwoThreadCopy``)."""
+
+    __slots__ = ("src", "dst", "sizes", "_next", "_done", "_lock", "finished")
+
+    def __init__(self, src: list[int], dst: list[int], sizes: list[int]) -> None:
+        self.src, self.dst, self.sizes = src, dst, sizes
+        self._next = itertools.count()  # next() on it is atomic under the GIL: each run goes to one thread
+        self._done = 0
+        self._lock = threading.Lock()
+        self.finished = threading.Event()
+        if not sizes:
+            self.finished.set()
+
+    def work(self) -> None:
+        move, n, took = ctypes.memmove, len(self.sizes), 0
+        src, dst, sizes, claim = self.src, self.dst, self.sizes, self._next
+        while (i := next(claim)) < n:
+            move(dst[i], src[i], sizes[i])
+            took += 1
+        with self._lock:
+            self._done += took
+            if self._done == n:
+                self.finished.set()

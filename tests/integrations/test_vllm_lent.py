@@ -48,8 +48,9 @@ def _store(endpoint: str, shape: tuple[int, ...], keys: list[bytes], src_blocks:
     return [_block(engine, b) for b in src_blocks]
 
 
+@pytest.mark.parametrize("copy_threads", [1, 2])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layout: str) -> None:
+def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layout: str, copy_threads: int) -> None:
     daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20)
     shape = LAYOUTS[layout]()
     keys = hash_token_blocks(list(range(5 * BS)), BS)
@@ -58,6 +59,9 @@ def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layou
     before = {n: t.clone() for n, t in engine.items()}
     w = _worker(daemon.endpoint)
     w.register_kv_caches(engine)
+    plane = w._plane
+    assert isinstance(plane, RegisteredPlane) and plane._lent is not None
+    plane._lent.copy_threads = copy_threads
     dst_blocks = [0, 1, 2, 6, 11]
     w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, dst_blocks, "r2")]))
     assert w.get_block_ids_with_load_errors() == set()
@@ -128,7 +132,7 @@ def test_a_run_table_copies_as_copy_blocks_does(layout: str, data: st.DataObject
     # The lent copy's runs, shifted per slot from one block's plan, against the plain copy (the model): every
     # byte of the engine's tensors, the blocks written and the others; errors before any byte moves.
     from kvtier.blocks.layout import BlockLayout, copy_blocks
-    from kvtier.integrations.adapter.lent_restore import RunTable
+    from kvtier.integrations.adapter.lent_restore import RunTable, TwoThreadCopy
 
     shape = _TABLE_LAYOUTS[layout]()
     count = 1 if layout == "one block-major slab" else LAYERS
@@ -148,7 +152,15 @@ def test_a_run_table_copies_as_copy_blocks_does(layout: str, data: st.DataObject
         if data.draw(st.booleans()):
             dst_slots = sorted(dst_slots)
             src_slots = list(range(n)) if n <= rows else src_slots  # runs that continue: merged
-        assert table.copy(src_slots, dst_slots) == n * dst.block_bytes
+        threads = data.draw(st.sampled_from([1, 2]))
+        if threads == 1:
+            assert table.copy(src_slots, dst_slots) == n * dst.block_bytes
+        else:  # runs cut into pieces, shared with a helper thread
+            two = TwoThreadCopy()
+            try:
+                two.copy(*table.runs(src_slots, dst_slots, max_run_bytes=data.draw(st.sampled_from([512, 4096, 1 << 20]))))
+            finally:
+                two.close()
         if n:
             copy_blocks(src, src_slots, model, dst_slots)
         for got, want in zip(engine, model.tensors):
