@@ -170,7 +170,7 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
         if which == TWO_THREADS:
             w._plane._lent.copy_threads = 2
         if tier == "cpu" and "lend off" not in which and w._plane._lent is not None:
-            lent_workers[f"contiguous slots{which}" if which else "cpu tier"] = w
+            lent_workers[f"kvtier cpu-tier{which}"] = w  # its contiguous and (without `which`) scattered restores
         if "lend off" not in which and which not in (PER_COPY, TWO_THREADS):  # the cpu daemon's counters: every worker's on it
             by_daemon[f"{tier} tier{which}"] = w
         w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys, src_slots, "store")]))
