@@ -1055,7 +1055,8 @@ def render_vllm_restore(d: Result) -> str:
         f"{ratio(tg['cpu']['vs_memcpy'])}: {met(tg['cpu']['met'])}.",
         "Reading it: a CPU-tier restore comes back lent and the worker copies it itself (its copy time above); "
         "the rest of it is the round trip, which the heartbeat row shows bare. `plan per copy` is the same lent "
-        "restore planned anew each time, as before run tables. On this 2-core VM the medians are set by "
+        "restore planned anew each time, as before run tables. kvtierd's CPU-tier time is a mean over all that "
+        "daemon's restores, the lent ones and those it copies (lend off). On this 2-core VM the medians are set by "
         "scheduling as much as by copying: each restore wakes threads in two processes.",
     ]
     return "\n\n".join(parts)
@@ -1276,8 +1277,8 @@ RENDERERS: list[Renderer] = [
              "python bench/vllm_nodaemon.py", render_vllm_nodaemon),
     Renderer("vllm-restore-*.json", "vllm-restore", "vLLM: a 32 MiB restore into vLLM's KV",
              "The worker half's synchronous load (`start_load_kv`: from the worker's request to the last byte in the "
-             "tensors) of a 32-block prefix into KV tensors registered as vLLM's CPU backend has them, against numpy's "
-             "memcpy of the same bytes, beside the same daemons running `main`'s code.",
+             "tensors) of a 32-block prefix into KV tensors registered as vLLM's CPU backend has them, against a "
+             "memcpy of the same bytes in the same process (the faster of torch's and numpy's).",
              "python bench/vllm_restore.py --baseline-pythonpath <main's checkout shim>", render_vllm_restore),
     Renderer("peers-lends-*.json", "peers-lends", "Beside its peers, with lent restores (kvtier at 2bfa3fd)",
              "A `bench/peers.py` run of kvtier, LMCache and vLLM native after lent restores landed (issue 35 item 2: "

@@ -30,12 +30,12 @@ repetition in a fresh random order (``bench/protocol_common.interleaved``):
   same restore with the worker's ``lend`` off (before lends; leave out with
   ``--no-lend-variant``);
 - ``kvtier cpu-tier, contiguous slots, plan per copy (before run tables)``:
-  the lent restore with the worker planning each copy anew
-  (``LentRestore.run_tables`` off: the copy as it was before run tables;
-  leave out with ``--no-lend-variant``);
-- ``kvtier cpu-tier, contiguous slots, 2 copy threads``: the lent restore
-  with the worker's copy shared with a helper thread
-  (``LentRestore.copy_threads = 2``; left out with ``--no-lend-variant``);
+  the same worker's lent restore (same tensors, same lends) planning each
+  copy anew (``LentRestore.run_tables`` off for the call: the copy as it was
+  before run tables; left out with ``--no-lend-variant``);
+- ``kvtier cpu-tier, contiguous slots, 2 copy threads``: the same, its copy
+  shared with a helper thread (``LentRestore.copy_threads = 2`` for the call;
+  left out with ``--no-lend-variant``);
 - ``kvtier gpu-tier, staged plane (info)``: the worker copies from a
   shared arena (``data_plane="staged"``);
 - ``memcpy torch`` / ``memcpy numpy``: ``Tensor.copy_`` / ``np.copyto`` of
@@ -154,24 +154,15 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     check: dict[str, Any] = {}
     by_daemon: dict[str, Any] = {}  # daemon label -> its registered-plane worker
     want_by_tier: dict[str, Any] = {}
-    lent_workers: dict[str, Any] = {}  # variant -> its worker, where it restores lent
+    lent_copy: dict[str, list[float]] = {}  # lent variant -> [seconds its worker copied, copies]
     if not args.no_lend_variant:
         # The same CPU-tier daemon with the worker's lend off: kvtierd copies into vLLM's tensors (before/after).
         daemons.append(("cpu", dc, ", kvtierd copies (lend off)"))
-        # The same lent restore planned per copy, as before run tables (the client's side, before/after).
-        daemons.append(("cpu", dc, PER_COPY))
-        daemons.append(("cpu", dc, TWO_THREADS))
     for tier, d, which in daemons:
         kv = kv_tensors(seed=1 if tier == "gpu" else 2)
         w = worker(d.endpoint, f"restore-{tier}", "registered", kv, lend="lend off" not in which)
         env["workers"].append(w)
-        if which == PER_COPY:
-            w._plane._lent.run_tables = False
-        if which == TWO_THREADS:
-            w._plane._lent.copy_threads = 2
-        if tier == "cpu" and "lend off" not in which and w._plane._lent is not None:
-            lent_workers[f"kvtier cpu-tier{which}"] = w  # its contiguous and (without `which`) scattered restores
-        if "lend off" not in which and which not in (PER_COPY, TWO_THREADS):  # the cpu daemon's counters: every worker's on it
+        if "lend off" not in which:  # the daemon's counters are the cpu daemon's, lent and copied together
             by_daemon[f"{tier} tier{which}"] = w
         w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys, src_slots, "store")]))
         w.wait_for_stores()
@@ -180,12 +171,35 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
         want_by_tier[tier] = want
         tiers = w._link.client.lookup(keys)
         assert list(tiers) == [tier] * n, f"{tier} daemon holds the blocks in {set(tiers)}"
-        for label, slots in (("contiguous", contiguous), ("scattered", scattered)):
+        lender = w._plane._lent if tier == "cpu" and "lend off" not in which else None
+        variants = [("contiguous", contiguous, "", {}), ("scattered", scattered, "", {})]
+        if lender is not None and not which and not args.no_lend_variant:
+            # The same worker, memory and lends with the copy done the other ways (before/after, in one run).
+            variants += [("contiguous", contiguous, PER_COPY, {"run_tables": False}),
+                         ("contiguous", contiguous, TWO_THREADS, {"copy_threads": 2})]
+        for label, slots, how, flags in variants:
             if which and label == "scattered":
                 continue
-            name = f"kvtier {tier}-tier, {label} slots{which}"
-            fns[name] = lambda w=w, slots=slots: w.start_load_kv(
-                StepTransfers(loads=[BlockTransfer(keys, slots, "r")]))
+            name = f"kvtier {tier}-tier, {label} slots{which}{how}"
+
+            def restore(w: Any = w, slots: list[int] = slots, lender: Any = lender, flags: dict[str, Any] = flags,
+                        name: str = name) -> Any:
+                if lender is None:
+                    return w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, slots, "r")]))
+                saved = {k: getattr(lender, k) for k in flags}
+                for k, v in flags.items():
+                    setattr(lender, k, v)
+                seconds, copies = lender.copy_seconds_total, lender.copies
+                try:
+                    return w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, slots, "r")]))
+                finally:
+                    spent = lent_copy.setdefault(name, [0.0, 0])
+                    spent[0] += lender.copy_seconds_total - seconds
+                    spent[1] += lender.copies - copies
+                    for k, v in saved.items():
+                        setattr(lender, k, v)
+
+            fns[name] = restore
 
             def verify(_res: Any, w: Any = w, layout: Any = layout, slots: list[int] = slots, want: Any = want) -> None:
                 errors = w.get_block_ids_with_load_errors()
@@ -244,15 +258,13 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     rows.slab().copy_(want_by_tier["gpu"])
     fns["in-process copy into vLLM's slots (info)"] = lambda: copy_host_blocks(rows, src_slots, local_layout, contiguous)
 
-    lenders = {t: w._plane._lent for t, w in lent_workers.items()}
-    copies_before = {t: (x.copies, x.copy_seconds_total) for t, x in lenders.items()}
+    untimed = {k: list(v) for k, v in lent_copy.items()}
     before = {t: request_counters(w._link.client, "restore") for t, w in by_daemon.items()}
     warm = max(2, args.reps // 10)
     load_start = loadavg()
     times = interleaved(fns, args.reps, warm, label="restore", check=check)
     load_end = loadavg()
     after = {t: request_counters(w._link.client, "restore") for t, w in by_daemon.items()}
-    copies_after = {t: (x.copies, x.copy_seconds_total) for t, x in lenders.items()}
 
     memcpy_ref = min(("memcpy torch", "memcpy numpy"), key=lambda k: statistics.median(times[k]))
     out: dict[str, Any] = {"blocks": n, "block_bytes": block_bytes, "bytes": nbytes, "reps": args.reps, "warmup": warm,
@@ -267,11 +279,11 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     # The daemon's own share of a restore (both kinds of slots and the untimed warm-ups and checks).
     out["daemon_ms_per_restore"] = {t: 1e3 * (after[t][1] - before[t][1]) / max(1.0, after[t][0] - before[t][0])
                                     for t in after}
-    # The worker's own lent copies (mapping lookup to lease check; warm-ups and checks included): the rest of a
+    # The worker's own lent copies (mapping lookup to lease check; timed repetitions and warm-ups): the rest of a
     # lent restore is the round trip.
     out["lent_copy_ms_per_restore"] = {
-        t: 1e3 * (copies_after[t][1] - copies_before[t][1]) / max(1, copies_after[t][0] - copies_before[t][0])
-        for t in lenders}
+        t: 1e3 * (x[0] - untimed.get(t, [0.0, 0])[0]) / max(1, x[1] - untimed.get(t, [0.0, 0])[1])
+        for t, x in lent_copy.items()}
     out["targets"] = {t: {"vs_memcpy": out["variants"][f"kvtier {t}-tier, contiguous slots"]["vs_memcpy"]}
                       for t in ("gpu", "cpu")}
     for t in out["targets"].values():
