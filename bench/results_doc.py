@@ -1033,29 +1033,33 @@ def render_vllm_family(d: Result) -> str:
 def render_vllm_restore(d: Result) -> str:
     r = d["restore"]
     v = r["variants"]
-    mc = v[r["memcpy_reference"]]["median_ms"]
+    ref = r["memcpy_reference"]
     rows = [[k, ms(x["median_ms"] / 1000, 2), ms(x["p10_ms"] / 1000, 2), ms(x["p90_ms"] / 1000, 2),
-             ratio(mc / x["median_ms"])] for k, x in v.items()]
+             ratio(x["vs_memcpy"])] for k, x in v.items()]
     dm = r["daemon_ms_per_restore"]
     tg = r["targets"]
-    return "\n\n".join([
+    baseline = any("(baseline daemon)" in k for k in v)
+    own = [[f"kvtierd, {k}", ms(x / 1000, 2)] for k, x in dm.items()]
+    own += [[f"the worker's lent copy, {k}", ms(x / 1000, 2)] for k, x in (r.get("lent_copy_ms_per_restore") or {}).items()]
+    load = r.get("loadavg_start")
+    parts = [
         f"{r['blocks']} blocks of {mib(r['block_bytes'])} ({mib(r['bytes'])}) into KV tensors shaped "
         f"{r['kv_shape_per_layer']} × {r['layers']} layers, as vLLM's CPU backend has them; {r['reps']} repetitions "
-        f"interleaved with the same daemons running `main`'s code (`--baseline-pythonpath`, rows marked "
-        "baseline daemon). `vs memcpy` is numpy's memcpy median over the variant's.",
+        "interleaved" + (" with the same daemons running an older checkout's code (`--baseline-pythonpath`, rows "
+                         "marked baseline daemon)" if baseline else "")
+        + f". `vs memcpy`: the median over repetitions of `{ref}`'s time over the variant's (the faster memcpy is "
+        "the reference)" + (f"; load average {load[0]:.1f} at the start" if load else "") + ".",
         md_table(["variant", "median", "p10", "p90", "vs memcpy"], rows, "lrrrr"),
-        md_table(["kvtierd's own time per restore (mean)", "value"], [[k, ms(x / 1000)] for k, x in dm.items()], "lr"),
+        md_table(["time per restore (mean, warm-ups and checks included)", "value"], own, "lr"),
         f"Target ≥ 0.7× memcpy: GPU tier {ratio(tg['gpu']['vs_memcpy'])}: {met(tg['gpu']['met'])}; CPU tier "
-        f"{ratio(tg['cpu']['vs_memcpy'])}: {met(tg['cpu']['met'])}. Two earlier runs at higher load, quoted from the "
-        "earlier README (not in this JSON): GPU tier 0.53× / 0.50× (main 0.33× / 0.36×), CPU tier 0.44× / 0.43×; "
-        "not met in any.",
-        "What limits it: on this VM the medians are set by scheduling more than by copying: compare the heartbeat "
-        "row (a bare round trip) with memcpy's p10 and median. Copying the same blocks inside the measuring "
-        "process with no daemon (the in-process row) comes out near what kvtierd achieves. Each restore wakes "
-        "five threads over two processes; with more runnable threads than cores each wake-up waits for a time "
-        "slice. kvtierd's own time is below main's (copies into vLLM's `/dev/shm` KV pinned its 4 KiB pages "
-        "before); the daemon side is the part to profile next.",
-    ])
+        f"{ratio(tg['cpu']['vs_memcpy'])}: {met(tg['cpu']['met'])}.",
+        "Reading it: a CPU-tier restore comes back lent and the worker copies it itself (its copy time above); "
+        "the rest of it is the round trip, which the heartbeat row shows bare. `plan per copy` is the same lent "
+        "restore planned anew each time, as before run tables. kvtierd's CPU-tier time is a mean over all that "
+        "daemon's restores, the lent ones and those it copies (lend off). On this 2-core VM the medians are set by "
+        "scheduling as much as by copying: each restore wakes threads in two processes.",
+    ]
+    return "\n\n".join(parts)
 
 
 def render_vllm_nodaemon(d: Result) -> str:
@@ -1273,8 +1277,8 @@ RENDERERS: list[Renderer] = [
              "python bench/vllm_nodaemon.py", render_vllm_nodaemon),
     Renderer("vllm-restore-*.json", "vllm-restore", "vLLM: a 32 MiB restore into vLLM's KV",
              "The worker half's synchronous load (`start_load_kv`: from the worker's request to the last byte in the "
-             "tensors) of a 32-block prefix into KV tensors registered as vLLM's CPU backend has them, against numpy's "
-             "memcpy of the same bytes, beside the same daemons running `main`'s code.",
+             "tensors) of a 32-block prefix into KV tensors registered as vLLM's CPU backend has them, against a "
+             "memcpy of the same bytes in the same process (the faster of torch's and numpy's).",
              "python bench/vllm_restore.py --baseline-pythonpath <main's checkout shim>", render_vllm_restore),
     Renderer("peers-lends-*.json", "peers-lends", "Beside its peers, with lent restores (kvtier at 2bfa3fd)",
              "A `bench/peers.py` run of kvtier, LMCache and vLLM native after lent restores landed (issue 35 item 2: "

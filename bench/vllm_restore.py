@@ -29,6 +29,13 @@ repetition in a fresh random order (``bench/protocol_common.interleaved``):
 - ``kvtier cpu-tier, contiguous slots, kvtierd copies (lend off)``: the
   same restore with the worker's ``lend`` off (before lends; leave out with
   ``--no-lend-variant``);
+- ``kvtier cpu-tier, contiguous slots, plan per copy (before run tables)``:
+  the same worker's lent restore (same tensors, same lends) planning each
+  copy anew (``LentRestore.run_tables`` off for the call: the copy as it was
+  before run tables; left out with ``--no-lend-variant``);
+- ``kvtier cpu-tier, contiguous slots, 2 copy threads``: the same, its copy
+  shared with a helper thread (``LentRestore.copy_threads = 2`` for the call;
+  left out with ``--no-lend-variant``);
 - ``kvtier gpu-tier, staged plane (info)``: the worker copies from a
   shared arena (``data_plane="staged"``);
 - ``memcpy torch`` / ``memcpy numpy``: ``Tensor.copy_`` / ``np.copyto`` of
@@ -74,6 +81,8 @@ TARGET_VS_MEMCPY = 0.7
 LAYERS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM = 4, 2, 128, 128  # bench/vllm.py's model, float32
 NUM_BLOCKS = 133  # bench/vllm.py's engines: 4 requests' worth of 33 blocks, + 1
 DEFAULT_JSON = REPO / "bench" / "results" / "vllm-restore-cpu.json"
+PER_COPY = ", plan per copy (before run tables)"
+TWO_THREADS = ", 2 copy threads"
 
 
 def kv_tensors(seed: int) -> dict[str, Any]:
@@ -145,6 +154,7 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     check: dict[str, Any] = {}
     by_daemon: dict[str, Any] = {}  # daemon label -> its registered-plane worker
     want_by_tier: dict[str, Any] = {}
+    lent_copy: dict[str, list[float]] = {}  # lent variant -> [seconds its worker copied, copies]
     if not args.no_lend_variant:
         # The same CPU-tier daemon with the worker's lend off: kvtierd copies into vLLM's tensors (before/after).
         daemons.append(("cpu", dc, ", kvtierd copies (lend off)"))
@@ -161,12 +171,35 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
         want_by_tier[tier] = want
         tiers = w._link.client.lookup(keys)
         assert list(tiers) == [tier] * n, f"{tier} daemon holds the blocks in {set(tiers)}"
-        for label, slots in (("contiguous", contiguous), ("scattered", scattered)):
+        lender = w._plane._lent if tier == "cpu" and "lend off" not in which else None
+        variants = [("contiguous", contiguous, "", {}), ("scattered", scattered, "", {})]
+        if lender is not None and not which and not args.no_lend_variant:
+            # The same worker, memory and lends with the copy done the other ways (before/after, in one run).
+            variants += [("contiguous", contiguous, PER_COPY, {"run_tables": False}),
+                         ("contiguous", contiguous, TWO_THREADS, {"copy_threads": 2})]
+        for label, slots, how, flags in variants:
             if which and label == "scattered":
                 continue
-            name = f"kvtier {tier}-tier, {label} slots{which}"
-            fns[name] = lambda w=w, slots=slots: w.start_load_kv(
-                StepTransfers(loads=[BlockTransfer(keys, slots, "r")]))
+            name = f"kvtier {tier}-tier, {label} slots{which}{how}"
+
+            def restore(w: Any = w, slots: list[int] = slots, lender: Any = lender, flags: dict[str, Any] = flags,
+                        name: str = name) -> Any:
+                if lender is None:
+                    return w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, slots, "r")]))
+                saved = {k: getattr(lender, k) for k in flags}
+                for k, v in flags.items():
+                    setattr(lender, k, v)
+                seconds, copies = lender.copy_seconds_total, lender.copies
+                try:
+                    return w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, slots, "r")]))
+                finally:
+                    spent = lent_copy.setdefault(name, [0.0, 0])
+                    spent[0] += lender.copy_seconds_total - seconds
+                    spent[1] += lender.copies - copies
+                    for k, v in saved.items():
+                        setattr(lender, k, v)
+
+            fns[name] = restore
 
             def verify(_res: Any, w: Any = w, layout: Any = layout, slots: list[int] = slots, want: Any = want) -> None:
                 errors = w.get_block_ids_with_load_errors()
@@ -225,6 +258,7 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     rows.slab().copy_(want_by_tier["gpu"])
     fns["in-process copy into vLLM's slots (info)"] = lambda: copy_host_blocks(rows, src_slots, local_layout, contiguous)
 
+    untimed = {k: list(v) for k, v in lent_copy.items()}
     before = {t: request_counters(w._link.client, "restore") for t, w in by_daemon.items()}
     warm = max(2, args.reps // 10)
     load_start = loadavg()
@@ -245,6 +279,11 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     # The daemon's own share of a restore (both kinds of slots and the untimed warm-ups and checks).
     out["daemon_ms_per_restore"] = {t: 1e3 * (after[t][1] - before[t][1]) / max(1.0, after[t][0] - before[t][0])
                                     for t in after}
+    # The worker's own lent copies (mapping lookup to lease check; timed repetitions and warm-ups): the rest of a
+    # lent restore is the round trip.
+    out["lent_copy_ms_per_restore"] = {
+        t: 1e3 * (x[0] - untimed.get(t, [0.0, 0])[0]) / max(1, x[1] - untimed.get(t, [0.0, 0])[1])
+        for t, x in lent_copy.items()}
     out["targets"] = {t: {"vs_memcpy": out["variants"][f"kvtier {t}-tier, contiguous slots"]["vs_memcpy"]}
                       for t in ("gpu", "cpu")}
     for t in out["targets"].values():
@@ -260,6 +299,9 @@ def report(r: dict[str, Any]) -> str:
                    f"interleaved; vs memcpy = median over reps of memcpy time / variant time ({r['memcpy_reference']})")]
     parts.append("\nkvtierd's own time per restore (receipt to reply handed to ZMQ): "
                  + ", ".join(f"{t} {ms:.2f} ms" for t, ms in r["daemon_ms_per_restore"].items()))
+    if r.get("lent_copy_ms_per_restore"):
+        parts.append("the worker's lent copy per restore (mapping lookup to lease check): "
+                     + ", ".join(f"{t} {ms:.2f} ms" for t, ms in r["lent_copy_ms_per_restore"].items()))
     parts.append(table(["target", "measured", "met"],
                        [[f"contiguous restore >= {TARGET_VS_MEMCPY}x memcpy, {t} tier", f"{v['vs_memcpy']:.2f}x",
                          yes(v["met"])] for t, v in r["targets"].items()], "\nTarget (issue 35)"))
@@ -277,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="results (default bench/results/vllm-restore-cpu.json; --quick writes only with --json)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")
     p.add_argument("--no-lend-variant", action="store_true",
-                   help="leave out the CPU-tier variant with the worker's lend off (kvtierd copies)")
+                   help="leave out the CPU-tier variants with the worker's lend off (kvtierd copies) and with "
+                        "each lent copy planned anew (before run tables)")
     p.add_argument("--baseline-pythonpath", default=None, metavar="PATH",
                    help="also run the daemons with this PYTHONPATH (an older kvtier), side by side: before/after")
     args = p.parse_args(argv)

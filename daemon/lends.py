@@ -38,6 +38,11 @@ Contract
   to end: ``Server.quiet``).
 - ``session_ended(sid) -> int`` (a dead client's, a bye's: ``release_session``)
   and ``close()`` (shutdown) end lends without waiting. ``len()``: lends held.
+- ``stats() -> dict``: the daemon counters ``stats`` and Prometheus show
+  (``daemon.stats_verbs``): lends granted, ended by their client's release,
+  by their lease, or with their session (and shutdown), since start; lends
+  held now (``lends_held``) and the bytes they hold (``lends_held_bytes``). granted =
+  released + expired + dropped + held.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Lend:
     sid: str
     release: Callable[[], None]
     expires_ns: int
+    nbytes: int
 
 
 class LendTable:
@@ -79,8 +85,11 @@ class LendTable:
         self._per_session: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._uid = os.geteuid()
-        self.lent_total = 0
-        self.expired_total = 0
+        self.granted_total = 0
+        self.released_total = 0  # by the client (release_lends, or a restore's release)
+        self.expired_total = 0  # by the lease's end
+        self.dropped_total = 0  # with the session (a bye, a dead client) or the daemon's stop
+        self.held_bytes = 0
         # Set while a hand-over is under way (the server, each loop turn): the successor adopts the CPU tier's
         # file and may write any slot once this daemon lets go, so that must wait for every lend's end. Lending
         # nothing new from the successor's start, the lends have ended (lease_s) before it is ready (its start
@@ -118,14 +127,22 @@ class LendTable:
             return None
         lend_id = next(self._ids)
         expires_ns = self._clock_ns() + int(self.lease_s * 1e9)
-        self._lends[lend_id] = Lend(session.sid, borrowed.release, expires_ns)
+        nbytes = len(borrowed.slots) * int(entry.block_bytes)
+        self._lends[lend_id] = Lend(session.sid, borrowed.release, expires_ns, nbytes)
         self._per_session[session.sid] = self._per_session.get(session.sid, 0) + 1
-        self.lent_total += 1
+        self.granted_total += 1
+        self.held_bytes += nbytes
         return {"id": lend_id, "path": str(path), "inode": int(arena.data_inode), "block_bytes": entry.block_bytes,
                 "slots": list(borrowed.slots), "expires_ns": expires_ns}
 
+    def stats(self) -> dict[str, int]:
+        return {"lends_granted_total": self.granted_total, "lends_released_total": self.released_total,
+                "lends_expired_total": self.expired_total, "lends_dropped_total": self.dropped_total,
+                "lends_held": len(self._lends), "lends_held_bytes": self.held_bytes}
+
     def _end(self, lend_id: int) -> None:
         lend = self._lends.pop(lend_id)
+        self.held_bytes -= lend.nbytes
         left = self._per_session.get(lend.sid, 1) - 1
         if left > 0:
             self._per_session[lend.sid] = left
@@ -143,6 +160,7 @@ class LendTable:
             if lend is not None and lend.sid == sid:
                 self._end(lend_id)
                 ended += 1
+        self.released_total += ended
         return ended
 
     def expire(self, now_ns: int | None = None) -> int:
@@ -161,8 +179,11 @@ class LendTable:
         ids = [i for i, lend in self._lends.items() if lend.sid == sid]
         for lend_id in ids:
             self._end(lend_id)
+        self.dropped_total += len(ids)
         return len(ids)
 
     def close(self) -> None:
-        for lend_id in list(self._lends):
+        ids = list(self._lends)
+        for lend_id in ids:
             self._end(lend_id)
+        self.dropped_total += len(ids)

@@ -243,6 +243,12 @@ DAEMON_DEFAULTS: dict[str, Any] = {
     "auth_refused_total": 0,
     "requests_in_flight": 0,
     "learn_backlog_keys": 0,
+    "lends_granted_total": 0,
+    "lends_released_total": 0,
+    "lends_expired_total": 0,
+    "lends_dropped_total": 0,
+    "lends_held": 0,
+    "lends_held_bytes": 0,
 }
 DAEMON_HELP: dict[str, str] = {
     "requests_total": "Requests that passed validation, by verb.",
@@ -266,6 +272,12 @@ DAEMON_HELP: dict[str, str] = {
     "auth_refused_total": "hellos with a token refused untried: their peer used up max_auth_failures_per_minute.",
     "requests_in_flight": "Requests waiting for their copies to finish.",
     "learn_backlog_keys": "Block keys counted but not yet fed to the CPU-tier policy (its bookkeeping waits for idle moments).",
+    "lends_granted_total": "Restores answered with a lend: CPU-tier blocks a same-user client copied itself from its mapping of the tier's file.",
+    "lends_released_total": "Lends their client ended (release_lends, or along with its next restore).",
+    "lends_expired_total": "Lends ended by their lease (lend_lease_s): a client that did not release them in time.",
+    "lends_dropped_total": "Lends ended with their session (a bye, a dead client) or the daemon's stop.",
+    "lends_held": "Lends held now: their blocks can be neither evicted nor overwritten.",
+    "lends_held_bytes": "Bytes of CPU-tier blocks held by lends now.",
 }
 
 

@@ -38,7 +38,8 @@ def stats_fields(ctx: HandlerContext) -> dict[str, Any]:
             s["tenant"] = entry.tenant
             s["name"] = entry.bare_name
         pools[entry.name] = s
-    out = {"pools": pools, "daemon": ctx.metrics.snapshot(), "sessions": len(ctx.sessions)}
+    # Lends keep their own counts (daemon.lends); they read as daemon counters.
+    out = {"pools": pools, "daemon": ctx.metrics.snapshot() | ctx.lends.stats(), "sessions": len(ctx.sessions)}
     if ctx.tenants.enabled:
         out["tenants"] = ctx.tenants.stats()
     return out

@@ -14,7 +14,9 @@ Contract
   some pool has a disk tier), remote or miss), occupancy, copies per
   direction, events, the blocks a restarted daemon adopted from its
   predecessor's CPU tier (and dropped), the disk tiers (hits, bytes, dropped
-  write-backs, errors, blocks adopted at start), daemon counters.
+  write-backs, errors, blocks adopted at start), daemon counters (lent
+  restores among them: lends granted, released, expired, dropped, and held
+  now with their bytes).
 - ``--pool NAME`` keeps one pool (an unknown name is an error naming the
   pools there are).
 - Exit status 0; 1 with ``kvtier stats: no kvtierd at URL ...`` when no
@@ -282,9 +284,19 @@ def format_stats(stats: Mapping[str, Any], endpoint: str) -> str:
         ["errors", _labelled(daemon, "errors_total")],
         ["protocol errors", _labelled(daemon, "protocol_errors_total")],
         ["replies dropped", _labelled(daemon, "replies_dropped_total")],
+        ["lends", lends_text(daemon)],
     ]
     out += ["  " + line for line in _two_columns(rows)]
     return "\n".join(out) + "\n"
+
+
+def lends_text(daemon: Mapping[str, Any]) -> str:
+    """Lent restores (kvtier.daemon.lends): held now (bytes), and since start: granted, released, expired, dropped."""
+    return (f"{fmt_int(_num(daemon, 'lends_held'))} held ({fmt_bytes(_num(daemon, 'lends_held_bytes'))}); "
+            f"granted {fmt_int(_num(daemon, 'lends_granted_total'))}, "
+            f"released {fmt_int(_num(daemon, 'lends_released_total'))}, "
+            f"expired {fmt_int(_num(daemon, 'lends_expired_total'))}, "
+            f"dropped {fmt_int(_num(daemon, 'lends_dropped_total'))}")
 
 
 def _two_columns(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -13,7 +13,7 @@ Contract
   predecessor's CPU tier, dropped and still verifying (when any); the disk
   tiers' hits, bytes read and written, dropped write-backs and errors (total,
   +interval); and for the daemon: sessions, lease expiries, requests/s,
-  errors.
+  errors, and lent restores (held now with their bytes, granted/s, expired).
 - Rates come from counter deltas between two samples divided by the time
   between them. A counter that went down (the daemon restarted) or a pool
   that is new counts from zero.
@@ -118,6 +118,14 @@ def render_frame(prev: Mapping[str, Any] | None, cur: Mapping[str, Any], elapsed
         + (f" (+{fmt_int(_delta(errors, _total(prev_daemon.get('errors_total'))))})" if window else "")
         + f"   in flight {fmt_int(_num(daemon, 'requests_in_flight'))}",
     ]
+    granted = _num(daemon, "lends_granted_total")
+    if granted:  # a daemon that lent something: what it holds lent now, how fast it lends, what expired
+        lent_expired = _num(daemon, "lends_expired_total")
+        lines.append(f"lends {fmt_int(_num(daemon, 'lends_held'))} held ({fmt_bytes(_num(daemon, 'lends_held_bytes'))})   "
+                     f"granted {per_s(_delta(granted, _num(prev_daemon, 'lends_granted_total')))}   "
+                     f"expired {fmt_int(lent_expired)}"
+                     + (f" (+{fmt_int(_delta(lent_expired, _num(prev_daemon, 'lends_expired_total')))})"
+                        if window else ""))
     if not pools:
         lines += ["", "no pools yet (a pool is created by the first client's hello)"]
         return "\n".join(lines) + "\n"

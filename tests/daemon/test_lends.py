@@ -256,3 +256,62 @@ def test_no_new_lend_while_a_hand_over_is_under_way() -> None:
     table.paused = True
     assert table.may_lend(mine)  # still told the feature: the pause is the swap's, not the session's
     assert table.offer(mine, object(), [b"k" * 16]) is None  # declined before the pool is asked
+
+
+def test_lends_are_counted_in_stats_top_and_prometheus(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
+    # granted = released + expired + dropped + held, and the bytes held, as kvtier stats, top and a scrape show them.
+    import socket
+    import urllib.request
+
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.client.admin import request
+    from kvtier.tools.stats import format_stats
+    from kvtier.tools.top import render_frame
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=CPU_BLOCKS * BLOCK_BYTES, lend_lease_s=0.5, metrics_port=port)
+    keys = ("lends_granted_total", "lends_released_total", "lends_expired_total", "lends_dropped_total", "lends_held",
+            "lends_held_bytes")
+
+    def counts() -> tuple[int, ...]:
+        d = request(daemon.endpoint, "stats")["daemon"]
+        return tuple(int(d[k]) for k in keys)
+
+    assert counts() == (0, 0, 0, 0, 0, 0)
+    rng = random.Random(9)
+    with Client(daemon.endpoint, "lend-count", layout()) as c:
+        hashes, data = chain(rng, 3)
+        c.store(hashes, data)
+        c.open_arena(3)
+        first = c.restore(hashes, slots=[0, 1, 2], lend=True).lent
+        assert first is not None
+        assert counts() == (1, 0, 0, 0, 1, 3 * BLOCK_BYTES)
+        prev = request(daemon.endpoint, "stats")
+        assert c.release_lends([first.id]) == 1
+        assert counts() == (1, 1, 0, 0, 0, 0)
+        expiring = c.restore(hashes[:2], slots=[0, 1], lend=True).lent
+        assert expiring is not None and counts()[4:] == (1, 2 * BLOCK_BYTES)
+        deadline = time.monotonic() + 10
+        while counts()[2] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert counts() == (2, 1, 1, 0, 0, 0)
+        held = c.restore(hashes[:1], slots=[0], lend=True).lent
+        assert held is not None and counts() == (3, 1, 1, 0, 1, BLOCK_BYTES)
+        cur = request(daemon.endpoint, "stats")
+        text = format_stats(cur, daemon.endpoint)
+        assert f"1 held ({BLOCK_BYTES / 1024:.1f} KiB); granted 3, released 1, expired 1, dropped 0" in text, text
+        frame = render_frame(prev, cur, 1.0, endpoint=daemon.endpoint, interval_s=1.0, clock="now")
+        assert "lends 1 held" in frame and "granted 2.0/s" in frame and "expired 1 (+1)" in frame, frame
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+        assert families["kvtier_lends_granted"].type == "counter"
+        assert families["kvtier_lends_granted"].samples[0].value == 3
+        assert families["kvtier_lends_expired"].samples[0].value == 1
+        assert families["kvtier_lends_held"].type == "gauge" and families["kvtier_lends_held"].samples[0].value == 1
+        assert families["kvtier_lends_held_bytes"].samples[0].value == BLOCK_BYTES
+    # The bye ended the session, and its lend with it.
+    assert counts() == (3, 1, 1, 1, 0, 0)

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvtier.client.hashing import hash_token_blocks
 from kvtier.integrations.adapter.planes import RegisteredPlane
@@ -21,7 +23,7 @@ from kvtier.integrations.vllm.pool import block_dim_of
 from kvtier.integrations.vllm.settings import ConnectorSettings
 from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
 from kvtier.integrations.vllm.worker import WorkerSide
-from tests.integrations.test_vllm_worker import BS, LAYOUTS, NUM_BLOCKS, _block, _kv, _pool
+from tests.integrations.test_vllm_worker import BS, HEAD_DIM, HEADS, LAYERS, LAYOUTS, NUM_BLOCKS, _block, _kv, _pool
 
 
 def _worker(endpoint: str, *, lend: bool | str = True) -> WorkerSide:
@@ -46,8 +48,9 @@ def _store(endpoint: str, shape: tuple[int, ...], keys: list[bytes], src_blocks:
     return [_block(engine, b) for b in src_blocks]
 
 
+@pytest.mark.parametrize("copy_threads", [1, 2])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layout: str) -> None:
+def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layout: str, copy_threads: int) -> None:
     daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20)
     shape = LAYOUTS[layout]()
     keys = hash_token_blocks(list(range(5 * BS)), BS)
@@ -56,6 +59,9 @@ def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layou
     before = {n: t.clone() for n, t in engine.items()}
     w = _worker(daemon.endpoint)
     w.register_kv_caches(engine)
+    plane = w._plane
+    assert isinstance(plane, RegisteredPlane) and plane._lent is not None
+    plane._lent.copy_threads = copy_threads
     dst_blocks = [0, 1, 2, 6, 11]
     w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, dst_blocks, "r2")]))
     assert w.get_block_ids_with_load_errors() == set()
@@ -115,3 +121,78 @@ def test_lend_off_copies_in_kvtierd(kvtierd_factory: Callable[..., Any]) -> None
         for layer_got, layer_want in zip(_block(engine, b), expected):
             assert torch.equal(layer_got.view(torch.int16), layer_want.view(torch.int16))
     w.shutdown()
+
+
+_TABLE_LAYOUTS = {**LAYOUTS, "one block-major slab": lambda: (NUM_BLOCKS, LAYERS * 2 * BS * HEADS * HEAD_DIM)}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(sorted(_TABLE_LAYOUTS)), data=st.data())
+def test_a_run_table_copies_as_copy_blocks_does(layout: str, data: st.DataObject) -> None:
+    # The lent copy's runs, shifted per slot from one block's plan, against the plain copy (the model): every
+    # byte of the engine's tensors, the blocks written and the others; errors before any byte moves.
+    from kvtier.blocks.layout import BlockLayout, copy_blocks
+    from kvtier.integrations.adapter.lent_restore import RunTable, TwoThreadCopy
+
+    shape = _TABLE_LAYOUTS[layout]()
+    count = 1 if layout == "one block-major slab" else LAYERS
+    engine = [torch.randint(-1000, 1000, shape, dtype=torch.int16) for _ in range(count)]
+    dims = [block_dim_of(t, NUM_BLOCKS) for t in engine]
+    dst = BlockLayout(engine, dims)
+    rows = 20
+    src = BlockLayout.contiguous(rows, dst.block_bytes)
+    src.slab().copy_(torch.randint(0, 256, (rows, dst.block_bytes), dtype=torch.uint8))
+    table = RunTable.build(src, dst)
+    assert table is not None
+    model = BlockLayout([t.clone() for t in engine], dims)
+    for _ in range(data.draw(st.integers(1, 3))):  # one table, several copies
+        n = data.draw(st.integers(0, NUM_BLOCKS))
+        src_slots = data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))  # a slot may repeat
+        dst_slots = data.draw(st.permutations(range(NUM_BLOCKS)))[:n]
+        if data.draw(st.booleans()):
+            dst_slots = sorted(dst_slots)
+            src_slots = list(range(n)) if n <= rows else src_slots  # runs that continue: merged
+        threads = data.draw(st.sampled_from([1, 2]))
+        if threads == 1:
+            assert table.copy(src_slots, dst_slots) == n * dst.block_bytes
+        else:  # runs cut into pieces, shared with a helper thread
+            two = TwoThreadCopy()
+            try:
+                two.copy(*table.runs(src_slots, dst_slots, max_run_bytes=data.draw(st.sampled_from([512, 4096, 1 << 20]))))
+            finally:
+                two.close()
+        if n:
+            copy_blocks(src, src_slots, model, dst_slots)
+        for got, want in zip(engine, model.tensors):
+            assert torch.equal(got, want)
+    before = [t.clone() for t in engine]
+    with pytest.raises(ValueError):
+        table.copy([0, 1], [2, 2])
+    with pytest.raises(ValueError):
+        table.copy([0, 1], [2])
+    with pytest.raises(IndexError):
+        table.copy([rows], [0])
+    with pytest.raises(IndexError):
+        table.copy([0, 1], [0, NUM_BLOCKS])
+    for got, want in zip(engine, before):
+        assert torch.equal(got, want)
+
+
+def test_a_run_table_refuses_a_layout_that_aliases_itself() -> None:
+    # Two block slots over the same bytes (stride 0 in the block dim is refused by planning; here a view whose
+    # slots overlap by half): the copy writes nothing.
+    from kvtier.blocks.layout import BlockLayout
+    from kvtier.integrations.adapter.lent_restore import RunTable
+
+    flat = torch.zeros(4096 * 3, dtype=torch.uint8)
+    engine = flat.as_strided((4, 4096), (2048, 1))
+    dst = BlockLayout([engine], [0])
+    src = BlockLayout.contiguous(4, 4096)
+    src.slab().fill_(7)
+    table = RunTable.build(src, dst)
+    assert table is not None  # one block plans: the overlap is between blocks
+    with pytest.raises(ValueError):
+        table.copy([0, 1], [0, 1])
+    assert not flat.any()
+    table.copy([0, 1], [0, 2])  # blocks 0 and 2 do not overlap
+    assert flat[:4096].eq(7).all() and flat[4096:8192].eq(7).all()
