@@ -33,7 +33,7 @@ from typing import Any
 
 import report
 
-from kvtier.daemon.retention import Retention
+from kvtier.daemon.clients.retention import Retention
 from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies import EvictionPolicy, make_policy
 from kvtier.tiers.policies.chain import ChainPolicy

@@ -92,7 +92,7 @@ def lookup_path_breakdown(hashes: list[bytes], n: int) -> dict[str, dict[str, fl
         decode_request,
         unpack_hashes,
     )
-    from kvtier.daemon.handler_context import tier_names
+    from kvtier.daemon.handling.handler_context import tier_names
     from kvtier.tiers.pool import PoolSpec, TieredPool
     from kvtier.tiers.pool_defaults import DEFAULT_POLICY
 

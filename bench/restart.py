@@ -20,7 +20,7 @@ What it does, in one run:
    every stored block is restored (64 per call) and compared byte for byte:
    served, wrong, and not served; the pool's counters say what was dropped
    at adoption and when background verification finished.
-4. ``standby``: the same daemon with ``--standby`` (``daemon.standby``):
+4. ``standby``: the same daemon with ``--standby`` (``daemon.process.standby``):
    stopped (SIGTERM), started again with a standby beside it (it adopts the
    same tier); once the standby says it waits and the tier is verified, the
    primary is SIGKILLed and the first hit is timed from the kill: the
@@ -233,7 +233,7 @@ def standby_rounds(daemon: KvtierDaemon, lay: PoolLayout, keys: list[bytes], con
         daemon.proc = ReparentedProcess(standby)
         primary = standby
     log = daemon.log()
-    took = [line.split("kvtier.daemon.standby: ", 1)[-1] for line in log.splitlines() if "died; adopting" in line]
+    took = [line.split("kvtier.daemon.process.standby: ", 1)[-1] for line in log.splitlines() if "died; adopting" in line]
     firsts = sorted(r["first_request_s"] for r in out)
     return {"rounds": out, "first_request_s_median": firsts[len(firsts) // 2], "first_request_s_max": firsts[-1],
             "served": min(r["served"] for r in out), "wrong": sum(r["wrong"] for r in out),
@@ -243,7 +243,7 @@ def standby_rounds(daemon: KvtierDaemon, lay: PoolLayout, keys: list[bytes], con
 
 def adoption_line(log: str) -> str:
     lines = [line for line in log.splitlines() if "persistent CPU tier of" in line and "adopted" in line]
-    return lines[-1].split("kvtier.daemon.pools: ", 1)[-1] if lines else ""
+    return lines[-1].split("kvtier.daemon.pooling.pools: ", 1)[-1] if lines else ""
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ Usage:
 
    a. ``upgrade``: SIGUSR2 (``systemctl reload``): the daemon starts its
       successor, which takes the socket and the CPU tier over
-      (``daemon/upgrade.py``);
+      (``daemon/process/upgrade.py``);
    b. ``socket activation``: SIGTERM, then a new daemon on the listening
       socket the bench holds, as systemd holds ``kvtierd@.socket``
       (``systemctl restart`` with the socket unit);

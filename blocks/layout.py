@@ -99,7 +99,7 @@ class BlockLayout:
         """A new ``[num_blocks, block_bytes]`` slab. ``hugepages``: on the CPU, unpinned, a
         mapping of its own advised for transparent huge pages (long-lived tier memory: the
         kernel pins a 2 MiB page per step where it pins 512 small ones, which is what makes
-        ``kvtier.daemon.client_memory``'s copies run at memcpy speed). Best effort: where the
+        ``kvtier.daemon.shared_memory.client_memory``'s copies run at memcpy speed). Best effort: where the
         kernel gives no huge pages the slab is the same memory in small pages."""
         if num_blocks < 0 or block_bytes < 1:
             raise ValueError(f"need num_blocks >= 0 and block_bytes >= 1, got {num_blocks}, {block_bytes}")

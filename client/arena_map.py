@@ -5,7 +5,7 @@ Contract
 
 A restore that asked for a lend (``Client.restore(..., lend=True)``) may
 come back with a ``Lent``: the daemon did not copy; it holds the blocks in
-its CPU tier (``kvtier.daemon.lends``) and says where they lie: the tier's
+its CPU tier (``kvtier.daemon.clients.lends``) and says where they lie: the tier's
 file (``path``, ``inode``), its ``block_bytes`` and one slot per block. The
 caller copies them itself, then ends the lend (``Client.release_lends``).
 

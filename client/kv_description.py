@@ -5,7 +5,7 @@ Contract
 
 The engine describes its KV tensors (``kvtier.client.kv_share.export_kv`` /
 ``export_tensor``); the daemon maps what a description names
-(``kvtier.daemon.kv_import.import_kv`` / ``import_tensor``). This module is
+(``kvtier.daemon.shared_memory.kv_import.import_kv`` / ``import_tensor``). This module is
 the format between them, and its validation, which both sides run: the
 engine on what it is about to send, the daemon on what it received, before
 it maps anything. It imports no torch (validation needs only element sizes)

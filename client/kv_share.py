@@ -29,7 +29,7 @@ Each raises ``KvShareError`` (a ``ValueError``) for a tensor it cannot share,
 and ``export_*`` return descriptions already validated. The description's
 format and validation live in ``kvtier.client.kv_description`` (shared with
 the daemon); the daemon's half, which maps a description, is
-``kvtier.daemon.kv_import``. ``cuda_device_uuid`` and ``libcuda`` are the
+``kvtier.daemon.shared_memory.kv_import``. ``cuda_device_uuid`` and ``libcuda`` are the
 GPU facts both halves must read alike (the UUID a handle carries; the CUDA
 driver library).
 
@@ -448,7 +448,7 @@ def export_tensor(tensor: torch.Tensor) -> dict[str, Any]:
     """Describe one KV tensor (the ``desc`` of one ``register_kv`` entry; block_dim travels beside it).
 
     Same rules as ``export_kv``. Each call shares the tensor's storage anew;
-    the daemon opens each description once (``kvtier.daemon.kv_import.import_tensor``).
+    the daemon opens each description once (``kvtier.daemon.shared_memory.kv_import.import_tensor``).
     """
     transport = _transport_of([tensor])
     desc = {"version": DESCRIPTION_VERSION, "transport": transport, **_entry(tensor, transport, {})}

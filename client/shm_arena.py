@@ -56,7 +56,7 @@ its own slots at any time (the daemon copies, then validates nothing about
 content), and it can truncate the file under the daemon's mapping:
 ``/dev/shm`` files cannot be sealed. The daemon therefore never loads or
 stores through an attached arena directly: it moves bytes with
-``kvtier.daemon.client_memory`` (process_vm_readv/writev), which fail on a
+``kvtier.daemon.shared_memory.client_memory`` (process_vm_readv/writev), which fail on a
 vanished page instead of raising SIGBUS. Whoever else maps an arena
 (``buffer``, ``as_numpy``) faults as usual when it is truncated.
 
@@ -65,7 +65,7 @@ mistake, and a hostile client's cheapest trick); a file shrunk after attach
 is refused by ``check_intact`` before a copy (a clear error, and the only
 guard where process_vm_readv/writev are not permitted; the daemon checks up
 to 8 files before each copy, the rest after a failed one:
-``daemon/session_memory.py``, ``INTACT_CHECK_MAX_FILES``). Neither check can
+``daemon/handling/session_memory.py``, ``INTACT_CHECK_MAX_FILES``). Neither check can
 close the window between it and the copy (a client may shrink the file or
 punch a hole, ``FALLOC_FL_PUNCH_HOLE``, in between): there the fault-safe
 copies are the guard, and without them (``client_memory.available()`` False)

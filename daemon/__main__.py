@@ -12,7 +12,7 @@ slow steps), 1 when the daemon cannot start (socket taken, device missing).
 
 The listening socket: inherited from the predecessor that started this
 process (``KVTIER_HANDOVER_FDS``: a zero-downtime upgrade,
-``kvtier.daemon.handover``), else from systemd (socket activation:
+``kvtier.daemon.process.handover``), else from systemd (socket activation:
 ``LISTEN_FDS``), else bound here once no live daemon answers on it
 (``lifecycle.refuse_if_served``). SIGUSR2 later starts a successor with
 this very command line (``sys.orig_argv``).
@@ -30,18 +30,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.daemon.lifecycle import StopFlag
+from kvtier.daemon.process.lifecycle import StopFlag
 
 # Everything else is imported inside main(), after the stop flag is installed.
 if TYPE_CHECKING:
     from kvtier.daemon.config import DaemonConfig
-    from kvtier.daemon.handover import Successor
-    from kvtier.daemon.standby import StandbyWait
-    from kvtier.daemon.prometheus import StatsSnapshot
-    from kvtier.daemon.listener import Listener
-    from kvtier.daemon.security import CurveOptions
+    from kvtier.daemon.process.handover import Successor
+    from kvtier.daemon.process.standby import StandbyWait
+    from kvtier.daemon.telemetry.prometheus import StatsSnapshot
+    from kvtier.daemon.process.listener import Listener
+    from kvtier.daemon.access.security import CurveOptions
     from kvtier.daemon.server import ServeOptions
-    from kvtier.daemon.sessions import Closeable
+    from kvtier.daemon.clients.sessions import Closeable
     from kvtier.tiers.persistent_arena import ArenaDirectory
 
 log = logging.getLogger("kvtier.daemon")
@@ -64,7 +64,7 @@ def _resolve_device(device: str) -> str:
 
 
 def _import_kv_tensor(desc: dict[str, Any]) -> tuple[Any, Closeable]:
-    from kvtier.daemon import kv_import
+    from kvtier.daemon.shared_memory import kv_import
 
     return kv_import.import_tensor(desc)
 
@@ -72,7 +72,7 @@ def _import_kv_tensor(desc: dict[str, Any]) -> tuple[Any, Closeable]:
 def curve_from_config(cfg: DaemonConfig) -> CurveOptions | None:
     """The CURVE server settings, or None; a bad key file is a config error (exit 2)."""
     from kvtier.daemon.config import ConfigError, exit_on_config_error
-    from kvtier.daemon.security import ClientKeys, CurveOptions, load_server_key
+    from kvtier.daemon.access.security import ClientKeys, CurveOptions, load_server_key
 
     if cfg.curve_secret_key_file is None or not cfg.is_tcp:
         # ipc:// is guarded by the socket file's mode (socket_mode); CURVE is
@@ -116,7 +116,7 @@ def options_from_config(cfg: DaemonConfig, device: str, *,
 
     from kvtier.daemon.config import PoolSettings, resolve_cpu_budget_bytes
     from kvtier.daemon.server import ServeOptions
-    from kvtier.daemon.tenants import TenantRegistry
+    from kvtier.daemon.tenancy.tenants import TenantRegistry
 
     on_cuda = device.startswith("cuda")
 
@@ -168,7 +168,7 @@ def _metrics_starter(cfg: DaemonConfig) -> Callable[[StatsSnapshot], Closeable] 
     """The Prometheus endpoint's start, for the server to call once it serves (None without metrics_port)."""
     if cfg.metrics_port is None:
         return None
-    from kvtier.daemon.metrics_endpoint import start_exporter
+    from kvtier.daemon.telemetry.metrics_endpoint import start_exporter
 
     host, port = cfg.metrics_host, cfg.metrics_port
     return lambda snapshot: start_exporter(host, port, snapshot)
@@ -231,14 +231,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from kvtier.daemon.config import ConfigError, exit_on_config_error, load_config_or_exit
     from kvtier.daemon.faults import FAULTS_ENV, parse_faults
-    from kvtier.daemon.handover import HANDOVER_ENV, Successor
-    from kvtier.daemon.standby import STANDBY_ENV, StandbyWait
-    from kvtier.daemon.lifecycle import refuse_if_served
-    from kvtier.daemon.listener import ListenerMismatch, inherited_listener, systemd_listener
-    from kvtier.daemon.sd_notify import Notifier
+    from kvtier.daemon.process.handover import HANDOVER_ENV, Successor
+    from kvtier.daemon.process.standby import STANDBY_ENV, StandbyWait
+    from kvtier.daemon.process.lifecycle import refuse_if_served
+    from kvtier.daemon.process.listener import ListenerMismatch, inherited_listener, systemd_listener
+    from kvtier.daemon.process.sd_notify import Notifier
 
     # KVTIER_TEST_FAULTS is test-only fault injection (kvtier.daemon.faults),
-    # and KVTIER_HANDOVER_FDS a predecessor's hand-over (kvtier.daemon.handover),
+    # and KVTIER_HANDOVER_FDS a predecessor's hand-over (kvtier.daemon.process.handover),
     # not configuration: the config loader would reject them as unknown.
     environ = dict(os.environ)
     faults_spec = environ.pop(FAULTS_ENV, "")
@@ -321,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             started_s = time.monotonic()
             methods = warm_up(device)
             log.info("%s ready in %.1f s: copy methods %s", device, time.monotonic() - started_s, methods)
-        from kvtier.daemon.memory import check_startup, gib, pins_cpu_tiers
+        from kvtier.daemon.pooling.memory import check_startup, gib, pins_cpu_tiers
         from kvtier.tiers.host_memory import HostMemoryError
 
         arenas = _arena_directory(cfg, standby=standby_of is not None)

@@ -1,12 +1,12 @@
 """Request handlers: the dispatch table, one function per protocol verb, and what they check.
 
 Verb families live by concern: the client-memory verbs (``attach_arena``,
-``register_kv``, ``unregister_kv``) in ``daemon.session_memory``, ``stats``
-in ``daemon.stats_verbs``; ``store`` and ``restore`` check what every plane
+``register_kv``, ``unregister_kv``) in ``daemon.handling.session_memory``, ``stats``
+in ``daemon.handling.stats_verbs``; ``store`` and ``restore`` check what every plane
 shares and hand the rest to their data plane (``daemon.planes``, one
 implementation per plane, chosen from ``PLANES`` by the request's
 ``plane``). The types handlers share (``Reply``, ``Pending``,
-``HandlerContext``) are in ``daemon.handler_context``.
+``HandlerContext``) are in ``daemon.handling.handler_context``.
 
 Contract:
 
@@ -24,22 +24,22 @@ Contract:
   copy reads or writes (ZMQ frames, staging tensors) alive until then.
 - Tenants: ``hello`` resolves the session's tenant first (UNAUTHORIZED
   creates nothing; a peer's wrong tokens are rate-limited, past the limit
-  TOO_MANY_AUTH_FAILURES without a look at the token: ``daemon.auth_limits``),
+  TOO_MANY_AUTH_FAILURES without a look at the token: ``daemon.access.auth_limits``),
   then checks ``max_sessions`` (TOO_MANY_SESSIONS); every block hash a client sends reaches a pool only
-  through ``pool_keys`` (the tenant's namespace, ``daemon.tenants``), and no
+  through ``pool_keys`` (the tenant's namespace, ``daemon.tenancy.tenants``), and no
   reply carries a pool key. ``clear`` and the ``tenants`` part of ``stats``
   are per tenant. ``events`` (which does reply with pool keys: the hashes
   themselves without tenants) is refused to tenants' sessions.
-- Pool names are per tenant (``daemon.pools``): a session works in its own
+- Pool names are per tenant (``daemon.pooling.pools``): a session works in its own
   tenant's pool of the name its hello sent, and every reply and error names
   a pool by that bare name. Only the operator's view (``_viewer`` None:
   ``stats``, ``health``) names pools by their keys, ``"<tenant>/<name>"``
   with tenants, so two tenants' same-named pools stay apart there; each
   pool's ``stats`` entry also says its ``tenant`` and bare ``name`` then.
-- Deadlines (``daemon.deadlines``): a store or restore that names its
+- Deadlines (``daemon.shared_memory.deadlines``): a store or restore that names its
   client's deadline reads or writes that client's memory only before it;
   past it the reply is DEADLINE_EXCEEDED and nothing was stored or written.
-- Pin tags released (``daemon.pin_releases``): a pinning ``lookup`` or
+- Pin tags released (``daemon.clients.pin_releases``): a pinning ``lookup`` or
   ``pin`` under a tag, sent before the ``unpin`` that released the tag (a
   lower request id) and read after it, pins nothing (``pinned`` 0, no
   ``tiers`` for ``pin``): a connection the client gave up must not leave
@@ -80,8 +80,8 @@ from kvtier.client.protocol import (
 )
 from kvtier.client.shared_clock import daemon_clock
 from kvtier.tiers.version import kvtier_version
-from kvtier.daemon import deadlines
-from kvtier.daemon.handler_context import (
+from kvtier.daemon.shared_memory import deadlines
+from kvtier.daemon.handling.handler_context import (
     LOOP_COPY_MAX_BYTES,
     Handler,
     HandlerContext,
@@ -95,13 +95,13 @@ from kvtier.daemon.handler_context import (
     reply_tiers,
     require_mode,
 )
-from kvtier.daemon.hints import request_hints
+from kvtier.daemon.clients.hints import request_hints
+from kvtier.daemon.clients.sessions import Session
+from kvtier.daemon.handling.session_memory import attach_arena, register_kv, unregister_kv
+from kvtier.daemon.handling.stats_verbs import sees, stats, stats_fields, viewer_of
 from kvtier.daemon.planes import PlaneCall, plane_for
-from kvtier.daemon.pools import PoolEntry
-from kvtier.daemon.session_memory import attach_arena, register_kv, unregister_kv
-from kvtier.daemon.sessions import Session
-from kvtier.daemon.stats_verbs import sees, stats, stats_fields, viewer_of
-from kvtier.daemon.tenants import ANONYMOUS
+from kvtier.daemon.pooling.pools import PoolEntry
+from kvtier.daemon.tenancy.tenants import ANONYMOUS
 from kvtier.tiers.pool import Op, Tier
 from kvtier.tiers.pool.journal import REMOVED, STORED
 
@@ -117,7 +117,7 @@ DAEMON_VERSION = kvtier_version()  # the package metadata (kvtier.tiers.version)
 
 
 def _resolve_tenant(ctx: HandlerContext, token: str | None) -> str:
-    """``tenants.resolve``, with the peer's wrong tokens limited (``daemon.auth_limits``)."""
+    """``tenants.resolve``, with the peer's wrong tokens limited (``daemon.access.auth_limits``)."""
     limiter = ctx.auth_failures
     if token is None or limiter is None or not ctx.tenants.enabled:
         return ctx.tenants.resolve(ctx.peer, token)
@@ -399,7 +399,7 @@ EVENT_KIND_CODES = {STORED: EVENT_STORED[0], REMOVED: EVENT_REMOVED[0]}
 def events(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     assert session is not None
     if session.tenant != ANONYMOUS:
-        # A tenant's pool keys are one-way digests of its hashes (daemon.tenants):
+        # A tenant's pool keys are one-way digests of its hashes (daemon.tenancy.tenants):
         # they could not be handed back as the hashes it knows.
         raise ProtocolError(ErrorCode.INVALID_STATE, "events are not served to tenants' sessions")
     journal = pool_entry(ctx, session).pool.journal

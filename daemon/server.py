@@ -11,14 +11,14 @@ Contract:
   reaches a handler; a bad one gets an error reply and a counter and changes
   nothing. Handlers come from ``daemon.handlers.HANDLERS``.
 - Copies never run on the loop. A handler whose copies are in flight returns
-  ``Pending``; the request is parked (``daemon.parking``) and its reply sent
+  ``Pending``; the request is parked (``daemon.handling.parking``) and its reply sent
   from the loop when the pool reports the op done.
 - Exactly one reply per request, carrying its id: every path through
   ``_handle`` ends in exactly one reply (``_send_ok`` / ``_send_error``,
-  through ``daemon.replies.ReplyQueue``) or one parking, and every parked
+  through ``daemon.handling.replies.ReplyQueue``) or one parking, and every parked
   request leaves the parking lot through exactly one reply.
 - Identity: with CURVE configured (``ServeOptions.curve``) the socket is a
-  CURVE server and a ZAP handler (``daemon.security``) admits only known
+  CURVE server and a ZAP handler (``daemon.access.security``) admits only known
   client keys. Each request's connection User-Id is ``ctx.peer`` while it is
   handled; a session may be used only by the identity that opened it (any
   other gets UNKNOWN_SESSION). On ipc the session is also bound to the uid
@@ -26,7 +26,7 @@ Contract:
   request came on, ``security.peer_uid``): a sid sent by another user gets
   FOREIGN_SESSION. Tenants (``ServeOptions.tenants``) are
   resolved at hello and applied by the handlers; a peer's wrong tokens are
-  limited to ``max_auth_failures_per_minute`` (``daemon.auth_limits``).
+  limited to ``max_auth_failures_per_minute`` (``daemon.access.auth_limits``).
 - Sessions: at most ``max_sessions`` live (TOO_MANY_SESSIONS).
 - Unread replies: the unsent payload of one connection's replies, and the
   payload its parked replies will carry once their copies finish, is capped
@@ -37,29 +37,29 @@ Contract:
   replies unread gets UNREAD_REPLIES too (one that has read everything is
   served: the total passes the cap by at most one reply per such
   connection). Once a backlog of copied replies has drained, the heap is
-  given back to the kernel (``daemon.heap_trim``). Restore replies that
+  given back to the kernel (``daemon.pooling.heap_trim``). Restore replies that
   lend tier memory (zero-copy: the blocks stay held until libzmq lets go of
   the frames) remember their session and the connection their request came
   on; a session that ends with such replies unsent has those connections
-  shut down (``daemon.replies``). The client's socket reconnects by itself
+  shut down (``daemon.handling.replies``). The client's socket reconnects by itself
   (requests it had in flight on that connection get no reply: its own
   timeouts apply).
-- Connections: ``daemon.connection_limits`` sheds connections past
+- Connections: ``daemon.access.connection_limits`` sheds connections past
   ``max_connections`` / ``max_connections_per_peer`` as libzmq accepts them;
   a request on a refused connection gets TOO_MANY_CONNECTIONS.
 - Pools: a pool that a hello would create is checked first, idle pools
   reclaimed to make room, and idle ones closed after ``pool_idle_ttl_s``
-  (``daemon.pool_admission``: NO_SPACE with the numbers when the host or the
+  (``daemon.pooling.pool_admission``: NO_SPACE with the numbers when the host or the
   CPU budget cannot take its CPU tier, TOO_MANY_POOLS past ``max_pools``).
   With persistent CPU tiers (``ServeOptions.arenas``), ``run()`` re-creates
   the pools the previous daemon left, adopting their blocks, before it reads
-  the first request (``daemon.pools``).
-- The listening socket (``daemon.listener``): bound here, or inherited
+  the first request (``daemon.pooling.pools``).
+- The listening socket (``daemon.process.listener``): bound here, or inherited
   (``ServeOptions.listener``: systemd socket activation, or a
   predecessor's hand-over); libzmq gets a duplicate (``ZMQ_USE_FD``), so
   the daemon keeps a descriptor it can hand to a successor, and an
   inherited socket file is never removed.
-- Hand-over (``daemon.upgrade``, ``daemon.handover``): SIGUSR2 starts a
+- Hand-over (``daemon.process.upgrade``, ``daemon.process.handover``): SIGUSR2 starts a
   successor; once it is ready, new requests are held unanswered (health
   and stats still answer) while copies finish, the pools close (arenas
   kept), the sessions end; the successor adopts and serves; the held
@@ -108,34 +108,34 @@ from kvtier.client.protocol import (
     recoverable_id,
 )
 from kvtier.daemon.config import PoolSettings
-from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits
-from kvtier.daemon.auth_limits import AuthFailureLimiter
-from kvtier.daemon.connections import Connection, connection_of, peer_of_frame
-from kvtier.daemon.replies import ReplyQueue
-from kvtier.daemon.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
-from kvtier.daemon.heap_trim import HeapTrimmer
-from kvtier.daemon.handler_context import LOOP_COPY_MAX_BYTES, HandlerContext, KvImporter, Reply
+from kvtier.daemon.access.connection_limits import ConnectionGuard, ConnectionLimits
+from kvtier.daemon.access.auth_limits import AuthFailureLimiter
+from kvtier.daemon.access.connections import Connection, connection_of, peer_of_frame
+from kvtier.daemon.handling.replies import ReplyQueue
+from kvtier.daemon.access.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
+from kvtier.daemon.pooling.heap_trim import HeapTrimmer
+from kvtier.daemon.handling.handler_context import LOOP_COPY_MAX_BYTES, HandlerContext, KvImporter, Reply
 from kvtier.daemon.handlers import HANDLERS
-from kvtier.daemon.stats_verbs import stats_fields
-from kvtier.daemon.lends import DEFAULT_LEASE_S as DEFAULT_LEND_LEASE_S
-from kvtier.daemon.lends import LendTable
-from kvtier.daemon.handover import Successor
-from kvtier.daemon.lifecycle import StopFlag
-from kvtier.daemon.listener import Listener, bind_listener
-from kvtier.daemon.log_limit import RateLimitedLog
-from kvtier.daemon.memory import gib
-from kvtier.daemon.metrics import Counters
-from kvtier.daemon.parking import Parked, ParkingLot
-from kvtier.daemon.pool_admission import PoolAdmission
-from kvtier.daemon.pools import PoolRegistry
-from kvtier.daemon.prometheus import StatsSnapshot
-from kvtier.daemon.release import release_session
-from kvtier.daemon.sd_notify import Notifier
-from kvtier.daemon.security import CurveGuard, CurveOptions, peer_uid, peer_user_id
-from kvtier.daemon.sessions import Closeable, Session, SessionTable
-from kvtier.daemon.standby import StandbyKeeper, StandbyWait
-from kvtier.daemon.tenants import TenantRegistry
-from kvtier.daemon.upgrade import Upgrade
+from kvtier.daemon.handling.stats_verbs import stats_fields
+from kvtier.daemon.clients.lends import DEFAULT_LEASE_S as DEFAULT_LEND_LEASE_S
+from kvtier.daemon.clients.lends import LendTable
+from kvtier.daemon.process.handover import Successor
+from kvtier.daemon.process.lifecycle import StopFlag
+from kvtier.daemon.process.listener import Listener, bind_listener
+from kvtier.daemon.access.log_limit import RateLimitedLog
+from kvtier.daemon.pooling.memory import gib
+from kvtier.daemon.telemetry.metrics import Counters
+from kvtier.daemon.handling.parking import Parked, ParkingLot
+from kvtier.daemon.pooling.pool_admission import PoolAdmission
+from kvtier.daemon.pooling.pools import PoolRegistry
+from kvtier.daemon.telemetry.prometheus import StatsSnapshot
+from kvtier.daemon.handling.release import release_session
+from kvtier.daemon.process.sd_notify import Notifier
+from kvtier.daemon.access.security import CurveGuard, CurveOptions, peer_uid, peer_user_id
+from kvtier.daemon.clients.sessions import Closeable, Session, SessionTable
+from kvtier.daemon.process.standby import StandbyKeeper, StandbyWait
+from kvtier.daemon.tenancy.tenants import TenantRegistry
+from kvtier.daemon.process.upgrade import Upgrade
 from kvtier.tiers.persistent_arena import ArenaDirectory
 from kvtier.tiers.pool import NoSpace, NotFound, Op, PoolError
 from kvtier.tiers.copy_types import DeadlinePassed
@@ -169,7 +169,7 @@ class ServeOptions:
 
     endpoint: str
     device: str = "cpu"
-    # (pool name, memory its persistent CPU tier's files already hold) -> its settings, sized (daemon.pool_admission)
+    # (pool name, memory its persistent CPU tier's files already hold) -> its settings, sized (daemon.pooling.pool_admission)
     sizing_for: Callable[[str, int], PoolSettings] = field(
         default=lambda name, _reusable=0: PoolSettings(name, gpu_bytes=256 << 20, cpu_bytes=1 << 30))
     remote_secret: bytes | None = field(default=None, repr=False)  # pools' remote tiers' (remote_secret_key_file)
@@ -191,7 +191,7 @@ class ServeOptions:
     lend_lease_s: float = DEFAULT_LEND_LEASE_S
     max_pools: int = 128  # pools held at once; a hello that would create one more gets TOO_MANY_POOLS
     max_sessions: int = 4096  # live sessions at once; a hello past it gets TOO_MANY_SESSIONS
-    max_auth_failures_per_minute: int = 10  # wrong tenant tokens one peer may send (daemon.auth_limits)
+    max_auth_failures_per_minute: int = 10  # wrong tenant tokens one peer may send (daemon.access.auth_limits)
     max_pinned_share: float = 0.5  # pins a session (and a tenant) may hold, as a share of the pool's blocks
     cpu_budget_bytes: int | None = None  # all pools' CPU tiers together; None: no budget but host memory
     pool_idle_ttl_s: float = 3600.0  # a pool without sessions keeps its blocks this long
@@ -199,14 +199,14 @@ class ServeOptions:
     max_unread_reply_bytes_total: int = 1 << 30  # copied payload of all connections' unread and parked replies
     max_connections: int | None = None  # client connections at once; None: a quarter of the descriptors (FdBudget)
     max_connections_per_peer: int | None = None  # of one uid (ipc) or IP address (tcp); None: auto_per_peer
-    arenas: ArenaDirectory | None = None  # persistent CPU tiers (daemon.pools); None: private memory
+    arenas: ArenaDirectory | None = None  # persistent CPU tiers (daemon.pooling.pools); None: private memory
     listener: Listener | None = None  # the listening socket, inherited (systemd, a predecessor); None: bind one
     successor: Successor | None = None  # this daemon takes over from the predecessor that started it
     standby_of: StandbyWait | None = None  # this daemon is a standby: it serves once that primary has exited
-    standby: bool = False  # keep a standby kvtierd (upgrade_argv) that serves if this one dies (daemon.standby)
+    standby: bool = False  # keep a standby kvtierd (upgrade_argv) that serves if this one dies (daemon.process.standby)
     upgrade_argv: Sequence[str] = ()  # what SIGUSR2 starts to take over (sys.orig_argv); empty: no upgrades
     upgrade_timeout_s: float = 300.0  # for a successor to get ready, and to serve after the release
-    # The Prometheus endpoint (daemon.metrics_endpoint), started once the daemon serves, closed when it stops
+    # The Prometheus endpoint (daemon.telemetry.metrics_endpoint), started once the daemon serves, closed when it stops
     # serving (a successor opens the port again).
     start_metrics: Callable[[StatsSnapshot], Closeable] | None = None
 
@@ -250,7 +250,7 @@ class Server:
             else auto_per_peer(max_connections))
         self.notifier = notifier or Notifier(None)
         self.metrics = Counters()
-        # Refusals a client can cause at will: a line each up to a cap, then a count (daemon/log_limit.py).
+        # Refusals a client can cause at will: a line each up to a cap, then a count (daemon/access/log_limit.py).
         self._error_log = RateLimitedLog(log)
         # Other threads (the Prometheus endpoint) read stats only through this:
         # they ask, the loop builds a snapshot in _turn, they never touch pools.
@@ -355,7 +355,7 @@ class Server:
             self._curve_guard = CurveGuard.start(self._zctx, curve.keys)
             CurveGuard.apply(sock, curve.public, curve.secret)
         # A reply to a connection whose queue is full, or that is gone, fails instead of being
-        # dropped without a word (daemon.replies counts it); replies are sent NOBLOCK.
+        # dropped without a word (daemon.handling.replies counts it); replies are sent NOBLOCK.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Above the soft limits, so that oversize requests get an error reply;
         # a frame above this makes libzmq drop the sender's connection.
@@ -470,7 +470,7 @@ class Server:
             self._metrics_endpoint = None
 
     def _upgrade_turn(self, now_s: float) -> None:
-        """SIGUSR2 and the hand-over's next step (daemon.upgrade); the poller watches its control channel."""
+        """SIGUSR2 and the hand-over's next step (daemon.process.upgrade); the poller watches its control channel."""
         upgrade = self.upgrade
         if self.stop.upgrade_requested:
             self.stop.upgrade_requested = False
@@ -485,7 +485,7 @@ class Server:
         if self.stop.requested and not upgrade.releasing:
             upgrade.stop()
         upgrade.turn(now_s)
-        self.ctx.lends.paused = upgrade.state != "idle"  # no new lend while a successor starts (daemon.lends)
+        self.ctx.lends.paused = upgrade.state != "idle"  # no new lend while a successor starts (daemon.clients.lends)
         fd = upgrade.fileno
         if fd != self._upgrade_fd:
             assert self._poller is not None
@@ -495,7 +495,7 @@ class Server:
                 self._poller.register(fd, zmq.POLLIN)
             self._upgrade_fd = fd
 
-    # ---- the hand-over's hooks (daemon.upgrade.UpgradeHost) ------------------------
+    # ---- the hand-over's hooks (daemon.process.upgrade.UpgradeHost) ------------------------
 
     def quiet(self) -> bool:
         # A lend still held is read by its client from tier memory the successor would write into.

@@ -73,7 +73,7 @@ LATE_MODULES = (
     "resource",  # daemon/server.py, the descriptor limit
     "socket",
     "socketserver",
-    "wsgiref.simple_server",  # daemon/prometheus.py
+    "wsgiref.simple_server",  # daemon/telemetry/prometheus.py
     "importlib.metadata",  # tiers/version.py (--version, daemon_version)
     "encodings.idna",  # the metrics exporter's bind: socket.getfqdn decodes the host name with it
     "prometheus_client",

@@ -340,7 +340,7 @@ class PersistentArena:
         self.layout = layout
         self.opened = opened
         self.block_bytes = layout.block_bytes
-        # The slab's file, and its inode: a same-user client maps it to read lent slots (kvtier.daemon.lends)
+        # The slab's file, and its inode: a same-user client maps it to read lent slots (kvtier.daemon.clients.lends)
         # and tells a file re-created under the same name (a reset) by the inode.
         self.data_path: Path | None = None
         self.data_inode = 0

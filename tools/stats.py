@@ -291,7 +291,7 @@ def format_stats(stats: Mapping[str, Any], endpoint: str) -> str:
 
 
 def lends_text(daemon: Mapping[str, Any]) -> str:
-    """Lent restores (kvtier.daemon.lends): held now (bytes), and since start: granted, released, expired, dropped."""
+    """Lent restores (kvtier.daemon.clients.lends): held now (bytes), and since start: granted, released, expired, dropped."""
     return (f"{fmt_int(_num(daemon, 'lends_held'))} held ({fmt_bytes(_num(daemon, 'lends_held_bytes'))}); "
             f"granted {fmt_int(_num(daemon, 'lends_granted_total'))}, "
             f"released {fmt_int(_num(daemon, 'lends_released_total'))}, "

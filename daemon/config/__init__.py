@@ -57,7 +57,7 @@ compares it with the defaults), and in ``docs/operating.md``.
 
 Pools: ``DaemonConfig.pool_settings(name)`` is a ``PoolSettings``, the one
 shape of a pool's settings: the daemon sizes it (``PoolSettings.sized``) and
-builds the pool from it (``kvtier.daemon.pools``). Its defaults, and
+builds the pool from it (``kvtier.daemon.pooling.pools``). Its defaults, and
 ``TieredPool``'s, are ``kvtier.tiers.pool_defaults``'s (``DEFAULT_POLICY``,
 ``DEFAULT_CLEAN_AHEAD_BLOCKS``).
 
@@ -91,7 +91,7 @@ stay out of the environment and the command line) are ``TenantConfig``:
 loading; ``--print-config`` prints the hash), and ``cpu_quota_bytes``. With
 two or more tenants ``hash_algo`` defaults to ``sha256`` unless a source sets
 it (tenants who do not trust each other must not share a non-cryptographic
-hash); ``kvtier.daemon.tenants`` says what the daemon does with them.
+hash); ``kvtier.daemon.tenancy.tenants`` says what the daemon does with them.
 
 Validation (all raise ``ConfigError`` naming the dotted key, e.g. ``lease_s``,
 ``default_pool.cpu_bytes``, ``pools."llama-8b/tp0".policy``): every key is

@@ -43,8 +43,8 @@ from kvtier.client.admin import default_socket  # one rule for the daemon and th
 from kvtier.client.endpoint import EndpointError, check_endpoint, ipc_socket_file  # the one endpoint parser
 from kvtier.client.protocol import HASH_ALGOS, MAX_POOL_NAME, ProtocolError, check_text  # what a hello may send: pool names
 from kvtier.client.protocol import MAX_LEASE_S as HELLO_MAX_LEASE_S  # ... and leases
+from kvtier.daemon.access.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer, descriptor_limit
 from kvtier.daemon.config.errors import ConfigError
-from kvtier.daemon.descriptors import MAX_AUTO_CONNECTIONS_PER_PEER, FdBudget, auto_per_peer, descriptor_limit
 from kvtier.daemon.config.units import (
     Coerce,
     CpuBytes,
@@ -70,7 +70,7 @@ from kvtier.daemon.config.units import (
     _as_str,
     _is_int,
 )
-from kvtier.daemon.tenant_ids import tenant_tag
+from kvtier.daemon.tenancy.tenant_ids import tenant_tag
 from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY  # stdlib only: config stays fast
 from kvtier.tiers.remote.settings import RemoteTierError, RemoteTierSettings  # stdlib only
 from kvtier.tiers.units import GiB, KiB, MiB, format_byte_size, format_gib
@@ -103,11 +103,11 @@ MAX_DRAIN_TIMEOUT_S = 3600.0
 MAX_PER_SESSION = 1 << 20
 # Each pool runs 2 threads; Linux runs at most pid_max (<= 2**22) of them.
 MAX_POOLS = 1 << 21
-# A GPU tier has at most this many blocks (daemon.pools.MAX_BLOCKS_PER_TIER, which a test
+# A GPU tier has at most this many blocks (daemon.pooling.pools.MAX_BLOCKS_PER_TIER, which a test
 # compares): clean-ahead past it demotes nothing more.
 MAX_CLEAN_AHEAD_BLOCKS = 1 << 23
 # A disk tier holds at least one block of a few MiB, and its slot index records 2**23 blocks
-# at most (daemon.pools.MAX_BLOCKS_PER_TIER): 1 PiB is that many blocks of 128 MiB.
+# at most (daemon.pooling.pools.MAX_BLOCKS_PER_TIER): 1 PiB is that many blocks of 128 MiB.
 MIN_DISK_BYTES = 1 * MiB
 MAX_DISK_BYTES = 1 << 50
 DEFAULT_DISK_BYTES = 64 * GiB
@@ -472,7 +472,7 @@ def _check_per_peer(cfg: DaemonConfig) -> None:
 
 def _check_cpu_budget(cfg: DaemonConfig) -> None:
     # Only what is spelled in bytes on both sides can be compared before start; the
-    # daemon checks shares of memory against the host when it starts (daemon.memory).
+    # daemon checks shares of memory against the host when it starts (daemon.pooling.memory).
     budget = cfg.cpu_budget_bytes
     if not isinstance(budget, int):
         return
@@ -653,7 +653,7 @@ class PoolSettings:
     The configuration produces it (``DaemonConfig.pool_settings(name)``:
     ``default_pool`` with the pool's overrides applied, and the remote
     tier's settings), and the daemon builds the pool from it
-    (``daemon.pools.PoolRegistry``), once ``sized``: its ``gpu_bytes`` and
+    (``daemon.pooling.pools.PoolRegistry``), once ``sized``: its ``gpu_bytes`` and
     ``cpu_bytes`` in bytes, "auto" and N% resolved on this host. Its
     defaults are the configuration's, which are ``TieredPool``'s
     (``kvtier.tiers.pool_defaults``). Checked when built, as the tables are.
@@ -770,7 +770,7 @@ class DaemonConfig:
         "the header has its own 4 MiB limit (e.g. 256MiB)", "SIZE",
         group=SERVER, rank=7, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
                                             what="a message is staged in memory whole")))
-    # The daemon-wide total of mapped files is capped below RLIMIT_NOFILE as well (daemon.session_memory).
+    # The daemon-wide total of mapped files is capped below RLIMIT_NOFILE as well (daemon.handling.session_memory).
     max_shm_files_per_session: int = field(default=1024, metadata=key(
         _as_int, "shared-memory files (arena, KV tensors) one session may map: one descriptor each", "N",
         group=SERVER, rank=8, check=partial(_check_int, minimum=1, maximum=MAX_PER_SESSION)))
@@ -809,7 +809,7 @@ class DaemonConfig:
         "it a connection with replies unread gets UNREAD_REPLIES (e.g. 1GiB)", "SIZE",
         group=SERVER, rank=14, check=partial(_check_bytes_of_memory, minimum=MIN_MESSAGE_BYTES,
                                              what="unread replies are held in memory")))
-    # Both caps shed connections as libzmq accepts them (daemon.connection_limits).
+    # Both caps shed connections as libzmq accepts them (daemon.access.connection_limits).
     max_connections: int | None = field(default=None, metadata=key(
         _as_optional_int, "client connections held at once; past it new ones get TOO_MANY_CONNECTIONS and are "
         "closed ('auto' = a quarter of the file descriptors; at most half of them)", "N",

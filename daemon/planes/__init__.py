@@ -39,7 +39,7 @@ Each plane's ``store(call)`` / ``restore(call) -> Reply | Pending``:
   TRANSFER_FAILED and drops the session's arena and registrations on a
   truncated file; copies the pool makes itself (CUDA IPC, staging) fail as
   the pool's ``Op`` fails (TRANSFER_FAILED by the server);
-- keeps the deadline (``daemon.deadlines``): a client's memory is read or
+- keeps the deadline (``daemon.shared_memory.deadlines``): a client's memory is read or
   written only before the request's ``deadline_ns``; past it
   DEADLINE_EXCEEDED and nothing was stored or written.
 

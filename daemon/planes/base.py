@@ -23,10 +23,10 @@ from typing import Any
 
 from kvtier.client.protocol import ErrorCode, ProtocolError, Request
 from kvtier.client.shm_arena import ShmArena
-from kvtier.daemon.handler_context import HandlerContext, Reply, Result, done_or_pending
-from kvtier.daemon.hints import request_hints
-from kvtier.daemon.pools import PoolEntry
-from kvtier.daemon.sessions import Session
+from kvtier.daemon.handling.handler_context import HandlerContext, Reply, Result, done_or_pending
+from kvtier.daemon.clients.hints import request_hints
+from kvtier.daemon.pooling.pools import PoolEntry
+from kvtier.daemon.clients.sessions import Session
 from kvtier.blocks.layout import BlockLayout
 
 __all__ = ["ClientMemoryPlane", "ClientTarget", "Plane", "PlaneCall", "checked_target", "request_slots", "store_into_pool"]
@@ -90,7 +90,7 @@ class ClientMemoryPlane(Plane):
     def restore(self, call: PlaneCall) -> Result:
         target = self.target(call)
         if call.req.msg.lend:
-            # The client copies the blocks itself from its mapping of the CPU tier's file (daemon.lends);
+            # The client copies the blocks itself from its mapping of the CPU tier's file (daemon.clients.lends);
             # where they cannot be lent, the restore goes on as if it had not asked.
             lent = call.ctx.lends.offer(call.session, call.entry, call.hashes,
                                         allowed=call.ctx.lend_restore_max_bytes > 0)

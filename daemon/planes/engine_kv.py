@@ -12,9 +12,9 @@ registration and hands the call to the one its memory names.
 from __future__ import annotations
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
-from kvtier.daemon import client_memory
-from kvtier.daemon.handler_context import Result
+from kvtier.daemon.handling.handler_context import Result
 from kvtier.daemon.planes.base import ClientMemoryPlane, ClientTarget, PlaneCall, checked_target, request_slots
+from kvtier.daemon.shared_memory import client_memory
 
 __all__ = ["EngineKvPlane", "registration_target"]
 

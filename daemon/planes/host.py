@@ -17,11 +17,11 @@ own with calls that fail instead of faulting (``session_memory.client_copy``).
 
 from __future__ import annotations
 
-from kvtier.daemon import client_memory, deadlines
-from kvtier.daemon.handler_context import Reply, Result, done_or_pending
+from kvtier.daemon.shared_memory import client_memory, deadlines
+from kvtier.daemon.handling.handler_context import Reply, Result, done_or_pending
 from kvtier.daemon.planes.base import ClientMemoryPlane, ClientTarget, PlaneCall, store_into_pool
 from kvtier.daemon.planes.lent import lend_in_place
-from kvtier.daemon.session_memory import client_copy
+from kvtier.daemon.handling.session_memory import client_copy
 from kvtier.blocks.layout import BlockLayout
 from kvtier.tiers.pool import Op
 

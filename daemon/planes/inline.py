@@ -13,7 +13,7 @@ worker.
 from __future__ import annotations
 
 from kvtier.client.protocol import ErrorCode, ProtocolError, frame_nbytes
-from kvtier.daemon.handler_context import Reply, Result, done_or_pending
+from kvtier.daemon.handling.handler_context import Reply, Result, done_or_pending
 from kvtier.daemon.planes.base import Plane, PlaneCall, store_into_pool
 from kvtier.daemon.planes.lent import lend_frame
 from kvtier.blocks.layout import BlockLayout

@@ -13,10 +13,10 @@ the other planes; docs/protocol.md specifies this one).
 
 from __future__ import annotations
 
-from kvtier.daemon import deadlines
-from kvtier.daemon.handler_context import Reply, Result, done_or_pending
+from kvtier.daemon.handling.handler_context import Reply, Result, done_or_pending
 from kvtier.daemon.planes.base import ClientMemoryPlane, ClientTarget, PlaneCall, store_into_pool
 from kvtier.daemon.planes.engine_kv import registration_target
+from kvtier.daemon.shared_memory import deadlines
 
 __all__ = ["KvCudaIpcPlane"]
 

@@ -24,10 +24,10 @@ Contract (called by the planes, never by handlers):
 
 from __future__ import annotations
 
-from kvtier.daemon import client_memory, deadlines
-from kvtier.daemon.handler_context import Reply, tier_names
+from kvtier.daemon.handling.handler_context import Reply, tier_names
+from kvtier.daemon.handling.session_memory import client_copy
 from kvtier.daemon.planes.base import ClientTarget, PlaneCall
-from kvtier.daemon.session_memory import client_copy
+from kvtier.daemon.shared_memory import client_memory, deadlines
 
 __all__ = ["lend_frame", "lend_in_place"]
 

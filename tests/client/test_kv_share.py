@@ -27,7 +27,7 @@ from kvtier.client.kv_share import (
     unlink_shared_kv,
 )
 from kvtier.client.shm_arena import SHM_DIR
-from kvtier.daemon.kv_import import import_kv, import_tensor
+from kvtier.daemon.shared_memory.kv_import import import_kv, import_tensor
 
 NUM_BLOCKS = 6
 # pytest-xdist's workers share /dev/shm: this module's files carry its own

@@ -1,7 +1,7 @@
 """The client across a daemon swap: SHUTTING_DOWN is resent elsewhere, promptly, whatever the old daemon does last.
 
 Two scripted daemons (ROUTER sockets) share one listening socket, as kvtierd
-and its successor do during a hand-over (``daemon/upgrade.py``): the test
+and its successor do during a hand-over (``daemon/process/upgrade.py``): the test
 plays the swap's worst timings step by step, which a real swap hits only
 by chance.
 """

@@ -140,7 +140,7 @@ def test_an_arena_truncated_and_regrown_under_copies_never_crashes_the_daemon(da
 def test_fault_safe_copies_move_canonical_block_bytes_of_any_layout(shape, block_dim) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    from kvtier.daemon import client_memory
+    from kvtier.daemon.shared_memory import client_memory
     from kvtier.blocks.layout import BlockLayout
 
     src = BlockLayout([torch.randn(shape).to(torch.bfloat16) for _ in range(3)], [block_dim] * 3)
@@ -158,7 +158,7 @@ def test_lent_views_land_byte_exact_in_any_layout(available, monkeypatch) -> Non
     """write_views: several lent runs of tier slots (as borrow hands them out) into scattered client slots."""
     import torch
 
-    from kvtier.daemon import client_memory
+    from kvtier.daemon.shared_memory import client_memory
     from kvtier.blocks.layout import BlockLayout
 
     monkeypatch.setattr(client_memory, "_available", available)
@@ -180,7 +180,7 @@ def test_moves_split_at_the_iovec_limit() -> None:
     """More pieces than one process_vm_writev takes (IOV_MAX): every byte still lands, in order."""
     import torch
 
-    from kvtier.daemon import client_memory
+    from kvtier.daemon.shared_memory import client_memory
     from kvtier.blocks.layout import BlockLayout
 
     if not client_memory.available():
@@ -199,7 +199,7 @@ def test_a_large_move_from_a_hugepage_tier_lands_byte_exact() -> None:
     """A restore's worth (~11 MiB) from a huge-page tier in two lent views into scattered slots and back."""
     import torch
 
-    from kvtier.daemon import client_memory
+    from kvtier.daemon.shared_memory import client_memory
     from kvtier.blocks.layout import BlockLayout
 
     if not client_memory.available():
@@ -218,7 +218,7 @@ def test_a_large_move_from_a_hugepage_tier_lands_byte_exact() -> None:
 
 _TRUNCATED_COPIES = r'''
 import mmap, os, sys, torch
-from kvtier.daemon import client_memory
+from kvtier.daemon.shared_memory import client_memory
 from kvtier.blocks.layout import BlockLayout
 assert client_memory.available()
 bb, n = 64 << 10, 64  # 4 MiB of client memory in a /dev/shm file, 2 MiB left after the truncation
@@ -254,7 +254,7 @@ def test_copies_into_a_truncated_file_fail_with_a_fault_not_a_signal() -> None:
     import subprocess
     import sys
 
-    from kvtier.daemon import client_memory
+    from kvtier.daemon.shared_memory import client_memory
 
     if not client_memory.available():
         pytest.skip("process_vm_readv is not permitted here")
@@ -270,7 +270,7 @@ def test_runs_and_pieces_match_a_block_by_block_model() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from kvtier.daemon import client_memory
+    from kvtier.daemon.shared_memory import client_memory
     from kvtier.blocks.layout import BlockLayout
 
     shapes = [((2, 9, 4, 3, 8), 1), ((9, 2, 4, 8), 0), ((5, 9, 6), 1), ((9, 64), 0)]

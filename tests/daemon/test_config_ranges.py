@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.daemon.access.descriptors import FdBudget
 from kvtier.daemon.config import ConfigError, load_config, load_config_or_exit
 from kvtier.daemon.config.host import check_gpu_bytes
 from kvtier.daemon.config.schema import MAX_CLEAN_AHEAD_BLOCKS, POOL_KEYS, TOP_KEYS
-from kvtier.daemon.descriptors import FdBudget
 from kvtier.tiers.policies import make_policy
 
 ENV: Mapping[str, str] = {"XDG_RUNTIME_DIR": "/run/user/1000"}
@@ -187,7 +187,7 @@ def test_policies_name_each_wrapper_once() -> None:
 
 
 def test_clean_ahead_bound_is_the_gpu_tiers_block_bound() -> None:
-    from kvtier.daemon.pools import MAX_BLOCKS_PER_TIER
+    from kvtier.daemon.pooling.pools import MAX_BLOCKS_PER_TIER
 
     assert MAX_CLEAN_AHEAD_BLOCKS == MAX_BLOCKS_PER_TIER
 

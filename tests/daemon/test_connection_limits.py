@@ -23,7 +23,7 @@ import zmq
 from kvtier.client.admin import DaemonUnavailable, request
 from kvtier.client.client import DaemonError
 from kvtier.client.protocol import ErrorCode
-from kvtier.daemon.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
+from kvtier.daemon.access.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
 from kvtier.testing.daemon import KvtierDaemon
 from tests.stress import hostile_clients
 
@@ -94,7 +94,7 @@ def test_fd_budget_leaves_room_for_a_flood() -> None:
         with pytest.raises(ValueError, match=f"at most {most}.*LimitNOFILE"):
             FdBudget.of(limit, most + 1)
     assert FdBudget.of(1024).small and not FdBudget.of(20000).small
-    from kvtier.daemon.connection_limits import MAX_HELD_REFUSALS, MONITOR_LAG_EVENTS
+    from kvtier.daemon.access.connection_limits import MAX_HELD_REFUSALS, MONITOR_LAG_EVENTS
 
     assert FLOOD_ROOM_GUARANTEED_FDS >= MONITOR_LAG_EVENTS + MAX_HELD_REFUSALS
     # Where the room for the worst flood does not fit, no connection past the default either.
@@ -288,9 +288,9 @@ def test_a_connection_closed_before_the_guard_looks_has_no_peer_and_does_not_sto
     """libzmq's I/O thread may close an accepted descriptor before the guard's thread reads it (a
     client that connects and drops at once; the fuzzing suite hit it). That is no peer, not an error:
     the guard's thread died of it once, and a dead guard admits every connection."""
-    from kvtier.daemon import gil_held
-    from kvtier.daemon.connection_limits import ConnectionGuard, ConnectionLimits
-    from kvtier.daemon.connections import Connection, shut_down_now
+    from kvtier.daemon.access import gil_held
+    from kvtier.daemon.access.connection_limits import ConnectionGuard, ConnectionLimits
+    from kvtier.daemon.access.connections import Connection, shut_down_now
 
     a, b = socket.socketpair()
     fd = a.fileno()
@@ -337,7 +337,7 @@ def test_libzmq_stops_accepting_while_the_guard_lags(tmp_path: Path) -> None:
     MONITOR_LAG_EVENTS connections ahead of it, and then waits too. No event is lost."""
     import threading
 
-    from kvtier.daemon.connection_limits import MONITOR_LAG_EVENTS, ConnectionGuard, ConnectionLimits
+    from kvtier.daemon.access.connection_limits import MONITOR_LAG_EVENTS, ConnectionGuard, ConnectionLimits
 
     ctx = zmq.Context()
     server = ctx.socket(zmq.ROUTER)

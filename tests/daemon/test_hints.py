@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvtier.client.client import Client, DaemonError, PoolLayout
 from kvtier.client.protocol import FEATURE_HINT_OUTPUT_TOKENS, FEATURE_HINTS, ErrorCode, HintFields, Hints, ProtocolError
-from kvtier.daemon import hints as daemon_hints
-from kvtier.daemon.metrics import Counters
-from kvtier.daemon.retention import Retention
+from kvtier.daemon.clients import hints as daemon_hints
+from kvtier.daemon.clients.retention import Retention
+from kvtier.daemon.telemetry.metrics import Counters
 from kvtier.tiers.hints import MAX_SESSION_KEY_BYTES
 
 BLOCK_BYTES = 1024

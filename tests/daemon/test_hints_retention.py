@@ -1,4 +1,4 @@
-"""A session's ``retain_s`` ledger (kvtier.daemon.retention): the answers of the plain rule, at O(log n) a request.
+"""A session's ``retain_s`` ledger (kvtier.daemon.clients.retention): the answers of the plain rule, at O(log n) a request.
 
 The rule (docs/protocol.md, hints): a session holds retention on at most its
 share of the pool; a reservation counts until its deadline passes. Issue 32,
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvtier.client.client import Client, PoolLayout
 from kvtier.client.protocol import Hints
-from kvtier.daemon.retention import Retention
+from kvtier.daemon.clients.retention import Retention
 
 BLOCK_BYTES = 1024
 

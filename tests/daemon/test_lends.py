@@ -1,4 +1,4 @@
-"""Lent restores (feature "lend", kvtier.daemon.lends): CPU-tier slots a same-user client copies itself.
+"""Lent restores (feature "lend", kvtier.daemon.clients.lends): CPU-tier slots a same-user client copies itself.
 
 Against a real daemon: the lent bytes, read through the client's read-only
 mapping of the tier's file, are the stored ones, every byte; a lend holds
@@ -21,8 +21,8 @@ import torch
 from kvtier.client.arena_map import ArenaMaps, Lent, LendUnavailable
 from kvtier.client.client import Client, PoolLayout
 from kvtier.client.protocol import FEATURE_LEND
-from kvtier.daemon.lends import LendTable
-from kvtier.daemon.sessions import Session
+from kvtier.daemon.clients.lends import LendTable
+from kvtier.daemon.clients.sessions import Session
 from kvtier.blocks.layout import BlockLayout
 
 BLOCK_BYTES = 1024

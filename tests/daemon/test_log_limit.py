@@ -1,4 +1,4 @@
-"""Client-caused log lines are capped per kind and summarised (daemon/log_limit.py), in the real daemon too."""
+"""Client-caused log lines are capped per kind and summarised (daemon/access/log_limit.py), in the real daemon too."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvtier.client.client import Client, DaemonError, PoolLayout
-from kvtier.daemon.log_limit import RateLimitedLog
+from kvtier.daemon.access.log_limit import RateLimitedLog
 
 
 class Clock:

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from kvtier.client.protocol import validate_request
+from kvtier.daemon.clients.sessions import Session, SessionTable
 from kvtier.daemon.handlers import Pending, Reply
-from kvtier.daemon.parking import Parked, ParkingLot
-from kvtier.daemon.sessions import Session, SessionTable
+from kvtier.daemon.handling.parking import Parked, ParkingLot
 
 
 class _Op:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.daemon.pin_releases import PinReleases
+from kvtier.daemon.clients.pin_releases import PinReleases
 
 
 def test_only_requests_sent_before_the_latest_release_of_the_same_sessions_tag_are_stale() -> None:

@@ -9,10 +9,10 @@ pool could pass the CPU budget.
 from __future__ import annotations
 
 from kvtier.daemon.config import PoolSettings
-from kvtier.daemon.metrics import Counters
-from kvtier.daemon.pool_admission import PoolAdmission
-from kvtier.daemon.pools import PoolRegistry
-from kvtier.daemon.sd_notify import Notifier
+from kvtier.daemon.pooling.pool_admission import PoolAdmission
+from kvtier.daemon.pooling.pools import PoolRegistry
+from kvtier.daemon.process.sd_notify import Notifier
+from kvtier.daemon.telemetry.metrics import Counters
 
 MIB = 1 << 20
 BLOCK = 64 * 1024

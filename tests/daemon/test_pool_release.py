@@ -15,8 +15,8 @@ import gc
 import weakref
 
 from kvtier.daemon.config import PoolSettings, TenantConfig
-from kvtier.daemon.pools import PoolRegistry
-from kvtier.daemon.tenants import TenantRegistry
+from kvtier.daemon.pooling.pools import PoolRegistry
+from kvtier.daemon.tenancy.tenants import TenantRegistry
 from kvtier.blocks.layout import BlockLayout
 
 BLOCK = 1024

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.daemon.config import PoolDefaults, PoolSettings, load_config
-from kvtier.daemon.pools import PoolRegistry
+from kvtier.daemon.pooling.pools import PoolRegistry
 from kvtier.daemon.server import ServeOptions
 from kvtier.tiers.pool import TieredPool
 from kvtier.tiers.pool_defaults import DEFAULT_CLEAN_AHEAD_BLOCKS, DEFAULT_POLICY

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kvtier.client.admin import request  # noqa: E402
 from kvtier.client.client import Client, DaemonError, PoolLayout  # noqa: E402
 from kvtier.client.protocol import ErrorCode  # noqa: E402
-from kvtier.daemon.prometheus import POOL_METRICS, StatsSnapshot, families_from_stats  # noqa: E402
+from kvtier.daemon.telemetry.prometheus import POOL_METRICS, StatsSnapshot, families_from_stats  # noqa: E402
 
 BLOCK_BYTES = 512
 GPU_BLOCKS = 8
@@ -310,7 +310,7 @@ def test_no_metrics_port_no_endpoint(kvtierd) -> None:  # type: ignore[no-untype
 
 
 def test_idle_connections_cost_no_thread_and_do_not_hold_the_endpoint(kvtierd_factory) -> None:  # type: ignore[no-untyped-def]
-    from kvtier.daemon.metrics_endpoint import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
+    from kvtier.daemon.telemetry.metrics_endpoint import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
 
     port = free_port()
     daemon = kvtierd_factory(metrics_port=port)

@@ -31,7 +31,7 @@ LAYOUT = PoolLayout(model="m", block_size=16, block_bytes=BLOCK_BYTES, dtype="fl
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[object, str]]:
-    from kvtier.daemon.lifecycle import StopFlag
+    from kvtier.daemon.process.lifecycle import StopFlag
     from kvtier.daemon.config.schema import PoolSettings
     from kvtier.daemon.server import ServeOptions, Server
 

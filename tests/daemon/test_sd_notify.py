@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.daemon.sd_notify import Notifier
+from kvtier.daemon.process.sd_notify import Notifier
 
 REPO = Path(__file__).resolve().parents[2]
 

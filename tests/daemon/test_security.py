@@ -434,7 +434,7 @@ def test_kvtier_stats_and_top_reach_a_curve_daemon_with_keys(curve_daemon: Kvtie
 def test_per_tenant_hits_and_quota_use_are_counted_and_exported(tenant_daemon: KvtierDaemon, keys: dict[str, Any]) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvtier.daemon.prometheus import families_from_stats
+    from kvtier.daemon.telemetry.prometheus import families_from_stats
 
     hs = [bytes([9, i]) * 8 for i in range(4)]
     with tenant_client(tenant_daemon, keys, "alice", "tenant-metrics") as a:
@@ -509,8 +509,8 @@ def test_wrong_tenant_tokens_are_rate_limited_per_peer(tmp_path: Path) -> None:
 
 
 def test_the_auth_failure_limiter_refills_and_keeps_a_bounded_table() -> None:
-    from kvtier.daemon import auth_limits
-    from kvtier.daemon.auth_limits import AuthFailureLimiter
+    from kvtier.daemon.access import auth_limits
+    from kvtier.daemon.access.auth_limits import AuthFailureLimiter
 
     now = [0.0]
     lim = AuthFailureLimiter(6, clock=lambda: now[0])  # a try every 10 s after a burst of 6

@@ -1,4 +1,4 @@
-"""kvtier.daemon.tenants: identities, namespaces, quotas (no daemon process; pools in bookkeeping mode)."""
+"""kvtier.daemon.tenancy.tenants: identities, namespaces, quotas (no daemon process; pools in bookkeeping mode)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvtier.client.protocol import ErrorCode, ProtocolError
 from kvtier.daemon.config import TenantConfig
-from kvtier.daemon.tenants import ANONYMOUS, TenantQuotaPolicy, TenantRegistry, tenant_tag, user_id_for_key
+from kvtier.daemon.tenancy.tenants import ANONYMOUS, TenantQuotaPolicy, TenantRegistry, tenant_tag, user_id_for_key
 from kvtier.tiers.cpu_tier import CpuTier, CpuTierFull
 from kvtier.tiers.policies.lru import LRUPolicy
 from kvtier.tiers.pool import PoolSpec, TieredPool

@@ -246,7 +246,7 @@ def test_an_upgrade_whose_successor_cannot_start_leaves_the_daemon_serving(tmp_p
 CRASHING_SUCCESSOR = (
     "import os, sys\n"
     "if os.environ.get('KVTIER_HANDOVER_FDS'):\n"
-    "    from kvtier.daemon import pools\n"
+    "    from kvtier.daemon.pooling import pools\n"
     "    def crash(self, *args, **kwargs):\n"
     "        os._exit(3)\n"
     "    pools.PoolRegistry.adopt_arenas = crash\n"
@@ -332,7 +332,7 @@ def test_a_restart_that_binds_the_socket_anew_costs_the_client_no_failed_call(tm
 
 
 def test_a_stopping_daemon_removes_its_own_socket_file_and_never_a_newer_one(tmp_path: Path) -> None:
-    from kvtier.daemon.listener import bind_listener
+    from kvtier.daemon.process.listener import bind_listener
 
     path = tmp_path / "s" / "kvtierd.sock"
     old = bind_listener(f"ipc://{path}", 0o600)
@@ -402,7 +402,7 @@ def test_socket_activation_refuses_a_socket_that_is_not_the_configured_one(tmp_p
 
 
 def test_systemd_listener_takes_only_descriptors_meant_for_this_process(tmp_path: Path) -> None:
-    from kvtier.daemon.listener import systemd_listener
+    from kvtier.daemon.process.listener import systemd_listener
 
     env = {"LISTEN_PID": str(os.getppid()), "LISTEN_FDS": "1"}
     assert systemd_listener(f"ipc://{tmp_path}/x.sock", env) is None
@@ -419,7 +419,7 @@ def test_systemd_listener_takes_only_descriptors_meant_for_this_process(tmp_path
 def test_an_inherited_descriptor_must_be_the_configured_socket(tmp_path: Path,
                                                                endpoint_of: Callable[[Path, int], str],
                                                                ok: bool) -> None:
-    from kvtier.daemon.listener import ListenerMismatch, check_listener
+    from kvtier.daemon.process.listener import ListenerMismatch, check_listener
 
     sock = listening_socket(tmp_path / "a.sock")
     try:
@@ -434,7 +434,7 @@ def test_an_inherited_descriptor_must_be_the_configured_socket(tmp_path: Path,
 
 
 def test_tcp_listeners_bind_as_libzmq_would_and_check_their_port() -> None:
-    from kvtier.daemon.listener import ListenerMismatch, bind_listener, check_listener
+    from kvtier.daemon.process.listener import ListenerMismatch, bind_listener, check_listener
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -463,7 +463,7 @@ def test_a_connection_another_process_accepted_first_never_stalls_libzmq(tmp_pat
 
     import zmq
 
-    from kvtier.daemon.listener import bind_listener, inherited_listener
+    from kvtier.daemon.process.listener import bind_listener, inherited_listener
 
     path = tmp_path / "s" / "kvtierd.sock"
     endpoint = f"ipc://{path}"

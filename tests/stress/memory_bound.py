@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.client.protocol import MAX_HASHES
-from kvtier.daemon.connection_limits import MAX_HELD_REFUSALS
+from kvtier.daemon.access.connection_limits import MAX_HELD_REFUSALS
 from kvtier.daemon.server import MAX_LEARN_BACKLOG_KEYS
 from kvtier.tiers.policies.chain import HISTORY_KEYS_PER_BLOCK, MIN_HISTORY_KEYS
 from kvtier.tiers.policies.session import CHAIN_KEYS_PER_BLOCK, MIN_CHAIN_KEYS

@@ -50,7 +50,7 @@ def test_mixed_load_every_byte_checked_no_deadlock_bounded_rss(tmp_path: Path) -
 
 def test_the_loop_freezes_its_startup_objects_out_of_the_cyclic_gc(tmp_path: Path) -> None:
     """Regression: a full collection walked torch's ~170k objects on the loop thread (0.2-0.3 s stalls)."""
-    from kvtier.daemon.lifecycle import StopFlag
+    from kvtier.daemon.process.lifecycle import StopFlag
     from kvtier.daemon.server import ServeOptions, Server
 
     stop = StopFlag()

@@ -344,7 +344,7 @@ def test_the_default_learns_nothing_and_record_drains_learn() -> None:
 
 
 def _wrapped(kind: str) -> tuple[EvictionPolicy, ChainPolicy]:
-    from kvtier.daemon.tenants import TenantQuotaPolicy, TenantRegistry
+    from kvtier.daemon.tenancy.tenants import TenantQuotaPolicy, TenantRegistry
 
     chain = ChainPolicy(6, horizon=16, bucket_width=2, min_samples=3.0)
     if kind == "admit2":

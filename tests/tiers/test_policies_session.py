@@ -345,7 +345,7 @@ def test_without_hints_a_promotion_changes_nothing() -> None:
 
 @pytest.mark.parametrize("kind", ["admit2", "tenant", "tenant+admit2"])
 def test_wrappers_forward_hints_and_the_gpu_tier_calls(kind: str) -> None:
-    from kvtier.daemon.tenants import TenantQuotaPolicy, TenantRegistry
+    from kvtier.daemon.tenancy.tenants import TenantQuotaPolicy, TenantRegistry
     from kvtier.tiers.policies.admit2 import AdmissionWrapper
 
     session = SessionWrapper(LRUPolicy(10))

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvtier.daemon.config import TenantConfig
-from kvtier.daemon.tenants import TenantQuotaPolicy, TenantRegistry
+from kvtier.daemon.tenancy.tenants import TenantQuotaPolicy, TenantRegistry
 from kvtier.tiers.cpu_tier import CpuTier
 from kvtier.tiers.hints import RequestHints
 from kvtier.tiers.policies import WRAPPERS, EvictionPolicy, PolicyRequest, PolicyStats, PolicyWrapper

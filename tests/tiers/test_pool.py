@@ -537,7 +537,7 @@ def test_failed_store_copy_withdraws_its_hashes(make) -> None:
     hx.check()
 
 
-# ---- a client's deadline (daemon.deadlines): the pool reads or writes a client's memory only before it ----
+# ---- a client's deadline (daemon.shared_memory.deadlines): the pool reads or writes a client's memory only before it ----
 
 
 @pytest.mark.parametrize("gpu_blocks", [4, None], ids=["gpu-tier", "cpu-only"])

@@ -36,7 +36,7 @@ class Borrowed:
     views: list[Any]
     release: Callable[[], None]
     # Each block's slot in its tier (``cpu_only`` borrows: slots of the CPU tier's slab, which a
-    # persistent arena's file holds: ``kvtier.daemon.lends`` hands them to same-user clients).
+    # persistent arena's file holds: ``kvtier.daemon.clients.lends`` hands them to same-user clients).
     slots: list[int] = field(default_factory=list)
 
 

@@ -4,7 +4,7 @@
 (``counters.demotions += n``), so a misspelt counter is an AttributeError,
 not a new key. ``TieredPool.stats()`` reports them first, in declaration
 order, under their field names; the daemon's ``stats`` reply, Prometheus
-(``daemon/prometheus.py``) and the tools read those names. Item access
+(``daemon/telemetry/prometheus.py``) and the tools read those names. Item access
 (``counters["lookups"]``, ``dict(counters)``) reads them as a mapping.
 """
 
