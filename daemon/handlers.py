@@ -10,9 +10,13 @@ implementation per plane, chosen from ``PLANES`` by the request's
 
 Contract:
 
-- ``HANDLERS[op](ctx, req, session) -> Reply | Pending``. ``session`` is the
-  request's session (already looked up and, for verbs that renew the lease,
-  renewed by the server) or None for verbs that have none.
+- ``SESSION_HANDLERS[op](ctx, req, session) -> Reply | Pending`` for the verbs
+  that need a session (``OPS[op].session == "required"``): ``session`` is the
+  request's session, already looked up and, for verbs that renew the lease,
+  renewed by the server, which answers the error itself when there is none.
+  ``OPEN_HANDLERS[op](ctx, req)`` for the verbs that need none (``hello``,
+  ``stats``, ``health``). Every op of ``OPS`` is in exactly one table, the one
+  its ``session`` says (checked on import).
 - A handler validates everything it can before it changes anything (plan,
   then apply): when it raises, nothing changed. It raises ``ProtocolError``
   for its own refusals and lets the pool's ``NoSpace`` / ``NotFound`` /
@@ -70,6 +74,7 @@ from kvtier.client.protocol import (
     FEATURES,
     MAX_HASHES,
     MAX_HEADER_BYTES,
+    OPS,
     PROTOCOL_VERSION,
     TIER_CODES,
     ErrorCode,
@@ -83,12 +88,13 @@ from kvtier.tiers.version import kvtier_version
 from kvtier.daemon.shared_memory import deadlines
 from kvtier.daemon.handling.handler_context import (
     LOOP_COPY_MAX_BYTES,
-    Handler,
     HandlerContext,
     KvImporter,
+    OpenHandler,
     Pending,
     Reply,
     Result,
+    SessionHandler,
     done_or_pending,
     pool_entry,
     pool_keys,
@@ -106,8 +112,8 @@ from kvtier.tiers.pool import Op, Tier
 from kvtier.tiers.pool.journal import REMOVED, STORED
 
 # Re-exported: the server, the parking lot and tests take them from here.
-__all__ = ["DAEMON_VERSION", "HANDLERS", "LOOP_COPY_MAX_BYTES", "Handler", "HandlerContext", "KvImporter", "Pending",
-           "Reply", "Result", "stats_fields"]
+__all__ = ["DAEMON_VERSION", "LOOP_COPY_MAX_BYTES", "OPEN_HANDLERS", "SESSION_HANDLERS", "HandlerContext", "KvImporter",
+           "OpenHandler", "Pending", "Reply", "Result", "SessionHandler", "stats_fields"]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +141,7 @@ def _resolve_tenant(ctx: HandlerContext, token: str | None) -> str:
         raise
 
 
-def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+def hello(ctx: HandlerContext, req: Request) -> Result:
     if ctx.draining:
         raise ProtocolError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
     f = req.msg
@@ -178,13 +184,11 @@ def hello(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
     )
 
 
-def heartbeat(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def heartbeat(ctx: HandlerContext, req: Request, session: Session) -> Result:
     return Reply({"lease_s": session.lease_s})
 
 
-def bye(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def bye(ctx: HandlerContext, req: Request, session: Session) -> Result:
     ctx.sessions.end(session, "bye")
     return Reply()
 
@@ -193,8 +197,7 @@ def bye(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
 # ---- lookups and pins --------------------------------------------------------
 
 
-def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def lookup(ctx: HandlerContext, req: Request, session: Session) -> Result:
     entry = pool_entry(ctx, session)
     pool = entry.pool
     hashes = pool_keys(ctx, session, req.msg.hashes)
@@ -211,8 +214,7 @@ def lookup(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     return Reply(LookupReply(v=PROTOCOL_VERSION, id=req.id, ok=True, tiers=reply_tiers(req, tiers), pinned=pinned))
 
 
-def pin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def pin(ctx: HandlerContext, req: Request, session: Session) -> Result:
     entry = pool_entry(ctx, session)
     hashes = pool_keys(ctx, session, req.msg.hashes)
     if _released(ctx, req, session):
@@ -259,10 +261,9 @@ def _check_pins(ctx: HandlerContext, session: Session, entry: PoolEntry, more: i
                             f"{entry.capacity_blocks} blocks): unpin first")
 
 
-def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+def unpin(ctx: HandlerContext, req: Request, session: Session) -> Result:
     """Drop pins on ``hashes`` (the tag's, with ``pin_tag``), or, with ``pin_tag`` alone, every pin of the tag:
     those whose replies the client never read too (a lost reply, a resent lookup)."""
-    assert session is not None
     f = req.msg
     tag, hashes = f.pin_tag, f.hashes
     if hashes is None and tag is None:
@@ -285,8 +286,7 @@ def unpin(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
 # ---- engine-managed mode -----------------------------------------------------
 
 
-def allocate(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def allocate(ctx: HandlerContext, req: Request, session: Session) -> Result:
     entry = pool_entry(ctx, session)
     require_mode(entry, "engine", "allocate")
     f = req.msg
@@ -302,8 +302,7 @@ def allocate(ctx: HandlerContext, req: Request, session: Session | None) -> Resu
     return done_or_pending(op, lambda o: Reply(dict(o.result)), on_error=failed)
 
 
-def append(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def append(ctx: HandlerContext, req: Request, session: Session) -> Result:
     entry = pool_entry(ctx, session)
     require_mode(entry, "engine", "append")
     f = req.msg
@@ -313,8 +312,7 @@ def append(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     return done_or_pending(op, lambda o: Reply(dict(o.result)))
 
 
-def free(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def free(ctx: HandlerContext, req: Request, session: Session) -> Result:
     entry = pool_entry(ctx, session)
     require_mode(entry, "engine", "free")
     name = req.msg.req
@@ -328,38 +326,36 @@ def free(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
 # ---- store mode: the data planes ---------------------------------------------
 
 
-def _plane_call(ctx: HandlerContext, req: Request, session: Session | None, op: str) -> PlaneCall:
+def _plane_call(ctx: HandlerContext, req: Request, session: Session, op: str) -> PlaneCall:
     """What every store and restore checks before its plane does (see ``daemon.planes``)."""
-    assert session is not None
     entry = pool_entry(ctx, session)
     require_mode(entry, "store", op)
     deadlines.check_arrival(req.msg.deadline_ns, op)
     return PlaneCall(ctx, req, session, entry, pool_keys(ctx, session, req.msg.hashes))
 
 
-def store(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+def store(ctx: HandlerContext, req: Request, session: Session) -> Result:
     call = _plane_call(ctx, req, session, "store")
     if len(set(call.hashes)) != len(call.hashes):
         raise ProtocolError(ErrorCode.INVALID_FIELD, "'hashes' names a hash twice")
     return plane_for(req.msg.plane).store(call)
 
 
-def restore(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+def restore(ctx: HandlerContext, req: Request, session: Session) -> Result:
     msg = req.msg
-    if session is not None and msg.release:
+    if msg.release:
         ctx.lends.release(session.sid, msg.release)  # release_lends sent along (the client copied them)
     return plane_for(msg.plane).restore(_plane_call(ctx, req, session, "restore"))
 
 
-def release_lends(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def release_lends(ctx: HandlerContext, req: Request, session: Session) -> Result:
     return Reply({"released": ctx.lends.release(session.sid, req.msg.ids)})
 
 
 # ---- daemon-wide -------------------------------------------------------------
 
 
-def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+def health(ctx: HandlerContext, req: Request) -> Result:
     viewer = viewer_of(ctx, req)
     return Reply(
         {
@@ -384,8 +380,7 @@ def health(ctx: HandlerContext, req: Request, session: Session | None) -> Result
     )
 
 
-def clear(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def clear(ctx: HandlerContext, req: Request, session: Session) -> Result:
     pool = pool_entry(ctx, session).pool
     # A tenant clears its own blocks only; without tenants, the whole pool.
     n = pool.clear() if session.tenant == ANONYMOUS else ctx.tenants.clear(pool, session.tenant)
@@ -396,8 +391,7 @@ def clear(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
 EVENT_KIND_CODES = {STORED: EVENT_STORED[0], REMOVED: EVENT_REMOVED[0]}
 
 
-def events(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def events(ctx: HandlerContext, req: Request, session: Session) -> Result:
     if session.tenant != ANONYMOUS:
         # A tenant's pool keys are one-way digests of its hashes (daemon.tenancy.tenants):
         # they could not be handed back as the hashes it knows.
@@ -411,13 +405,13 @@ def events(ctx: HandlerContext, req: Request, session: Session | None) -> Result
                   "hashes": b"".join(key for _, key in found), "next": nxt, "lost": lost})
 
 
-def _packs_tiers(handler: Handler) -> Handler:
+def _packs_tiers(handler: SessionHandler) -> SessionHandler:
     """Packed in, packed out for a verb whose reply's ``tiers`` the pool builds as
     strings: packs them after the handler (or its ``Pending.finish``), so the
     handler itself stays as it is."""
 
     @functools.wraps(handler)
-    def packing(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    def packing(ctx: HandlerContext, req: Request, session: Session) -> Result:
         result = handler(ctx, req, session)
         if not req.packed:
             return result
@@ -437,14 +431,14 @@ def _pack_reply_tiers(reply: Reply) -> Reply:
     return reply
 
 
-def _names_disk(handler: Handler) -> Handler:
+def _names_disk(handler: SessionHandler) -> SessionHandler:
     """A verb whose reply lists tiers, for sessions that did not name feature "disk_tier" in hello:
     disk-tier blocks are "remote" to them (see the contract). Costs nothing in a pool without a disk tier."""
 
     @functools.wraps(handler)
-    def naming(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+    def naming(ctx: HandlerContext, req: Request, session: Session) -> Result:
         result = handler(ctx, req, session)
-        if session is None or session.reads_disk_tier:
+        if session.reads_disk_tier:
             return result
         entry = ctx.pools.find(session.pool_name)
         if entry is None or entry.pool.disk is None:
@@ -481,8 +475,8 @@ def _tiers_as_remote(tiers: bytes | list[str]) -> bytes | list[str]:
 _DISK_CODE, _REMOTE_CODE = TIER_CODES["disk"], TIER_CODES["remote"]
 
 
-HANDLERS: dict[str, Handler] = {
-    "hello": hello,
+# The verbs that need a session: the server resolves it before it calls one.
+SESSION_HANDLERS: dict[str, SessionHandler] = {
     "heartbeat": heartbeat,
     "bye": bye,
     "attach_arena": attach_arena,
@@ -496,9 +490,25 @@ HANDLERS: dict[str, Handler] = {
     "free": free,
     "store": store,
     "restore": _names_disk(_packs_tiers(restore)),
-    "stats": stats,
-    "health": health,
     "clear": clear,
     "events": events,
     "release_lends": release_lends,
 }
+
+# The verbs that need none (stats and health may name one: whose view they get, viewer_of).
+OPEN_HANDLERS: dict[str, OpenHandler] = {
+    "hello": hello,
+    "stats": stats,
+    "health": health,
+}
+
+
+def _check_tables() -> None:
+    """Each op in the table its spec's ``session`` says: the server picks the table, the decoder checks ``sid``."""
+    needs = {op for op, spec in OPS.items() if spec.session == "required"}
+    if set(SESSION_HANDLERS) != needs or set(OPEN_HANDLERS) != set(OPS) - needs:
+        raise RuntimeError(f"handler tables disagree with OPS: session verbs {sorted(SESSION_HANDLERS)}, "
+                           f"open verbs {sorted(OPEN_HANDLERS)}, OPS needs a session for {sorted(needs)}")
+
+
+_check_tables()

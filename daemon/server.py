@@ -9,7 +9,9 @@ Contract:
   sweeps expired leases and feeds the systemd watchdog when idle.
 - Every request is decoded and validated (``client.protocol``) before it
   reaches a handler; a bad one gets an error reply and a counter and changes
-  nothing. Handlers come from ``daemon.handlers.HANDLERS``.
+  nothing. Handlers come from ``daemon.handlers``: ``SESSION_HANDLERS`` get
+  the session the server looked up (its errors answered here), ``OPEN_HANDLERS``
+  none.
 - Copies never run on the loop. A handler whose copies are in flight returns
   ``Pending``; the request is parked (``daemon.handling.parking``) and its reply sent
   from the loop when the pool reports the op done.
@@ -115,7 +117,7 @@ from kvtier.daemon.handling.replies import ReplyQueue
 from kvtier.daemon.access.descriptors import FLOOD_ROOM_GUARANTEED_FDS, FdBudget, auto_per_peer
 from kvtier.daemon.pooling.heap_trim import HeapTrimmer
 from kvtier.daemon.handling.handler_context import LOOP_COPY_MAX_BYTES, HandlerContext, KvImporter, Reply
-from kvtier.daemon.handlers import HANDLERS
+from kvtier.daemon.handlers import OPEN_HANDLERS, SESSION_HANDLERS
 from kvtier.daemon.handling.stats_verbs import stats_fields
 from kvtier.daemon.clients.lends import DEFAULT_LEASE_S as DEFAULT_LEND_LEASE_S
 from kvtier.daemon.clients.lends import LendTable
@@ -689,11 +691,18 @@ class Server:
                                  "user; run as that user, or ask the operator for a socket path with group access",
                                  op=req.op)
                 return
+        session: Session | None = None
         try:
-            session = self._session_for(req)
-            if req.op == "stats":
-                self._publish_gauges()  # the gauges are set lazily: fresh for whoever reads them
-            result = HANDLERS[req.op](self.ctx, req, session)
+            if self.ctx.draining and req.op not in ("health", "stats"):
+                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down; no new requests")
+            needs_session = SESSION_HANDLERS.get(req.op)
+            if needs_session is not None:
+                session = self._session_for(req)
+                result = needs_session(self.ctx, req, session)
+            else:
+                if req.op == "stats":
+                    self._publish_gauges()  # the gauges are set lazily: fresh for whoever reads them
+                result = OPEN_HANDLERS[req.op](self.ctx, req)
         except ProtocolError as exc:
             self._send_error(identity, req.id, exc.code, exc.message, op=req.op)
             return
@@ -741,13 +750,9 @@ class Server:
                     "ask again")
         return None
 
-    def _session_for(self, req: Request) -> Session | None:
-        spec = req.spec
-        if self.ctx.draining and req.op not in ("health", "stats"):
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down; no new requests")
-        if spec.session != "required":
-            return None
-        assert req.sid is not None
+    def _session_for(self, req: Request) -> Session:
+        """The session a verb that needs one names (its lease renewed if the verb renews it), or the error."""
+        assert req.sid is not None  # the decoder refused a session verb without one
         session = self.sessions.get(req.sid)
         if session.peer != self.ctx.peer:
             # A session is usable only over connections of the identity that
@@ -762,7 +767,7 @@ class Server:
             # heartbeat sockets are the same user).
             raise ProtocolError(ErrorCode.FOREIGN_SESSION,
                                 f"session {req.sid[:8]}... was opened by another user; send hello to open your own")
-        if spec.renews_lease:
+        if req.spec.renews_lease:
             self.sessions.touch(session)
         return session
 

@@ -2,8 +2,12 @@
 
 Contract (the event loop's thread only):
 
-- ``Handler``: ``(ctx, req, session) -> Reply | Pending`` (``daemon.handlers``
-  holds the table and the rules each handler keeps).
+- ``SessionHandler``: ``(ctx, req, session) -> Reply | Pending``, a verb that
+  needs a session: the server has looked it up (and answered the error
+  itself when there is none) before the handler runs. ``OpenHandler``:
+  ``(ctx, req) -> Reply | Pending``, a verb that needs none (``hello``,
+  ``stats``, ``health``). ``daemon.handlers`` holds both tables and the
+  rules each handler keeps.
 - ``Reply``: a reply's fields (a map the server wraps in the envelope, or the
   op's typed ``ReplyMessage``, envelope included, sent as it is) and payload
   frames; ``on_sent`` runs once ZMQ no longer reads the frames (memory they
@@ -35,7 +39,8 @@ from kvtier.daemon.telemetry.metrics import Counters
 from kvtier.daemon.tenancy.tenants import TenantRegistry
 from kvtier.tiers.pool import Op, Tier
 
-__all__ = ["LOOP_COPY_MAX_BYTES", "Handler", "HandlerContext", "KvImporter", "Pending", "Reply", "Result",
+__all__ = ["LOOP_COPY_MAX_BYTES", "HandlerContext", "KvImporter", "OpenHandler", "Pending", "Reply", "Result",
+           "SessionHandler",
            "done_or_pending", "pool_entry", "pool_keys", "reply_tiers", "require_mode", "tier_names"]
 
 
@@ -141,4 +146,5 @@ def done_or_pending(op: Op, finish: Callable[[Op], Reply], **kw: Any) -> Result:
     return Pending(op, finish, **kw)
 
 
-Handler = Callable[[HandlerContext, Request, Session | None], Result]
+SessionHandler = Callable[[HandlerContext, Request, Session], Result]
+OpenHandler = Callable[[HandlerContext, Request], Result]

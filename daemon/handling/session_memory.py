@@ -1,6 +1,6 @@
 """A session's client memory: the arena and registrations it maps, the files behind them, and copies to and from them.
 
-Contract (the event loop's thread only; the handlers in ``HANDLERS`` and
+Contract (the event loop's thread only; the handlers in ``SESSION_HANDLERS`` and
 the data planes, ``daemon.planes``, call it):
 
 - ``attach_arena``, ``register_kv``, ``unregister_kv``: the verbs (see
@@ -39,8 +39,7 @@ __all__ = ["INTACT_CHECK_MAX_FILES", "attach_arena", "check_file_budget", "check
 log = logging.getLogger(__name__)
 
 
-def attach_arena(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def attach_arena(ctx: HandlerContext, req: Request, session: Session) -> Result:
     f = req.msg
     entry = pool_entry(ctx, session)
     if session.arena is not None:
@@ -66,8 +65,7 @@ def attach_arena(ctx: HandlerContext, req: Request, session: Session | None) -> 
     return Reply({"num_slots": arena.num_slots})
 
 
-def register_kv(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def register_kv(ctx: HandlerContext, req: Request, session: Session) -> Result:
     f = req.msg
     entry = pool_entry(ctx, session)
     name = f.name
@@ -203,8 +201,7 @@ def release_files(ctx: HandlerContext, session: Session, files: Sequence[tuple[t
             del ctx.file_owner[inode]
 
 
-def unregister_kv(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
-    assert session is not None
+def unregister_kv(ctx: HandlerContext, req: Request, session: Session) -> Result:
     name = req.msg.name
     reg = session.registrations.get(name)
     if reg is None:

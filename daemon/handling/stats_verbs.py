@@ -18,7 +18,6 @@ import os
 from typing import Any
 
 from kvtier.client.protocol import ProtocolError, Request
-from kvtier.daemon.clients.sessions import Session
 from kvtier.daemon.handling.handler_context import HandlerContext, Reply, Result
 
 __all__ = ["sees", "stats", "stats_fields", "viewer_of"]
@@ -45,7 +44,7 @@ def stats_fields(ctx: HandlerContext) -> dict[str, Any]:
     return out
 
 
-def stats(ctx: HandlerContext, req: Request, session: Session | None) -> Result:
+def stats(ctx: HandlerContext, req: Request) -> Result:
     fields = stats_fields(ctx)
     viewer = viewer_of(ctx, req)
     if viewer is not None:
