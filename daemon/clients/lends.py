@@ -119,7 +119,7 @@ class LendTable:
         path = getattr(arena, "data_path", None)
         if path is None:
             return None  # a CPU tier in private memory: no file a client could map
-        borrowed = pool.borrow(hashes, cpu_only=True)
+        borrowed = pool.borrow(hashes, cpu_only=True, with_views=False)
         if borrowed is None:
             return None
         if not borrowed.tiers:

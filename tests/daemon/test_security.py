@@ -538,3 +538,28 @@ def test_the_auth_failure_limiter_refills_and_keeps_a_bounded_table() -> None:
         assert len(lim._buckets) <= 4
     finally:
         auth_limits.MAX_PEERS = saved
+
+
+def test_gil_held_peer_uid_reads_each_descriptor_afresh() -> None:
+    """Unix socket: our uid; anything else, or a number reused by a TCP socket, None (nothing cached)."""
+    import os
+    import socket
+
+    from kvtier.daemon.access import gil_held
+
+    a, b = socket.socketpair()
+    fd = a.fileno()
+    assert gil_held.peer_uid(fd) == os.getuid()
+    a.close()
+    b.close()
+    assert gil_held.peer_uid(fd) is None
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if tcp.fileno() == fd:  # the number reused by a socket without a peer uid
+            assert gil_held.peer_uid(fd) is None
+        assert gil_held.peer_uid(tcp.fileno()) is None
+    finally:
+        tcp.close()
+    with open(os.devnull, "rb") as f:
+        assert gil_held.peer_uid(f.fileno()) is None
+    assert gil_held.peer_uid(-1) is None

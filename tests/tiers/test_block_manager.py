@@ -10,6 +10,7 @@ that moves real bytes.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 from kvtier.client.hashing import BlockHasher
@@ -583,3 +584,23 @@ def test_free_with_valid_tokens_withdraws_hashes_of_blocks_never_written(hasher:
     assert [b.block_id for b in bm.longest_cached_prefix(hashes)] == alloc.block_ids[:3]
     assert bm.get_cached(hashes[3]) is None and bm.get_cached(hashes[4]) is None
     assert all(b.ref_cnt == 0 for b in bm.blocks) and bm.num_free_blocks == 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(held=st.integers(0, 200), query=st.lists(st.one_of(st.integers(0, 199), st.just(-1)), max_size=300))
+def test_longest_cached_prefix_matches_a_plain_walk(held: int, query: list[int]) -> None:
+    """Across chunk boundaries and misses anywhere: the blocks of ``query`` up to its first key not cached."""
+    keys = [b"k%03d" % i for i in range(200)]
+    bm = BlockManager(256, BS)
+    if held:
+        bm.allocate("r", keys[:held], held * BS)
+        bm.free("r")
+    hashes = [keys[i] if i >= 0 else b"unknown" for i in query]
+    model = []
+    for i in query:
+        if not 0 <= i < held:
+            break
+        model.append(i)
+    got = bm.longest_cached_prefix(hashes)
+    assert [b.block_hash for b in got] == [keys[i] for i in model]
+    assert got == [bm.get_cached(keys[i]) for i in model]

@@ -884,6 +884,28 @@ def test_borrow_lends_the_held_prefix_in_place_across_tiers(make) -> None:
     hx.check()
 
 
+def test_borrow_without_views_holds_and_counts_the_same(make) -> None:
+    """``with_views=False`` (lends): same tiers, slots, holds and counters as a borrow with views; no views."""
+    results = []
+    for with_views in (True, False):
+        hx = make(gpu_blocks=4, cpu_blocks=8)
+        a, b = chain("a", 4), chain("b", 2)
+        hx.store(a).wait(10)
+        hx.store(b).wait(10)
+        lent = hx.pool.borrow(a + [h("zz", 0)], with_views=with_views)
+        assert lent is not None
+        readers = sorted(e.readers for e in hx.pool.cpu._entries.values())
+        refs = sorted(blk.ref_cnt for blk in hx.bm.blocks)
+        results.append((lent.tiers, lent.slots, readers, refs, dict(hx.pool.counters)))
+        assert bool(lent.views) == with_views
+        lent.release()
+        assert all(e.readers == 0 for e in hx.pool.cpu._entries.values())
+        assert all(blk.ref_cnt == 0 for blk in hx.bm.blocks)
+        hx.check()
+    assert results[0] == results[1]
+    assert len(results[0][1]) == 4
+
+
 def test_borrow_merges_consecutive_slots_into_one_view(make) -> None:
     hx = make(gpu_blocks=8, cpu_blocks=0)
     a = chain("a", 5)

@@ -48,11 +48,28 @@ class Counters:
         """One counted request (lookup, allocation, restore, borrow): its blocks, and the tier of each hit."""
         self.lookups += 1
         self.looked_up_blocks += len(hashes)
-        self.hit_blocks_gpu += tiers.count(Tier.GPU)
-        self.hit_blocks_cpu += tiers.count(Tier.CPU)
-        self.hit_blocks_remote += tiers.count(Tier.REMOTE)
-        self.hit_blocks_disk += tiers.count(Tier.DISK)
         self.miss_blocks += len(hashes) - len(tiers)
+        # Most requests hit one or two tiers: stop counting once every hit is
+        # accounted for. A pass for a tier that is absent costs a string
+        # comparison per block (~9 ns); one for the tier present, an identity check.
+        left = len(tiers)
+        if not left:
+            return
+        n = tiers.count(_GPU)
+        self.hit_blocks_gpu += n
+        left -= n
+        if not left:
+            return
+        n = tiers.count(_CPU)
+        self.hit_blocks_cpu += n
+        left -= n
+        if not left:
+            return
+        n = tiers.count(_REMOTE)
+        self.hit_blocks_remote += n
+        left -= n
+        if left:
+            self.hit_blocks_disk += tiers.count(_DISK)
 
     def keys(self) -> tuple[str, ...]:
         return NAMES
@@ -68,6 +85,8 @@ class Counters:
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in NAMES}
 
+
+_GPU, _CPU, _REMOTE, _DISK = Tier.GPU, Tier.CPU, Tier.REMOTE, Tier.DISK
 
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Counters))
 _NAME_SET = frozenset(NAMES)

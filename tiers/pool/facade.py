@@ -418,12 +418,13 @@ class TieredPool:
                                    max_blocks=max_blocks)
 
     def borrow(self, hashes: Sequence[bytes], *, max_views: int | None = None,
-               cpu_only: bool = False) -> Borrowed | None:
+               cpu_only: bool = False, with_views: bool = True) -> Borrowed | None:
         """Views of the longest held prefix, for a sender that reads it in place (see the contract
         and ``lending``). One view per run of consecutive slots in one tier; with ``max_views``, a
         prefix scattered over more runs than that is declined (None, nothing changed). Counted like
-        a restore."""
-        return self._lender.borrow(hashes, max_views=max_views, cpu_only=cpu_only)
+        a restore. ``with_views=False``: the same hold and ``slots``, ``views`` left empty (a lend
+        hands out slots only)."""
+        return self._lender.borrow(hashes, max_views=max_views, cpu_only=cpu_only, with_views=with_views)
 
     # ---- maintenance ---------------------------------------------------------------------
 
