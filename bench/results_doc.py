@@ -1176,8 +1176,7 @@ def render_side_by_side(d: Result) -> str:
     tr = d["trees"]
     return "\n\n".join([
         f"The same benchmarks on two checkouts in one run, alternating which goes first each round: old "
-        f"{tr['old']['commit']}, new {tr['new']['commit']} (the policy contract and settings rework against its "
-        f"branch point); {len(d['rounds'])} rounds, trace `{d['trace']}`, {d['lookups']:,} lookups.",
+        f"{tr['old']['commit']}, new {tr['new']['commit']}; {len(d['rounds'])} rounds, trace `{d['trace']}`, {d['lookups']:,} lookups.",
         md_table(["bench", "unit", "old (median)", "new (median)", "new / old", "range over rounds"], rows, "llrrrr"),
         "Target (issue 36): no slower than the old code. Read here as a median new/old ratio ≤ 1.05× on every "
         f"bench: {met(all(x['ratio_median'] <= 1.05 for x in d['summary'].values()))} (largest "

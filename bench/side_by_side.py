@@ -51,7 +51,7 @@ from report import REPO, loadavg, loadavg_text, machine_info, progress, table, w
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 # kvtier's subpackages and the checkout folders they live in (pyproject's package-dir).
-SUBPACKAGES = ("tiers", "client", "daemon", "tools", "integrations", "testing")
+SUBPACKAGES = ("tiers", "client", "daemon", "tools", "integrations", "testing", "blocks")
 BENCHES = ("replay", "replay:chain", "tiers", "protocol")
 
 
@@ -85,7 +85,8 @@ def make_shim(tree: Path, root: Path) -> Path:
     shim = root / "kvtier"
     shim.mkdir(parents=True)
     for sub in SUBPACKAGES:
-        (shim / sub).symlink_to(tree.resolve() / sub)
+        if (tree / sub).is_dir():  # an older checkout may predate a subpackage (blocks)
+            (shim / sub).symlink_to(tree.resolve() / sub)
     return root
 
 
