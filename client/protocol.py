@@ -234,6 +234,11 @@ def pack_tiers(tiers: Sequence[str]) -> bytes:
     for the daemon's own tiers: a wrong number of codes raises ValueError, a
     string that is no tier name is not always noticed.
     """
+    if tiers and tiers.count(tiers[0]) == len(tiers):
+        # One tier for the whole prefix, the usual answer: one identity pass, no string per block.
+        code = TIER_CODES.get(getattr(tiers[0], "_value_", tiers[0]))
+        if code is not None:
+            return code * len(tiers)
     if _NON_CODE_LETTERS is not None:
         # Joining the names and deleting every letter that is not a code leaves
         # exactly one code per name (each code is its name's first letter and

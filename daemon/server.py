@@ -99,6 +99,7 @@ import zmq
 from kvtier.client.endpoint import parse_ipc
 from kvtier.client.protocol import (
     MAX_HEADER_BYTES,
+    OPS,
     RESERVED_ID,
     ErrorCode,
     ProtocolError,
@@ -252,6 +253,9 @@ class Server:
             else auto_per_peer(max_connections))
         self.notifier = notifier or Notifier(None)
         self.metrics = Counters()
+        # Each op's two per-request series, named once (Counters.add): not a key built twice per request.
+        self._op_series = {op: (Counters.series_key("requests_total", op=op),
+                                Counters.series_key("request_seconds_total", op=op)) for op in OPS}
         # Refusals a client can cause at will: a line each up to a cap, then a count (daemon/access/log_limit.py).
         self._error_log = RateLimitedLog(log)
         # Other threads (the Prometheus endpoint) read stats only through this:
@@ -660,7 +664,7 @@ class Server:
             self._send_error(identity, recoverable_id(frames[1].buffer) if len(frames) > 1 else RESERVED_ID, exc.code,
                              exc.message)
             return
-        self.metrics.inc("requests_total", op=req.op)
+        self.metrics.add(self._op_series[req.op][0])
         refusal = self._connection_guard.refusal(frames[1]) if self._connection_guard is not None else None
         if refusal is not None:
             # Past a connection cap: this connection is closed in a moment; say why first.
@@ -807,7 +811,7 @@ class Server:
     def _send_ok(self, identity: bytes, req: Request, reply: Reply, started_s: float,
                  lender: tuple[str, Connection | None] | None = None) -> None:
         elapsed_s = time.monotonic() - started_s
-        self.metrics.inc("request_seconds_total", elapsed_s, op=req.op)
+        self.metrics.add(self._op_series[req.op][1], elapsed_s)
         if log.isEnabledFor(logging.DEBUG):
             n = len(getattr(req.msg, "hashes", None) or ())
             log.debug("%s id=%d blocks=%d ok in %.3f ms", req.op, req.id, n, elapsed_s * 1e3)

@@ -8,6 +8,9 @@ Contract:
 - ``snapshot()`` returns ``{name: value}`` for unlabelled series and
   ``{name: {"label=value,...": value}}`` for labelled ones: plain msgpack/JSON
   data for the ``stats`` verb.
+- ``series_key(name, **labels)`` names one series once, and ``add(key, n=1)``
+  adds to it: the same as ``inc`` without building the key again (the loop's
+  per-request counters, keyed per op).
 - ``series()`` yields ``(name, labels_dict, value)`` for a Prometheus-style
   exporter.
 
@@ -22,14 +25,25 @@ from collections.abc import Iterator
 from typing import Any
 
 
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
 class Counters:
     """See the module docstring."""
 
     def __init__(self) -> None:
-        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._values: dict[SeriesKey, float] = {}
 
     @staticmethod
-    def _key(name: str, labels: dict[str, Any]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    def series_key(name: str, **labels: Any) -> SeriesKey:
+        return Counters._key(name, labels)
+
+    def add(self, key: SeriesKey, n: float = 1) -> None:
+        values = self._values
+        values[key] = values.get(key, 0) + n
+
+    @staticmethod
+    def _key(name: str, labels: dict[str, Any]) -> SeriesKey:
         # The loop counts several series per request: skip the sort for the
         # usual none or one label.
         if not labels:

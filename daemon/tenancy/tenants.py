@@ -159,7 +159,8 @@ class TenantRegistry:
     def namespace(self, tenant: str, hashes: Sequence[bytes]) -> list[bytes]:
         """Pool keys for a tenant's block hashes (the hashes themselves for the anonymous tenant)."""
         if tenant == ANONYMOUS:
-            return list(hashes)
+            # A request's own decoded list is nobody else's: no copy of it per request.
+            return hashes if type(hashes) is list else list(hashes)
         t = self._tenants[tenant]
         out = []
         for h in hashes:

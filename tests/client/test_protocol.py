@@ -222,6 +222,21 @@ def test_tier_codes_table() -> None:
         pack_tiers(["gpu", "flash"])  # (a name whose letters give the shortcut away)
 
 
+@given(st.lists(st.sampled_from(["gpu", "cpu", "remote", "disk"]), max_size=300), st.booleans())
+def test_pack_tiers_is_one_code_per_name_uniform_runs_included(names: list[str], as_tuple: bool) -> None:
+    """The one-tier shortcut (a whole prefix in one tier) packs exactly as the general path."""
+    codes = {"gpu": b"g", "cpu": b"c", "remote": b"r", "disk": b"d"}
+    tiers = tuple(names) if as_tuple else names
+    assert pack_tiers(tiers) == b"".join(codes[n] for n in names)
+    if names:
+        assert pack_tiers([names[0]] * len(names)) == codes[names[0]] * len(names)
+
+
+def test_pack_tiers_refuses_a_uniform_list_of_no_tier() -> None:
+    with pytest.raises(ValueError):
+        pack_tiers(["flash"] * 4)
+
+
 def test_pack_tiers_takes_str_enum_members() -> None:
     import enum
 

@@ -346,3 +346,19 @@ def test_idle_connections_cost_no_thread_and_do_not_hold_the_endpoint(kvtierd_fa
     finally:
         for s in idle:
             s.close()
+
+
+def test_a_named_series_adds_as_inc_does() -> None:
+    """``Counters.add`` on a ``series_key`` counts into the same series as ``inc`` with the same labels."""
+    from kvtier.daemon.telemetry.metrics import Counters
+
+    m = Counters()
+    key = Counters.series_key("requests_total", op="lookup")
+    m.add(key)
+    m.inc("requests_total", op="lookup")
+    m.add(key, 2.5)
+    m.add(Counters.series_key("plain_total"))
+    assert m.get("requests_total", op="lookup") == 4.5
+    assert m.get("requests_total", op="pin") == 0
+    assert m.snapshot()["requests_total"] == {"op=lookup": 4.5}
+    assert m.snapshot()["plain_total"] == 1

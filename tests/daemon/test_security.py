@@ -563,3 +563,36 @@ def test_gil_held_peer_uid_reads_each_descriptor_afresh() -> None:
     with open(os.devnull, "rb") as f:
         assert gil_held.peer_uid(f.fileno()) is None
     assert gil_held.peer_uid(-1) is None
+
+
+def test_gil_held_peer_uid_answers_each_thread_from_its_own_buffers() -> None:
+    """Two threads asking at once, one about a unix socket and one about a TCP socket, never get each other's answer."""
+    import os
+    import socket
+    import threading
+
+    from kvtier.daemon.access import gil_held
+
+    a, b = socket.socketpair()
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    wrong: list[object] = []
+
+    def ask(fd: int, want: int | None) -> None:
+        for _ in range(20000):
+            got = gil_held.peer_uid(fd)
+            if got != want:
+                wrong.append(got)
+                return
+
+    threads = [threading.Thread(target=ask, args=(a.fileno(), os.getuid())),
+               threading.Thread(target=ask, args=(tcp.fileno(), None))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for s in (a, b, tcp):
+            s.close()
+    assert wrong == []
+    assert gil_held.peer_of(a.fileno()) is None  # closed: no answer

@@ -42,13 +42,15 @@ class LearningQueue:
         """A counted request: learn it (now, or queued), unless it repeats the last lookup."""
         if hints is not None and hints.empty:
             hints = None
-        if self._looked_up is not None and list(hashes) == self._looked_up:
+        # A list compares as it is (no copy of 256 references per lookup); a tuple, as a list.
+        keys = hashes if type(hashes) is list else list(hashes)
+        if self._looked_up is not None and keys == self._looked_up:
             if not is_lookup:
                 self._looked_up = None
             if hints is not None:
                 self.note_hints(hashes, hints)  # the repeat may say more than the lookup did
             return
-        self._looked_up = list(hashes) if is_lookup else None
+        self._looked_up = list(keys) if is_lookup else None
         self._add(PolicyRequest(hashes, hints))
 
     def note_hints(self, hashes: Sequence[bytes], hints: RequestHints) -> None:
