@@ -685,10 +685,11 @@ class Server:
         # Who is asking (CURVE User-Id); handlers read it for this request only.
         self.ctx.peer = peer_user_id(frames[1]) if self._curve_guard is not None else None
         # ...and, on ipc, as which user (only where a session is opened or named).
-        self.ctx.peer_uid = peer_uid(frames[1]) if self._ipc and (req.sid is not None or req.op in ("hello", "stats", "health")) else None
+        self.ctx.peer_uid = (peer_uid(frames[1], unix_listener=True)
+                             if self._ipc and (req.sid is not None or req.op in ("hello", "stats", "health")) else None)
         self.ctx.auth_peer = peer_of_frame(frames[1]) if req.op == "hello" else None
         if self._same_user_only:
-            uid = self.ctx.peer_uid if self.ctx.peer_uid is not None else peer_uid(frames[1])
+            uid = self.ctx.peer_uid if self.ctx.peer_uid is not None else peer_uid(frames[1], unix_listener=self._ipc)
             if uid not in (os.getuid(), 0):
                 self._send_error(identity, req.id, ErrorCode.UNAUTHORIZED,
                                  "this daemon listens on an abstract socket without CURVE and serves only its own "

@@ -27,6 +27,9 @@ foreign descriptor):
   a unix socket (``SO_DOMAIN`` then ``SO_PEERCRED``); None for any other
   descriptor. Two system calls and no Python socket object: the server asks
   per request.
+- ``unix_peer_uid(fd) -> int | None``: the same for a descriptor known to be
+  a unix socket (one accepted by a unix listener): ``SO_PEERCRED`` alone, one
+  system call; None if the kernel would not say.
 - ``shutdown(fd) -> bool``: ``shutdown(SHUT_RDWR)``; True if it was shut down.
 - ``dup(fd) -> int | None`` and ``close(fd)``.
 - ``MonitorEvents(sock)``: reads a ZMQ socket monitor's events (``sock`` is the
@@ -159,6 +162,11 @@ def _cred_reader() -> _CredReader:
 def peer_uid(fd: int) -> int | None:
     """See the module docstring."""
     return _cred_reader().uid(fd)
+
+
+def unix_peer_uid(fd: int) -> int | None:
+    """See the module docstring."""
+    return _cred_reader().unix_uid(fd)
 
 
 def shutdown(fd: int) -> bool:

@@ -63,7 +63,7 @@ def load_server_key(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def peer_uid(frame: Any) -> int | None:
+def peer_uid(frame: Any, *, unix_listener: bool = False) -> int | None:
     """The uid of the process at the other end of a local (ipc) connection a frame came on; None otherwise.
 
     libzmq tells which descriptor a message was read from (ZMQ_SRCFD); for a
@@ -71,7 +71,10 @@ def peer_uid(frame: Any) -> int | None:
     per request through ``gil_held.peer_uid`` (two getsockopt calls, no socket
     object): nothing is cached, so a descriptor number libzmq reuses for a new
     connection is read anew. Not cached per routing identity either: a client
-    may choose its own identity and reuse one.
+    may choose its own identity and reuse one. ``unix_listener``: the frame
+    came through a unix listener (an ipc endpoint, checked when bound or
+    inherited), so its connection is a unix socket: one getsockopt
+    (``gil_held.unix_peer_uid``), the server's per-request case.
     """
     try:
         fd = frame.get(zmq.SRCFD)
@@ -79,7 +82,7 @@ def peer_uid(frame: Any) -> int | None:
         return None
     if not isinstance(fd, int) or fd < 0:
         return None
-    return gil_held.peer_uid(fd)
+    return gil_held.unix_peer_uid(fd) if unix_listener else gil_held.peer_uid(fd)
 
 
 def peer_user_id(frame: Any) -> str | None:

@@ -550,9 +550,11 @@ def test_gil_held_peer_uid_reads_each_descriptor_afresh() -> None:
     a, b = socket.socketpair()
     fd = a.fileno()
     assert gil_held.peer_uid(fd) == os.getuid()
+    assert gil_held.unix_peer_uid(fd) == os.getuid()
     a.close()
     b.close()
     assert gil_held.peer_uid(fd) is None
+    assert gil_held.unix_peer_uid(fd) is None
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         if tcp.fileno() == fd:  # the number reused by a socket without a peer uid
