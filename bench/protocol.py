@@ -28,8 +28,9 @@ its own module (``bench/protocol_*.py``, whose docstrings say what and how):
 3. ``protocol_profile`` and ``protocol_paths`` (``--profile auto``: only
    when a target is missed): the client/daemon split of a request's time,
    cProfile of the client and of a third daemon started under a cProfile
-   launcher (its loop thread phase by phase, its copy worker threads), and
-   the lookup and host copy paths timed piece by piece in-process.
+   launcher (its loop thread phase by phase, its copy worker threads), the
+   lookup and host copy paths timed piece by piece in-process, and a
+   lookup's round trip hop by hop beside the echo's (``protocol_hops``).
 ``protocol_common`` holds the layouts, targets and the interleaving clock,
 ``protocol_servers`` the daemon launcher and the echo server,
 ``report`` (shared by all bench scripts) tables, machine facts and JSON.

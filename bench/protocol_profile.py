@@ -12,6 +12,8 @@
   read per request with the idle poll left out; its copy worker threads'
   profile is read once for the whole run.
 - The in-process lookup and copy paths (``protocol_paths``).
+- A lookup's round trip hop by hop beside the raw echo's, from stamps on
+  both sides of every socket call (``protocol_hops``).
 
 py-spy is not used: at useful rates it falls seconds behind on a 2-core VM.
 cProfile inflates Python-heavy code: read shares and relative sizes, not
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol_common import LOOKUP_HASHES, SPECS, PoolClient, request_counters
+from protocol_hops import lookup_hops, report_hops
 from protocol_paths import copy_path_breakdown, lookup_path_breakdown, report_paths
 from protocol_servers import REPO, ProfiledDaemon
 from report import percentile, progress, table
@@ -169,6 +172,7 @@ def run_profiles(args: argparse.Namespace, env: dict[str, Any], workdir: Path) -
     out["lookup_path"] = lookup_path_breakdown(env["lookup_hashes"], 300 if args.quick else 2000)
     progress("profile: host copy path, in-process")
     out["copy_path"] = {spec[0]: copy_path_breakdown(spec, 10 if args.quick else 40) for spec in SPECS}
+    out["lookup_hops"] = lookup_hops(args, env, workdir)
     return out
 
 
@@ -205,4 +209,4 @@ def report_profile(prof: dict[str, Any]) -> list[str]:
                 for r in ct["top"][:6]]
         parts.append(table(["function", "ncalls", "self ms", "cum ms"], rows,
                            "\n3d. Daemon copy threads cProfile, whole profiled run (idle queue wait left out)"))
-    return parts + report_paths(prof)
+    return parts + report_paths(prof) + report_hops(prof.get("lookup_hops", {}))
