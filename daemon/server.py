@@ -627,7 +627,7 @@ class Server:
 
     def _publish_gauges(self) -> None:
         """The gauges that describe the loop's state (sessions, parked requests, learning backlog, connections,
-        auth failures): set at each sweep and just before anything reads them (a ``stats`` request, the
+        auth failures, the standby): set at each sweep and just before anything reads them (a ``stats`` request, the
         Prometheus snapshot), not on every turn: a turn that serves one lookup need not pay for them."""
         self.metrics.set("sessions", len(self.sessions))
         self.metrics.set("requests_in_flight", len(self._parked))
@@ -636,6 +636,10 @@ class Server:
             self._connection_guard.publish(self.metrics)
         if self.ctx.auth_failures is not None:
             self.ctx.auth_failures.publish(self.metrics)
+        if self.standby is not None:
+            # Whether a crash now would be served at once, and by which process (operating.md, "A standby").
+            self.metrics.set("standby_ready", int(self.standby.ready))
+            self.metrics.set("standby_pid", self.standby.pid or 0)
 
     def _clients_waiting(self) -> bool:
         assert self._sock is not None

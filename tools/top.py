@@ -118,6 +118,11 @@ def render_frame(prev: Mapping[str, Any] | None, cur: Mapping[str, Any], elapsed
         + (f" (+{fmt_int(_delta(errors, _total(prev_daemon.get('errors_total'))))})" if window else "")
         + f"   in flight {fmt_int(_num(daemon, 'requests_in_flight'))}",
     ]
+    if "standby_pid" in daemon:  # a daemon run with a standby: is a crash covered now?
+        pid = int(_num(daemon, "standby_pid"))
+        lines.append(f"standby {'pid ' + str(pid) if pid else 'none'}   "
+                     + ("ready: serves at once if this daemon dies" if _num(daemon, "standby_ready")
+                        else "starting: a crash now is a plain restart"))
     granted = _num(daemon, "lends_granted_total")
     if granted:  # a daemon that lent something: what it holds lent now, how fast it lends, what expired
         lent_expired = _num(daemon, "lends_expired_total")

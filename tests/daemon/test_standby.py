@@ -197,6 +197,8 @@ def test_a_living_primary_is_never_doubled_and_a_clean_stop_stands_the_standby_d
     keys = [key(i) for i in range(64)]
     with Client(daemon.endpoint, "p", LAYOUT, timeout_s=30.0) as c:
         c.store(keys, b"".join(content(k) for k in keys))
+        counters = c.stats()["daemon"]
+        assert (counters["standby_pid"], counters["standby_ready"]) == (standby, 1)
     # A primary that lives but does not answer (stopped dead): the standby must not serve in its place.
     os.kill(primary, signal.SIGSTOP)
     try:

@@ -182,6 +182,17 @@ def test_top_rates_are_deltas_over_the_time_between_samples() -> None:
     assert "6/10 60.0%" in frame and "5/20 25.0%" in frame
 
 
+def test_top_says_whether_a_standby_covers_a_crash() -> None:
+    def frame(daemon: dict) -> str:
+        cur = {"pools": {"p": _pool()}, "daemon": daemon, "sessions": 0}
+        return render_frame(None, cur, 1.0, endpoint="ipc:///x", interval_s=1.0, clock="12:00:00")
+
+    assert "standby pid 4242   ready: serves at once" in frame({"standby_pid": 4242, "standby_ready": 1})
+    assert "standby pid 4243   starting: a crash now is a plain restart" in frame({"standby_pid": 4243, "standby_ready": 0})
+    assert "standby none   starting" in frame({"standby_pid": 0, "standby_ready": 0})
+    assert "standby" not in frame({})  # a daemon run without one
+
+
 def test_top_counts_from_zero_after_a_daemon_restart() -> None:
     prev = {"pools": {"p": _pool(looked_up_blocks=1000, hit_blocks_gpu=1000)}, "daemon": {}, "sessions": 0}
     cur = {"pools": {"p": _pool(looked_up_blocks=10, miss_blocks=10)}, "daemon": {}, "sessions": 0}
