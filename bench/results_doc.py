@@ -1041,6 +1041,8 @@ def render_vllm_restore(d: Result) -> str:
     baseline = any("(baseline daemon)" in k for k in v)
     own = [[f"kvtierd, {k}", ms(x / 1000, 2)] for k, x in dm.items()]
     own += [[f"the worker's lent copy, {k}", ms(x / 1000, 2)] for k, x in (r.get("lent_copy_ms_per_restore") or {}).items()]
+    own += [[f"the worker's restore call (round trip), {k}", ms(x / 1000, 2)]
+            for k, x in (r.get("lent_round_trip_ms_per_restore") or {}).items()]
     load = r.get("loadavg_start")
     parts = [
         f"{r['blocks']} blocks of {mib(r['block_bytes'])} ({mib(r['bytes'])}) into KV tensors shaped "
@@ -1055,8 +1057,9 @@ def render_vllm_restore(d: Result) -> str:
         f"{ratio(tg['cpu']['vs_memcpy'])}: {met(tg['cpu']['met'])}.",
         "Reading it: a CPU-tier restore comes back lent and the worker copies it itself (its copy time above); "
         "the rest of it is the round trip, which the heartbeat row shows bare. `plan per copy` is the same lent "
-        "restore planned anew each time, as before run tables. kvtierd's CPU-tier time is a mean over all that "
-        "daemon's restores, the lent ones and those it copies (lend off). On this 2-core VM the medians are set by "
+        "restore planned anew each time, as before run tables; `memmove per run` the same copied by a memmove per run "
+        "and block, as before strided copies (one `np.copyto` per run and group of slots). Each kvtierd's time is "
+        "its own kind of restore's (lent, or copied by kvtierd with lend off). On this 2-core VM the medians are set by "
         "scheduling as much as by copying: each restore wakes threads in two processes.",
     ]
     return "\n\n".join(parts)
@@ -1278,7 +1281,7 @@ RENDERERS: list[Renderer] = [
              "The worker half's synchronous load (`start_load_kv`: from the worker's request to the last byte in the "
              "tensors) of a 32-block prefix into KV tensors registered as vLLM's CPU backend has them, against a "
              "memcpy of the same bytes in the same process (the faster of torch's and numpy's).",
-             "python bench/vllm_restore.py --baseline-pythonpath <main's checkout shim>", render_vllm_restore),
+             "python bench/vllm_restore.py (before/after daemons: --baseline-pythonpath <an older checkout's shim>)", render_vllm_restore),
     Renderer("peers-lends-*.json", "peers-lends", "Beside its peers, with lent restores (kvtier at 2bfa3fd)",
              "A `bench/peers.py` run of kvtier, LMCache and vLLM native after lent restores landed (issue 35 item 2: "
              "the worker copies CPU-tier blocks itself from kvtierd's file), single-prefix and multi-turn phases only.",

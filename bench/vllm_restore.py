@@ -27,12 +27,17 @@ repetition in a fresh random order (``bench/protocol_common.interleaved``):
   read-only mapping of kvtierd's CPU-tier file, integrations/adapter/lent_restore.py);
   GPU-tier blocks kvtierd copies;
 - ``kvtier cpu-tier, contiguous slots, kvtierd copies (lend off)``: the
-  same restore with the worker's ``lend`` off (before lends; leave out with
-  ``--no-lend-variant``);
+  same restore with the worker's ``lend`` off, from a CPU-tier kvtierd of its
+  own (before lends; leave out with ``--no-lend-variant``);
 - ``kvtier cpu-tier, contiguous slots, plan per copy (before run tables)``:
   the same worker's lent restore (same tensors, same lends) planning each
   copy anew (``LentRestore.run_tables`` off for the call: the copy as it was
   before run tables; left out with ``--no-lend-variant``);
+- ``kvtier cpu-tier, <contiguous|scattered> slots, memmove per run (before
+  strided copies)``: the same, copied by a memmove per run and block
+  (``LentRestore.copy_engine = "memmove"`` for the call), as before the
+  strided copies (``strided_copy.py``: one ``np.copyto`` per run of a block
+  and group of slots);
 - ``kvtier cpu-tier, contiguous slots, 2 copy threads``: the same, its copy
   shared with a helper thread (``LentRestore.copy_threads = 2`` for the call;
   left out with ``--no-lend-variant``);
@@ -49,15 +54,18 @@ repetition in a fresh random order (``bench/protocol_common.interleaved``):
 - ``round trip (heartbeat, info)``: the transport's floor.
 
 Every variant's bytes are checked against what was stored (untimed, after
-each timed call). Reported: median ms, GB/s, and ``vs memcpy`` = median
+each timed call), and a heartbeat to its kvtierd waits for the daemon's
+loop to finish with it (a 32 MiB staging buffer freed after the reply would
+otherwise run beside the next variant). Reported: median ms, GB/s, and ``vs memcpy`` = median
 over repetitions of memcpy time / variant time. Target (issue 35): the
 contiguous restore >= 0.7x memcpy, both tiers. ``--baseline-pythonpath``
 runs the same daemons from another checkout beside them (before/after in
 one run: ``(baseline daemon)`` variants; the client side is this
 checkout's). Beside it, the daemon's own
 seconds per restore (``request_seconds_total``: receipt to reply handed to
-ZMQ) split the time between the daemon and the rest (client, transport,
-worker). JSON: ``bench/results/vllm-restore-cpu.json``.
+ZMQ; one daemon per kind of restore) split the time between the daemon and
+the rest (client, transport, worker); for each lent variant, the worker's
+copy and its client's restore call (the lend's round trip) per restore. JSON: ``bench/results/vllm-restore-cpu.json``.
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ NUM_BLOCKS = 133  # bench/vllm.py's engines: 4 requests' worth of 33 blocks, + 1
 DEFAULT_JSON = REPO / "bench" / "results" / "vllm-restore-cpu.json"
 PER_COPY = ", plan per copy (before run tables)"
 TWO_THREADS = ", 2 copy threads"
+MEMMOVES = ", memmove per run (before strided copies)"
 
 
 def kv_tensors(seed: int) -> dict[str, Any]:
@@ -155,15 +164,18 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     by_daemon: dict[str, Any] = {}  # daemon label -> its registered-plane worker
     want_by_tier: dict[str, Any] = {}
     lent_copy: dict[str, list[float]] = {}  # lent variant -> [seconds its worker copied, copies]
+    lent_trip: dict[str, list[float]] = {}  # lent variant -> [seconds in the client's restore call, calls]
     if not args.no_lend_variant:
-        # The same CPU-tier daemon with the worker's lend off: kvtierd copies into vLLM's tensors (before/after).
-        daemons.append(("cpu", dc, ", kvtierd copies (lend off)"))
+        # A CPU-tier daemon of its own with the worker's lend off: kvtierd copies into vLLM's tensors (before
+        # lends). Its own daemon, so each daemon's time per restore is one kind of restore's.
+        dl = env["daemons"]["cpu-lend-off"] = bench_daemon(workdir, "cpu-lend-off", gpu_bytes=0, cpu_bytes=tier_bytes)
+        dl.spawn()
+        daemons.append(("cpu", dl, ", kvtierd copies (lend off)"))
     for tier, d, which in daemons:
         kv = kv_tensors(seed=1 if tier == "gpu" else 2)
         w = worker(d.endpoint, f"restore-{tier}", "registered", kv, lend="lend off" not in which)
         env["workers"].append(w)
-        if "lend off" not in which:  # the daemon's counters are the cpu daemon's, lent and copied together
-            by_daemon[f"{tier} tier{which}"] = w
+        by_daemon[f"{tier} tier{which}"] = w
         w.wait_for_save(StepTransfers(stores=[BlockTransfer(keys, src_slots, "store")]))
         w.wait_for_stores()
         layout = BlockLayout(list(kv.values()), [0] * LAYERS)
@@ -172,10 +184,25 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
         tiers = w._link.client.lookup(keys)
         assert list(tiers) == [tier] * n, f"{tier} daemon holds the blocks in {set(tiers)}"
         lender = w._plane._lent if tier == "cpu" and "lend off" not in which else None
+        trip = [0.0, 0]  # this worker's client restore calls (the lend's round trip): seconds, calls
+        if lender is not None:
+            client, plain = w._link.client, w._link.client.restore
+
+            def timed_restore(*a: Any, plain: Any = plain, trip: list[float] = trip, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return plain(*a, **k)
+                finally:
+                    trip[0] += time.perf_counter() - t0
+                    trip[1] += 1
+
+            client.restore = timed_restore
         variants = [("contiguous", contiguous, "", {}), ("scattered", scattered, "", {})]
         if lender is not None and not which and not args.no_lend_variant:
             # The same worker, memory and lends with the copy done the other ways (before/after, in one run).
             variants += [("contiguous", contiguous, PER_COPY, {"run_tables": False}),
+                         ("contiguous", contiguous, MEMMOVES, {"copy_engine": "memmove"}),
+                         ("scattered", scattered, MEMMOVES, {"copy_engine": "memmove"}),
                          ("contiguous", contiguous, TWO_THREADS, {"copy_threads": 2})]
         for label, slots, how, flags in variants:
             if which and label == "scattered":
@@ -183,19 +210,23 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
             name = f"kvtier {tier}-tier, {label} slots{which}{how}"
 
             def restore(w: Any = w, slots: list[int] = slots, lender: Any = lender, flags: dict[str, Any] = flags,
-                        name: str = name) -> Any:
+                        name: str = name, trip: list[float] = trip) -> Any:
                 if lender is None:
                     return w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, slots, "r")]))
                 saved = {k: getattr(lender, k) for k in flags}
                 for k, v in flags.items():
                     setattr(lender, k, v)
                 seconds, copies = lender.copy_seconds_total, lender.copies
+                trip_s, trips = trip[0], trip[1]
                 try:
                     return w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, slots, "r")]))
                 finally:
                     spent = lent_copy.setdefault(name, [0.0, 0])
                     spent[0] += lender.copy_seconds_total - seconds
                     spent[1] += lender.copies - copies
+                    rt = lent_trip.setdefault(name, [0.0, 0])
+                    rt[0] += trip[0] - trip_s
+                    rt[1] += trip[1] - trips
                     for k, v in saved.items():
                         setattr(lender, k, v)
 
@@ -209,6 +240,9 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
                 if not torch.equal(layout.gather(slots), want):
                     raise AssertionError("restored bytes differ from the stored ones")
                 layout.scatter(slots, torch.zeros_like(want))  # the next restore must write them again
+                # Untimed: kvtierd's loop done with this restore's after-work (a 32 MiB staging buffer freed) before
+                # the next variant runs, which would otherwise share the 2 cores with it.
+                w._link.client.heartbeat()
 
             check[name] = verify
             verify(fns[name]())  # once untimed: bytes checked, pages mapped
@@ -230,6 +264,7 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
         if not torch.equal(staged_layout.gather(contiguous), want_by_tier["gpu"]):
             raise AssertionError("staged bytes differ")
         staged_layout.scatter(contiguous, torch.zeros_like(want_by_tier["gpu"]))
+        ws._link.client.heartbeat()
 
     check["kvtier gpu-tier, staged plane (info)"] = verify_staged
     verify_staged(fns["kvtier gpu-tier, staged plane (info)"]())
@@ -259,6 +294,7 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     fns["in-process copy into vLLM's slots (info)"] = lambda: copy_host_blocks(rows, src_slots, local_layout, contiguous)
 
     untimed = {k: list(v) for k, v in lent_copy.items()}
+    untimed_trip = {k: list(v) for k, v in lent_trip.items()}
     before = {t: request_counters(w._link.client, "restore") for t, w in by_daemon.items()}
     warm = max(2, args.reps // 10)
     load_start = loadavg()
@@ -284,6 +320,10 @@ def run(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     out["lent_copy_ms_per_restore"] = {
         t: 1e3 * (x[0] - untimed.get(t, [0.0, 0])[0]) / max(1, x[1] - untimed.get(t, [0.0, 0])[1])
         for t, x in lent_copy.items()}
+    # The same workers' restore calls (request to reply decoded: the lend's round trip, kvtierd's time within).
+    out["lent_round_trip_ms_per_restore"] = {
+        t: 1e3 * (x[0] - untimed_trip.get(t, [0.0, 0])[0]) / max(1, x[1] - untimed_trip.get(t, [0.0, 0])[1])
+        for t, x in lent_trip.items()}
     out["targets"] = {t: {"vs_memcpy": out["variants"][f"kvtier {t}-tier, contiguous slots"]["vs_memcpy"]}
                       for t in ("gpu", "cpu")}
     for t in out["targets"].values():
@@ -302,6 +342,9 @@ def report(r: dict[str, Any]) -> str:
     if r.get("lent_copy_ms_per_restore"):
         parts.append("the worker's lent copy per restore (mapping lookup to lease check): "
                      + ", ".join(f"{t} {ms:.2f} ms" for t, ms in r["lent_copy_ms_per_restore"].items()))
+    if r.get("lent_round_trip_ms_per_restore"):
+        parts.append("the worker's restore call per lent restore (request to reply, kvtierd's time within): "
+                     + ", ".join(f"{t} {ms:.2f} ms" for t, ms in r["lent_round_trip_ms_per_restore"].items()))
     parts.append(table(["target", "measured", "met"],
                        [[f"contiguous restore >= {TARGET_VS_MEMCPY}x memcpy, {t} tier", f"{v['vs_memcpy']:.2f}x",
                          yes(v["met"])] for t, v in r["targets"].items()], "\nTarget (issue 35)"))
@@ -319,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="results (default bench/results/vllm-restore-cpu.json; --quick writes only with --json)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")
     p.add_argument("--no-lend-variant", action="store_true",
-                   help="leave out the CPU-tier variants with the worker's lend off (kvtierd copies) and with "
-                        "each lent copy planned anew (before run tables)")
+                   help="leave out the CPU-tier variants with the worker's lend off (kvtierd copies), with "
+                        "each lent copy planned anew (before run tables), by memmoves (before strided copies) and "
+                        "on 2 threads")
     p.add_argument("--baseline-pythonpath", default=None, metavar="PATH",
                    help="also run the daemons with this PYTHONPATH (an older kvtier), side by side: before/after")
     args = p.parse_args(argv)

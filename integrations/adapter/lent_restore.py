@@ -30,7 +30,12 @@ memory (``engines``: the engine's KV-cache group id -> the ``BlockLayout`` of it
 - ``copies`` / ``copy_seconds_total``: lent copies made and the seconds they
   took, mapping lookup to lease check (where a restore's time goes: the rest is
   the round trip).
-- ``copy_threads`` (1): 2 shares each copy's runs with a helper thread
+- ``copy_engine`` (``"auto"``): how a copy moves its bytes: ``"strided"``,
+  one ``np.copyto`` per run and group of slots that follow each other
+  (``strided_copy.StridedCopy``); ``"memmove"``, one memmove per run and
+  block (``RunTable.copy``); ``"auto"``, strided where its pieces average
+  ``STRIDED_MIN_PIECE_BYTES`` or more. bench/vllm_restore.py times them side by side.
+- ``copy_threads`` (1): 2 shares each copy's pieces with a helper thread
   (``TwoThreadCopy``); bench/vllm_restore.py times both.
 - ``run_tables`` (True): False plans every copy anew (``copy_host_blocks``), as
   before run tables: bench/vllm_restore.py times both in one run.
@@ -51,7 +56,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +66,7 @@ from kvtier.client.client import Client
 from kvtier.client.protocol import FEATURE_LEND, KvtierError
 from kvtier.blocks.copy_plan import NotPlannable, copy_host_blocks, plan_block_copy
 from kvtier.blocks.layout import BlockLayout
+from kvtier.integrations.adapter.strided_copy import StridedCopy
 
 log = logging.getLogger("kvtier.integrations")
 
@@ -68,6 +74,9 @@ RELEASE_TIMEOUT_S = 5.0
 # A memmove call from Python costs ~1-2 us on the 2-core VM. bench/protocol.py's vLLM layout (64 runs per
 # block) ran lent at 0.16x memcpy against kvtierd's 0.24x with 4 KiB runs, at 0.41x against 0.35x with 32 KiB.
 MIN_RUN_BYTES = 16 * 1024
+# A strided piece costs ~2-3 us from Python (two slices and an np.copyto call), a memmove ~1-2 us after a
+# ~0.2 ms numpy plan per copy: small pieces (many small runs, scattered slots) stay with memmoves.
+STRIDED_MIN_PIECE_BYTES = 64 * 1024
 
 
 class LentRestore:
@@ -79,11 +88,13 @@ class LentRestore:
         self._runs_ok = always or self.min_run_bytes >= MIN_RUN_BYTES
         self._maps = ArenaMaps(BlockLayout.from_buffer)
         self._tables: dict[int, RunTable | None] = {}  # group -> runs from the mapped file (None: not plannable)
+        self._strided: dict[int, StridedCopy | None] = {}  # group -> its table's strided copies (None: memmoves)
         self._pending: list[int] = []  # lends copied, not yet ended
         self._pending_lock = threading.Lock()  # the loads thread and the forward's thread both restore
         self._off = False
         self.run_tables = True
         self.copy_threads = 1
+        self.copy_engine = "auto"
         self._two: TwoThreadCopy | None = None
         self.copies = 0
         self.copy_seconds_total = 0.0
@@ -108,10 +119,20 @@ class LentRestore:
         table = self._tables.get(group)
         if self.run_tables and (table is None or table.src is not src):
             table = self._tables[group] = RunTable.build(src, self._engines[group])
+            self._strided[group] = StridedCopy.build(table) if table is not None else None
+        strided = self._strided.get(group) if table is not None and self.run_tables else None
+        by_strides = strided is not None and self._strides(strided, lent.slots, dst_slots)
         if table is not None and self.run_tables and self.copy_threads > 1:
             if self._two is None:
                 self._two = TwoThreadCopy()
-            self._two.copy(*table.runs(lent.slots, dst_slots, max_run_bytes=TwoThreadCopy.PIECE_BYTES))
+            if by_strides:
+                assert strided is not None
+                self._two.copy_arrays(strided.arrays(lent.slots, dst_slots, max_piece_bytes=TwoThreadCopy.PIECE_BYTES))
+            else:
+                self._two.copy(*table.runs(lent.slots, dst_slots, max_run_bytes=TwoThreadCopy.PIECE_BYTES))
+        elif by_strides:
+            assert strided is not None
+            strided.copy(lent.slots, dst_slots)
         elif table is not None and self.run_tables:
             table.copy(lent.slots, dst_slots)
         else:
@@ -127,6 +148,14 @@ class LentRestore:
             return 0
         self.lent_blocks += n
         return n
+
+    def _strides(self, strided: StridedCopy, src_slots: list[int], dst_slots: list[int]) -> bool:
+        """Whether this copy goes by strided copies (``copy_engine``; ``auto``: pieces of at least
+        ``STRIDED_MIN_PIECE_BYTES`` on average) rather than memmoves."""
+        if self.copy_engine != "auto":
+            return self.copy_engine == "strided"
+        pieces = strided.pieces(src_slots, dst_slots)
+        return pieces > 0 and len(dst_slots) * strided.block_bytes >= pieces * STRIDED_MIN_PIECE_BYTES
 
     def _done(self, lend_id: int) -> None:
         with self._pending_lock:
@@ -149,6 +178,7 @@ class LentRestore:
         if self._two is not None:
             self._two.close()
         self._tables.clear()
+        self._strided.clear()
         self._maps.close()
 
 
@@ -242,7 +272,8 @@ class RunTable:
 
 
 class TwoThreadCopy:
-    """Memmoves a copy's runs on the calling thread and a helper thread together.
+    """Copies a copy's pieces (memmoves, or ``np.copyto`` of strided views) on the calling thread and a helper
+    thread together.
 
     Both take the next run from one counter, so a helper that wakes late (a
     busy host) just takes fewer; ``copy`` returns once every run is done, none
@@ -259,7 +290,16 @@ class TwoThreadCopy:
         self._thread.start()
 
     def copy(self, src: list[int], dst: list[int], sizes: list[int]) -> None:
-        job = _Runs(src, dst, sizes)
+        """Memmove ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]``, every i."""
+        move = ctypes.memmove
+        self._run(_Runs(len(sizes), lambda i: move(dst[i], src[i], sizes[i])))
+
+    def copy_arrays(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """``np.copyto(dst, src)`` for every (dst, src) pair."""
+        copyto = np.copyto
+        self._run(_Runs(len(pairs), lambda i: copyto(*pairs[i])))
+
+    def _run(self, job: _Runs) -> None:
         with self._cv:
             self._job = job
             self._cv.notify()
@@ -285,24 +325,23 @@ class TwoThreadCopy:
 
 
 class _Runs:
-    """One copy's runs and who copied how many of them (``TwoThreadCopy``)."""
+    """One copy's pieces (``step(i)`` copies piece i) and who copied how many of them (``TwoThreadCopy``)."""
 
-    __slots__ = ("src", "dst", "sizes", "_next", "_done", "_lock", "finished")
+    __slots__ = ("count", "step", "_next", "_done", "_lock", "finished")
 
-    def __init__(self, src: list[int], dst: list[int], sizes: list[int]) -> None:
-        self.src, self.dst, self.sizes = src, dst, sizes
+    def __init__(self, count: int, step: Callable[[int], object]) -> None:
+        self.count, self.step = count, step
         self._next = itertools.count()  # next() on it is atomic under the GIL: each run goes to one thread
         self._done = 0
         self._lock = threading.Lock()
         self.finished = threading.Event()
-        if not sizes:
+        if not count:
             self.finished.set()
 
     def work(self) -> None:
-        move, n, took = ctypes.memmove, len(self.sizes), 0
-        src, dst, sizes, claim = self.src, self.dst, self.sizes, self._next
+        n, step, claim, took = self.count, self.step, self._next, 0
         while (i := next(claim)) < n:
-            move(dst[i], src[i], sizes[i])
+            step(i)
             took += 1
         with self._lock:
             self._done += took

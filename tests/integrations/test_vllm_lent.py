@@ -48,9 +48,11 @@ def _store(endpoint: str, shape: tuple[int, ...], keys: list[bytes], src_blocks:
     return [_block(engine, b) for b in src_blocks]
 
 
+@pytest.mark.parametrize("copy_engine", ["strided", "memmove"])
 @pytest.mark.parametrize("copy_threads", [1, 2])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layout: str, copy_threads: int) -> None:
+def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layout: str, copy_threads: int,
+                                      copy_engine: str) -> None:
     daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20)
     shape = LAYOUTS[layout]()
     keys = hash_token_blocks(list(range(5 * BS)), BS)
@@ -62,6 +64,7 @@ def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layou
     plane = w._plane
     assert isinstance(plane, RegisteredPlane) and plane._lent is not None
     plane._lent.copy_threads = copy_threads
+    plane._lent.copy_engine = copy_engine
     dst_blocks = [0, 1, 2, 6, 11]
     w.start_load_kv(StepTransfers(loads=[BlockTransfer(keys, dst_blocks, "r2")]))
     assert w.get_block_ids_with_load_errors() == set()
@@ -196,3 +199,101 @@ def test_a_run_table_refuses_a_layout_that_aliases_itself() -> None:
     assert not flat.any()
     table.copy([0, 1], [0, 2])  # blocks 0 and 2 do not overlap
     assert flat[:4096].eq(7).all() and flat[4096:8192].eq(7).all()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(sorted(_TABLE_LAYOUTS)), data=st.data())
+def test_a_strided_copy_copies_as_copy_blocks_does(layout: str, data: st.DataObject) -> None:
+    # The strided copies (one np.copyto per run and group of slots that follow each other) against the plain
+    # copy (the model): every byte of the engine's tensors, the blocks written and the others; errors before any
+    # byte moves; on one thread and shared with a helper.
+    from kvtier.blocks.layout import BlockLayout, copy_blocks
+    from kvtier.integrations.adapter.lent_restore import RunTable, TwoThreadCopy
+    from kvtier.integrations.adapter.strided_copy import StridedCopy
+
+    shape = _TABLE_LAYOUTS[layout]()
+    count = 1 if layout == "one block-major slab" else LAYERS
+    engine = [torch.randint(-1000, 1000, shape, dtype=torch.int16) for _ in range(count)]
+    dims = [block_dim_of(t, NUM_BLOCKS) for t in engine]
+    dst = BlockLayout(engine, dims)
+    rows = 20
+    src = BlockLayout.contiguous(rows, dst.block_bytes)
+    src.slab().copy_(torch.randint(0, 256, (rows, dst.block_bytes), dtype=torch.uint8))
+    table = RunTable.build(src, dst)
+    assert table is not None
+    strided = StridedCopy.build(table)
+    assert strided is not None and strided.block_bytes == dst.block_bytes
+    model = BlockLayout([t.clone() for t in engine], dims)
+    for _ in range(data.draw(st.integers(1, 3))):  # one table, several copies
+        n = data.draw(st.integers(0, NUM_BLOCKS))
+        src_slots = data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))  # a slot may repeat
+        dst_slots = data.draw(st.permutations(range(NUM_BLOCKS)))[:n]
+        if data.draw(st.booleans()):
+            dst_slots = sorted(dst_slots)
+            start = data.draw(st.integers(0, max(0, rows - n)))
+            src_slots = list(range(start, start + n)) if n <= rows else src_slots  # groups of several slots
+        pieces = strided.pieces(src_slots, dst_slots)
+        if data.draw(st.booleans()):
+            assert strided.copy(src_slots, dst_slots) == n * dst.block_bytes
+        else:
+            two = TwoThreadCopy()
+            try:
+                arrays = strided.arrays(src_slots, dst_slots, max_piece_bytes=data.draw(st.sampled_from([512, 4096, 1 << 20])))
+                assert len(arrays) >= pieces
+                two.copy_arrays(arrays)
+            finally:
+                two.close()
+        assert pieces <= max(1, n) * len(table.sizes)
+        if n:
+            copy_blocks(src, src_slots, model, dst_slots)
+        for got, want in zip(engine, model.tensors):
+            assert torch.equal(got, want)
+    before = [t.clone() for t in engine]
+    with pytest.raises(ValueError):
+        strided.copy([0, 1], [2, 2])
+    with pytest.raises(ValueError):
+        strided.copy([0, 1], [2])
+    with pytest.raises(IndexError):
+        strided.copy([rows], [0])
+    with pytest.raises(IndexError):
+        strided.copy([0, 1], [0, NUM_BLOCKS])
+    with pytest.raises(IndexError):
+        strided.copy([-1], [0])
+    for got, want in zip(engine, before):
+        assert torch.equal(got, want)
+
+
+def test_a_strided_copy_is_not_made_for_a_layout_that_aliases_itself() -> None:
+    # The run table's overlapping layout (two slots over half the same bytes): no strided copies (memmoves
+    # refuse it per copy); the same memory without the overlap gets them.
+    from kvtier.blocks.layout import BlockLayout
+    from kvtier.integrations.adapter.lent_restore import RunTable
+    from kvtier.integrations.adapter.strided_copy import StridedCopy
+
+    flat = torch.zeros(4096 * 4, dtype=torch.uint8)
+    src = BlockLayout.contiguous(4, 4096)
+    overlapping = RunTable.build(src, BlockLayout([flat.as_strided((4, 4096), (2048, 1))], [0]))
+    assert overlapping is not None and StridedCopy.build(overlapping) is None
+    apart = RunTable.build(src, BlockLayout([flat.view(4, 4096)], [0]))
+    assert apart is not None and StridedCopy.build(apart) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(0, 64), st.integers(1, 16), st.integers(0, 48)), min_size=1, max_size=5),
+       n_blocks=st.integers(1, 6), one_stride=st.booleans())
+def test_alias_check_matches_a_byte_model(runs: list[tuple[int, int, int]], n_blocks: int, one_stride: bool) -> None:
+    # strided_copy._aliases (its shortcuts included) against the bytes each block's runs cover.
+    import numpy as np
+
+    from kvtier.integrations.adapter.strided_copy import _aliases
+
+    if one_stride:
+        runs = [(a, z, runs[0][2]) for a, z, _ in runs]
+    addr = np.array([a for a, _, _ in runs], np.int64)
+    sizes = np.array([z for _, z, _ in runs], np.int64)
+    stride = np.array([k for _, _, k in runs], np.int64)
+    covered: list[int] = []
+    for d in range(n_blocks):
+        for a, z, k in runs:
+            covered += range(a + d * k, a + d * k + z)
+    assert _aliases(addr, stride, sizes, n_blocks) == (len(covered) != len(set(covered)))
