@@ -270,9 +270,9 @@ class Session:
             try:
                 if self.gone:
                     self._reestablish(deadline_s)
-                return self._transport.retry(op, deadline_s,
-                                             lambda d: self._send(op, self._stamped(op, fields, deadline_s), frames, d),
-                                             idempotent=idempotent)
+                # Stamped per send (after a re-opened session too): only data-plane requests carry a "plane".
+                sent = self._stamped(op, fields, deadline_s) if "plane" in fields else fields
+                return self._transport.retry(op, deadline_s, self._send, op, sent, frames, idempotent=idempotent)
             except SessionLost:
                 raise
             except DaemonError as exc:

@@ -24,8 +24,8 @@ repeat across the two).
   (``error_of`` makes one an exception): one refused request costs its
   batch-mates nothing, and their replies (the pins they took) are never
   dropped. An error the daemon could not tie to a request raises at once.
-- ``retry(op, deadline_s, attempt, idempotent=)`` runs ``attempt(attempt
-  deadline)`` and returns what it returns. An idempotent request's attempt
+- ``retry(op, deadline_s, attempt, *args, idempotent=)`` runs ``attempt(*args,
+  attempt deadline)`` and returns what it returns. An idempotent request's attempt
   gets at most ``ATTEMPT_SHARE`` of the time left (at least
   ``MIN_ATTEMPT_S``), so a request lost with a dying daemon leaves time for
   one on its successor. On ``KvtierTimeout`` it drops the socket (stale
@@ -208,7 +208,8 @@ class Transport:
         rid = next(self._ids)
         data = encode(request_header(op, rid, sid, packed_hashes=packed_hashes, **fields))
         sock = self._sock if self._sock is not None else self._socket()
-        self._disconnected()  # a connection that closed before this request is none of its business
+        if zmq_poll(self._monitor_poll, 0):
+            self._disconnected()  # a connection that closed before this request is none of its business
         try:
             if frames:
                 sock.send_multipart([data, *frames], flags=_NOBLOCK, copy=False)
@@ -305,14 +306,15 @@ class Transport:
             raise ProtocolError(ErrorCode.MALFORMED, f"reply to {op} is not a v{PROTOCOL_VERSION} reply: {rh!r:.200}")
         return rh, reply[1:]
 
-    def retry(self, op: str, deadline_s: float, attempt: Callable[[float], T], *, idempotent: bool) -> T:
-        """``attempt(attempt_deadline_s)``, resent on a new socket after a timeout while ``idempotent`` and in time."""
+    def retry(self, op: str, deadline_s: float, attempt: Callable[..., T], *args: Any, idempotent: bool) -> T:
+        """``attempt(*args, attempt_deadline_s)``, resent on a new socket after a timeout while ``idempotent`` and
+        in time (``args``, not a closure: a request's attempt is the client's send itself)."""
         while True:
             try:
                 if not idempotent:
-                    return attempt(deadline_s)
+                    return attempt(*args, deadline_s)
                 now = time.monotonic()  # attempt_deadline(deadline_s), inline: it runs once per request
-                return attempt(min(deadline_s, now + max(MIN_ATTEMPT_S, (deadline_s - now) * ATTEMPT_SHARE)))
+                return attempt(*args, min(deadline_s, now + max(MIN_ATTEMPT_S, (deadline_s - now) * ATTEMPT_SHARE)))
             except KvtierTimeout:
                 self.reset()
                 if not idempotent or time.monotonic() >= deadline_s:
