@@ -293,7 +293,10 @@ class Client:
               timeout_s: float | None = None, idempotent: bool | None = None) -> tuple[Any, list[zmq.Frame]]:
         """One request of a verb, in a live session, by the call's deadline (``Session.call``): the reply (its
         op's ``ReplyMessage`` Struct, or a map for stats and health) and its payload frames."""
-        deadline_s = self._begin(timeout_s)
+        # _begin, inline (every call passes here)
+        if self._session.closed:
+            raise KvtierError("client is closed")
+        deadline_s = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         # The session keeps no reference to the fields: a dict passes as it is (the verbs build theirs per call).
         fields = fields if type(fields) is dict else dict(fields or {})
         with self._lock:
