@@ -25,9 +25,7 @@ over packed codes, or an array of names). ``Client`` calls:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any
-
-import msgspec
+from typing import Any
 
 from kvtier.client.protocol import HASH_BYTES, ErrorCode, ProtocolError, TierList
 
@@ -43,29 +41,25 @@ def check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
     return out
 
 
-# Every element a buffer of exactly HASH_BYTES bytes, checked by msgspec in C (it hands bytes through as they are).
-_EXACT_HASHES = list[Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]]
-
-
 def pack_hashes(hashes: Sequence[bytes]) -> bytes:
     """The packed-hashes bin of ``hashes``, checked on the way.
 
-    The join refuses anything that is not a buffer; the total length, a
-    buffer whose len() is not its size; msgspec's conversion to a list of
-    exactly-16-byte bins, in C, the per-element length (15 + 17 bytes add up
-    too). For 256 hashes the check costs ~2 us, against ~4 us for a len()
-    pass counted in C and ~7 for any Python loop over them. A 16-byte
-    bytearray or memoryview goes through: it packs to the same bin.
+    The join is the type check (it refuses anything that is not a buffer,
+    naming it) and one len() pass in C the length check: 4.4 us for 256
+    hashes, against 6.9 us for the exact per-element check alone (a Python
+    loop, or one pass for the types and one for the lengths: the same) plus
+    the join. The total length catches a buffer whose len() is not its size.
+    A 16-byte bytearray or memoryview goes through: it packs to the same bin.
     """
     try:
         packed = b"".join(hashes)
-        if len(packed) == HASH_BYTES * len(hashes):
-            msgspec.convert(hashes, _EXACT_HASHES)
-            return packed
-    except (TypeError, msgspec.ValidationError):
-        pass
-    check_hashes(hashes)  # names the culprit
-    raise ProtocolError(ErrorCode.INVALID_FIELD, f"block hashes must be {HASH_BYTES}-byte bytes")
+    except TypeError:
+        packed = b""
+    n = len(hashes)
+    if len(packed) != HASH_BYTES * n or list(map(len, hashes)).count(HASH_BYTES) != n:
+        check_hashes(hashes)  # names the culprit
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"block hashes must be {HASH_BYTES}-byte bytes")
+    return packed
 
 
 def wire_hashes(hashes: Sequence[bytes], *, packed: bool) -> tuple[list[bytes], Any]:
