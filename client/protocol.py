@@ -827,15 +827,18 @@ class Request:
         return OPS[self.op]
 
 
-# One reusable encoder for request headers: a map packs to the bytes msgpack.packb(use_bin_type=True) gives it,
-# in a tenth of the time (packb builds a Packer per call: ~3 us of a 256-hash lookup's header, against 0.4).
+# One reusable encoder for headers: a map packs to the bytes msgpack.packb(use_bin_type=True) gives it, in a
+# tenth of the time (packb builds a Packer per call: ~3 us of a 256-hash lookup's header, against 0.4).
 _HEADER_ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode(header: Mapping[str, Any]) -> bytes:
     if type(header) is dict:
-        return _HEADER_ENCODER.encode(header)
-    return msgpack.packb(header, use_bin_type=True)  # any other Mapping
+        try:
+            return _HEADER_ENCODER.encode(header)
+        except TypeError:
+            pass  # msgspec refuses subclasses of int/float/str (numpy.float64 ...); msgpack packs them as their base
+    return msgpack.packb(header, use_bin_type=True)
 
 
 def decode(data: bytes | memoryview) -> Any:
