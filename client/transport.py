@@ -44,7 +44,10 @@ repeat across the two).
   instead of at the attempt's deadline, so ``retry`` resends an idempotent
   request on a new socket (a successor's, or the backlog of a socket
   systemd holds) and a non-idempotent one fails now rather than later.
-  Disconnections from before a request was sent do not count.
+  Disconnections from before a request was sent do not count (the monitor
+  is drained before each send). The wait is a blocking receive whose
+  ZMQ_RCVTIMEO is the watch slice, so a prompt reply costs one receive and
+  no poll.
 - ``probe_health(endpoint, timeout_s=, curve=)``: one session-less
   ``health`` request on a socket of its own (readiness probes, scripts);
   returns the reply's fields, raises ``KvtierTimeout`` or ``ProtocolError``.
