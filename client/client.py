@@ -293,9 +293,14 @@ class Client:
               timeout_s: float | None = None, idempotent: bool | None = None) -> tuple[Any, list[zmq.Frame]]:
         """One request of a verb, in a live session, by the call's deadline (``Session.call``): the reply (its
         op's ``ReplyMessage`` Struct, or a map for stats and health) and its payload frames."""
-        deadline_s = self._begin(timeout_s)
+        # _begin, inline (every call passes here)
+        if self._session.closed:
+            raise KvtierError("client is closed")
+        deadline_s = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        # The session keeps no reference to the fields: a dict passes as it is (the verbs build theirs per call).
+        fields = fields if type(fields) is dict else dict(fields or {})
         with self._lock:
-            return self._session.call(op, dict(fields or {}), frames, deadline_s, idempotent=idempotent)
+            return self._session.call(op, fields, frames, deadline_s, idempotent=idempotent)
 
     def _call_many(self, op: str, fields_list: Sequence[Mapping[str, Any]], *,
                    timeout_s: float | None = None) -> list[Any]:
@@ -373,10 +378,13 @@ class Client:
         pinned lookup is not resent after a timeout: the daemon may have
         pinned already, and would pin twice.
         """
-        self._check_tag(pin_tag, pin)
-        hashes, wire = self._wire_hashes(hashes, keys=pin)
-        rh, _ = self._call("lookup", self._lookup_fields(wire, pin, hints, pin_tag), timeout_s=timeout_s,
-                           idempotent=not pin)
+        if pin_tag is not None:
+            self._check_tag(pin_tag, pin)
+        hashes, wire = wire_hashes(hashes, packed=self._session.packed_hashes and not pin)
+        fields = {"hashes": wire, "pin": pin}
+        if hints is not None or pin_tag is not None:
+            fields = self._lookup_fields(wire, pin, hints, pin_tag)
+        rh, _ = self._call("lookup", fields, timeout_s=timeout_s, idempotent=not pin)
         tiers = tier_list(rh.tiers)
         if pin:
             self._note_pins(hashes[: rh.pinned], pin_tag)

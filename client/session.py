@@ -261,15 +261,18 @@ class Session:
              idempotent: bool | None = None) -> tuple[Any, list[Any]]:
         """One request in a live session: reopened first if the daemon forgot ours, resent if it forgets it now.
         ``idempotent`` overrides the verb's (a pinned lookup is not: resent, it would pin twice)."""
-        self._raise_pending_loss()
-        idempotent = OPS[op].idempotent if idempotent is None else idempotent
+        if self.pending_loss is not None:
+            self._raise_pending_loss()
+        if idempotent is None:
+            idempotent = OPS[op].idempotent
         resends = 0
         while True:
             try:
-                self._ensure(deadline_s)
-                return self._transport.retry(op, deadline_s,
-                                             lambda d: self._send(op, self._stamped(op, fields, deadline_s), frames, d),
-                                             idempotent=idempotent)
+                if self.gone:
+                    self._reestablish(deadline_s)
+                # Stamped per send (after a re-opened session too): only data-plane requests carry a "plane".
+                sent = self._stamped(op, fields, deadline_s) if "plane" in fields else fields
+                return self._transport.retry(op, deadline_s, self._send, op, sent, frames, idempotent=idempotent)
             except SessionLost:
                 raise
             except DaemonError as exc:
