@@ -106,32 +106,38 @@ HOPS = ("client, before its send", "client send call", "request: send -> server'
 
 @contextlib.contextmanager
 def _client_stamps(last: dict[str, float]) -> Iterator[None]:
-    """This thread's pyzmq send/recv calls leave their start and end in ``last`` (the section only)."""
+    """This thread's pyzmq send/recv calls leave their start and end in ``last`` (the section only): the
+    socket's methods, and the backend send the client's transport calls directly (``transport._send``)."""
     import zmq
 
+    from kvtier.client import transport
+
     me = threading.current_thread()
-    saved = {n: getattr(zmq.Socket, n) for n in ("send", "send_multipart", "recv_multipart")}
+    targets: list[tuple[Any, str]] = [(zmq.Socket, n) for n in ("send", "send_multipart", "recv", "recv_multipart")]
+    if hasattr(transport, "_send"):
+        targets.append((transport, "_send"))
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name in targets]
 
-    def wrap(name: str) -> Callable[..., Any]:
-        orig = saved[name]
-        kind = "recv" if name.startswith("recv") else "send"
-
-        def call(self: Any, *a: Any, **k: Any) -> Any:
+    def wrap(orig: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        def call(*a: Any, **k: Any) -> Any:
             if threading.current_thread() is not me:
-                return orig(self, *a, **k)
+                return orig(*a, **k)
             t0 = time.perf_counter()
-            r = orig(self, *a, **k)
+            r = orig(*a, **k)
             last[kind + "0"], last[kind + "1"] = t0, time.perf_counter()
             return r
         return call
 
-    for n in saved:
-        setattr(zmq.Socket, n, wrap(n))
+    for owner, name in targets:
+        setattr(owner, name, wrap(getattr(owner, name), "recv" if name.startswith("recv") else "send"))
     try:
         yield
     finally:
-        for n, f in saved.items():
-            setattr(zmq.Socket, n, f)
+        for owner, name, orig in saved:
+            if orig is None:
+                delattr(owner, name)  # it was inherited: the class's own lookup finds it again
+            else:
+                setattr(owner, name, orig)
 
 
 def _hops(calls: list[tuple[float, float, float, float, float]],
