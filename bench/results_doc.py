@@ -1295,9 +1295,10 @@ RENDERERS: list[Renderer] = [
              "tensors) of a 32-block prefix into KV tensors registered as vLLM's CPU backend has them, against a "
              "memcpy of the same bytes in the same process (the faster of torch's and numpy's).",
              "python bench/vllm_restore.py (before/after daemons: --baseline-pythonpath <an older checkout's shim>)", render_vllm_restore),
-    Renderer("peers-lends-*.json", "peers-lends", "Beside its peers, with lent restores (kvtier at 2bfa3fd)",
-             "A `bench/peers.py` run of kvtier, LMCache and vLLM native after lent restores landed (issue 35 item 2: "
-             "the worker copies CPU-tier blocks itself from kvtierd's file), single-prefix and multi-turn phases only.",
+    Renderer("peers-lends-*.json", "peers-lends", "Beside its peers, with lent restores (single and multi-turn)",
+             "A `bench/peers.py` run of kvtier, LMCache and vLLM native since lent restores landed (issue 35 item 2: "
+             "the worker copies CPU-tier blocks itself from kvtierd's file; the commit is on the machine line), "
+             "single-prefix and multi-turn phases only.",
              "python bench/peers.py --systems kvtier,lmcache,native --phases single,multi --rounds 2 "
              "--peers-python <venv with lmcache>", render_peers_partial),
     Renderer("peers-*.json", "peers", "Beside its peers: LMCache, vLLM's native offloading, ExampleConnector",
