@@ -129,32 +129,69 @@ def test_lend_off_copies_in_kvtierd(kvtierd_factory: Callable[..., Any]) -> None
 _TABLE_LAYOUTS = {**LAYOUTS, "one block-major slab": lambda: (NUM_BLOCKS, LAYERS * 2 * BS * HEADS * HEAD_DIM)}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(layout=st.sampled_from(sorted(_TABLE_LAYOUTS)), data=st.data())
-def test_a_run_table_copies_as_copy_blocks_does(layout: str, data: st.DataObject) -> None:
-    # The lent copy's runs, shifted per slot from one block's plan, against the plain copy (the model): every
-    # byte of the engine's tensors, the blocks written and the others; errors before any byte moves.
-    from kvtier.blocks.layout import BlockLayout, copy_blocks
-    from kvtier.integrations.adapter.lent_restore import RunTable, TwoThreadCopy
+def _table_case(layout: str) -> tuple[list[torch.Tensor], Any, Any, Any, Any]:
+    """Engine tensors of ``layout`` (random), a 20-row contiguous source of random bytes, the run table from
+    one to the other, and a clone of the engine's tensors for the plain copy (the model)."""
+    from kvtier.blocks.layout import BlockLayout
+    from kvtier.integrations.adapter.lent_restore import RunTable
 
     shape = _TABLE_LAYOUTS[layout]()
     count = 1 if layout == "one block-major slab" else LAYERS
     engine = [torch.randint(-1000, 1000, shape, dtype=torch.int16) for _ in range(count)]
     dims = [block_dim_of(t, NUM_BLOCKS) for t in engine]
     dst = BlockLayout(engine, dims)
-    rows = 20
-    src = BlockLayout.contiguous(rows, dst.block_bytes)
-    src.slab().copy_(torch.randint(0, 256, (rows, dst.block_bytes), dtype=torch.uint8))
+    src = BlockLayout.contiguous(20, dst.block_bytes)
+    src.slab().copy_(torch.randint(0, 256, (20, dst.block_bytes), dtype=torch.uint8))
     table = RunTable.build(src, dst)
     assert table is not None
-    model = BlockLayout([t.clone() for t in engine], dims)
+    return engine, src, dst, table, BlockLayout([t.clone() for t in engine], dims)
+
+
+def _draw_slots(data: st.DataObject, rows: int, *, any_start: bool) -> tuple[list[int], list[int]]:
+    """Source rows (a row may repeat) and distinct engine slots; half the time both in order, the source rows
+    following each other from 0 (or from any row: ``any_start``), so runs continue and merge."""
+    n = data.draw(st.integers(0, NUM_BLOCKS))
+    src_slots = data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))
+    dst_slots = data.draw(st.permutations(range(NUM_BLOCKS)))[:n]
+    if data.draw(st.booleans()):
+        dst_slots = sorted(dst_slots)
+        start = data.draw(st.integers(0, max(0, rows - n))) if any_start else 0
+        src_slots = list(range(start, start + n)) if n <= rows else src_slots
+    return src_slots, dst_slots
+
+
+def _refuses_bad_slots_before_a_byte_moves(copy: Callable[[list[int], list[int]], int], engine: list[torch.Tensor],
+                                           rows: int, *, negative: bool = False) -> None:
+    """A destination named twice, lists of two lengths, a slot past either end: each raises, nothing written."""
+    before = [t.clone() for t in engine]
+    with pytest.raises(ValueError):
+        copy([0, 1], [2, 2])
+    with pytest.raises(ValueError):
+        copy([0, 1], [2])
+    with pytest.raises(IndexError):
+        copy([rows], [0])
+    with pytest.raises(IndexError):
+        copy([0, 1], [0, NUM_BLOCKS])
+    if negative:
+        with pytest.raises(IndexError):
+            copy([-1], [0])
+    for got, want in zip(engine, before):
+        assert torch.equal(got, want)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(sorted(_TABLE_LAYOUTS)), data=st.data())
+def test_a_run_table_copies_as_copy_blocks_does(layout: str, data: st.DataObject) -> None:
+    # The lent copy's runs, shifted per slot from one block's plan, against the plain copy (the model): every
+    # byte of the engine's tensors, the blocks written and the others; errors before any byte moves.
+    from kvtier.blocks.layout import copy_blocks
+    from kvtier.integrations.adapter.lent_restore import TwoThreadCopy
+
+    engine, src, dst, table, model = _table_case(layout)
+    rows = src.num_blocks
     for _ in range(data.draw(st.integers(1, 3))):  # one table, several copies
-        n = data.draw(st.integers(0, NUM_BLOCKS))
-        src_slots = data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))  # a slot may repeat
-        dst_slots = data.draw(st.permutations(range(NUM_BLOCKS)))[:n]
-        if data.draw(st.booleans()):
-            dst_slots = sorted(dst_slots)
-            src_slots = list(range(n)) if n <= rows else src_slots  # runs that continue: merged
+        src_slots, dst_slots = _draw_slots(data, rows, any_start=False)
+        n = len(src_slots)
         threads = data.draw(st.sampled_from([1, 2]))
         if threads == 1:
             assert table.copy(src_slots, dst_slots) == n * dst.block_bytes
@@ -168,17 +205,7 @@ def test_a_run_table_copies_as_copy_blocks_does(layout: str, data: st.DataObject
             copy_blocks(src, src_slots, model, dst_slots)
         for got, want in zip(engine, model.tensors):
             assert torch.equal(got, want)
-    before = [t.clone() for t in engine]
-    with pytest.raises(ValueError):
-        table.copy([0, 1], [2, 2])
-    with pytest.raises(ValueError):
-        table.copy([0, 1], [2])
-    with pytest.raises(IndexError):
-        table.copy([rows], [0])
-    with pytest.raises(IndexError):
-        table.copy([0, 1], [0, NUM_BLOCKS])
-    for got, want in zip(engine, before):
-        assert torch.equal(got, want)
+    _refuses_bad_slots_before_a_byte_moves(table.copy, engine, rows)
 
 
 def test_a_run_table_refuses_a_layout_that_aliases_itself() -> None:
@@ -207,31 +234,17 @@ def test_a_strided_copy_copies_as_copy_blocks_does(layout: str, data: st.DataObj
     # The strided copies (one np.copyto per run and group of slots that follow each other) against the plain
     # copy (the model): every byte of the engine's tensors, the blocks written and the others; errors before any
     # byte moves; on one thread and shared with a helper.
-    from kvtier.blocks.layout import BlockLayout, copy_blocks
-    from kvtier.integrations.adapter.lent_restore import RunTable, TwoThreadCopy
+    from kvtier.blocks.layout import copy_blocks
+    from kvtier.integrations.adapter.lent_restore import TwoThreadCopy
     from kvtier.integrations.adapter.strided_copy import StridedCopy
 
-    shape = _TABLE_LAYOUTS[layout]()
-    count = 1 if layout == "one block-major slab" else LAYERS
-    engine = [torch.randint(-1000, 1000, shape, dtype=torch.int16) for _ in range(count)]
-    dims = [block_dim_of(t, NUM_BLOCKS) for t in engine]
-    dst = BlockLayout(engine, dims)
-    rows = 20
-    src = BlockLayout.contiguous(rows, dst.block_bytes)
-    src.slab().copy_(torch.randint(0, 256, (rows, dst.block_bytes), dtype=torch.uint8))
-    table = RunTable.build(src, dst)
-    assert table is not None
+    engine, src, dst, table, model = _table_case(layout)
+    rows = src.num_blocks
     strided = StridedCopy.build(table)
     assert strided is not None and strided.block_bytes == dst.block_bytes
-    model = BlockLayout([t.clone() for t in engine], dims)
     for _ in range(data.draw(st.integers(1, 3))):  # one table, several copies
-        n = data.draw(st.integers(0, NUM_BLOCKS))
-        src_slots = data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))  # a slot may repeat
-        dst_slots = data.draw(st.permutations(range(NUM_BLOCKS)))[:n]
-        if data.draw(st.booleans()):
-            dst_slots = sorted(dst_slots)
-            start = data.draw(st.integers(0, max(0, rows - n)))
-            src_slots = list(range(start, start + n)) if n <= rows else src_slots  # groups of several slots
+        src_slots, dst_slots = _draw_slots(data, rows, any_start=True)
+        n = len(src_slots)
         pieces = strided.pieces(src_slots, dst_slots)
         if data.draw(st.booleans()):
             assert strided.copy(src_slots, dst_slots) == n * dst.block_bytes
@@ -248,19 +261,7 @@ def test_a_strided_copy_copies_as_copy_blocks_does(layout: str, data: st.DataObj
             copy_blocks(src, src_slots, model, dst_slots)
         for got, want in zip(engine, model.tensors):
             assert torch.equal(got, want)
-    before = [t.clone() for t in engine]
-    with pytest.raises(ValueError):
-        strided.copy([0, 1], [2, 2])
-    with pytest.raises(ValueError):
-        strided.copy([0, 1], [2])
-    with pytest.raises(IndexError):
-        strided.copy([rows], [0])
-    with pytest.raises(IndexError):
-        strided.copy([0, 1], [0, NUM_BLOCKS])
-    with pytest.raises(IndexError):
-        strided.copy([-1], [0])
-    for got, want in zip(engine, before):
-        assert torch.equal(got, want)
+    _refuses_bad_slots_before_a_byte_moves(strided.copy, engine, rows, negative=True)
 
 
 def test_a_strided_copy_is_not_made_for_a_layout_that_aliases_itself() -> None:
