@@ -319,7 +319,9 @@ def test_a_weight_update_then_reset_connector_never_serves_kv_of_the_old_weights
 
 
 def test_daemon_killed_mid_run_engine_recomputes_then_reconnects(lab: dict[str, Any]) -> None:
-    daemon, c, base = lab["daemon"], lab["c"], lab["baseline"]
+    daemon = lab["daemon"]
+    base = lab.get("baseline") or lab["start"](("baseline", None))[0]  # (alone, with -k, the engines start here)
+    c = lab.get("c") or lab["start"](("c", daemon.endpoint))[0]
     convs = Conversations(11, 2)
     daemon.proc.kill()
     daemon.proc.wait(10)
