@@ -843,6 +843,11 @@ def encode(header: Mapping[str, Any]) -> bytes:
             return _HEADER_ENCODER.encode(header)
         except TypeError:
             pass  # msgspec refuses subclasses of int/float/str (numpy.float64 ...); msgpack packs them as their base
+        except RecursionError:
+            # msgspec nests on the C stack, to the interpreter's recursion limit: a hostile request's header,
+            # nested ~1,000 deep, re-encoded by validate_request, must not end the daemon's loop. msgpack packs
+            # it (or says ValueError past its own limit), as before msgspec did the common case.
+            pass
     return msgpack.packb(header, use_bin_type=True)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,3 +46,16 @@ def test_a_numpy_float_in_a_map_packs_as_a_double() -> None:
     header = {"v": 1, "ok": True, "hit_rate": np.float64(0.5), "ratio": _Seconds(1.25)}
     assert encode(header) == msgpack.packb(header, use_bin_type=True)
     assert msgpack.unpackb(encode(header)) == {"v": 1, "ok": True, "hit_rate": 0.5, "ratio": 1.25}
+
+
+def test_a_request_nested_a_thousand_deep_is_refused_not_a_crash() -> None:
+    """The fuzzer's deep nesting under a hash field (tests/stress/fuzzlib.py): validate_request re-encodes the
+    header, and msgspec's encoder nests on the C stack to the recursion limit; a RecursionError there ended the
+    daemon's loop (tests/stress/test_load.py: "the daemon does not answer stats after the load")."""
+    from kvtier.client.protocol import ErrorCode, ProtocolError, decode_request
+
+    for depth in (100, 1000, 1500):
+        data = (b"\x85\xa1v\x01\xa2op\xa6lookup\xa2id\x01\xa3sid\xa2ss\xa6hashes\x91" + b"\x91" * depth + b"\x90")
+        with pytest.raises(ProtocolError) as info:
+            decode_request(data)
+        assert info.value.code in (ErrorCode.INVALID_FIELD, ErrorCode.MALFORMED), info.value
