@@ -42,12 +42,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Any
 
 BLOCK_SIZE = 128
 WEIGHT_SEED = 0
+
+# The connector's INFO lines (reconnections, loads it could not restore) go into the engine's log, in this process
+# and in vLLM's, which import this module again when they start: a failed test's log then says what kvtier did.
+_kvtier_log = logging.getLogger("kvtier")
+if not _kvtier_log.handlers:
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("kvtier[%(process)d] %(asctime)s %(levelname)s %(message)s"))
+    _kvtier_log.addHandler(_handler)
+    _kvtier_log.setLevel(logging.INFO)
 
 
 def cpu_bind(tp: int) -> str:
