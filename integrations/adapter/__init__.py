@@ -27,6 +27,8 @@ copied (``planes``). What an adapter gets:
   block keys paired with the engine's block ids.
 - ``planes``: the data path between the engine's KV tensors and kvtierd
   (registered tensors, or copies through a shared-memory arena).
+- ``layer_copies.LayerCopies``: a lent restore's later layers copied beside
+  the engine's forward, each waited for by its layer.
 - ``stats.STAT_NAMES``: the transfer counters an adapter reports.
 
 What the adapter supplies itself (vLLM's, in ``kvtier.integrations.vllm``):

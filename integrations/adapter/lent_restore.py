@@ -37,6 +37,11 @@ memory (``engines``: the engine's KV-cache group id -> the ``BlockLayout`` of it
   ``STRIDED_MIN_PIECE_BYTES`` or more. bench/vllm_restore.py times them side by side.
 - ``copy_threads`` (1): 2 shares each copy's pieces with a helper thread
   (``TwoThreadCopy``); bench/vllm_restore.py times both.
+- ``layers`` (None): a ``LayerCopies``; while it is ``active()`` on the
+  calling thread, a strided copy copies the pieces of its group's first
+  tensor at once and defers the rest (``defer``): the lease check and the
+  lend's end run after its last piece, and ``copy`` counts the blocks restored
+  (a deferred failure comes back through ``LayerCopies.settle``).
 - ``run_tables`` (True): False plans every copy anew (``copy_host_blocks``), as
   before run tables: bench/vllm_restore.py times both in one run.
 
@@ -66,6 +71,7 @@ from kvtier.client.client import Client
 from kvtier.client.protocol import FEATURE_LEND, KvtierError
 from kvtier.blocks.copy_plan import NotPlannable, copy_host_blocks, plan_block_copy
 from kvtier.blocks.layout import BlockLayout
+from kvtier.integrations.adapter.layer_copies import LayerCopies
 from kvtier.integrations.adapter.strided_copy import StridedCopy
 
 log = logging.getLogger("kvtier.integrations")
@@ -94,6 +100,7 @@ class LentRestore:
         self._off = False
         self.run_tables = True
         self.copy_threads = 1
+        self.layers: LayerCopies | None = None
         self.copy_engine = "auto"
         self._two: TwoThreadCopy | None = None
         self.copies = 0
@@ -122,6 +129,10 @@ class LentRestore:
             self._strided[group] = StridedCopy.build(table) if table is not None else None
         strided = self._strided.get(group) if table is not None and self.run_tables else None
         by_strides = strided is not None and self._strides(strided, lent.slots, dst_slots)
+        layers = self.layers
+        if by_strides and layers is not None and self.copy_threads == 1 and layers.active():
+            assert strided is not None
+            return self._copy_by_layers(layers, strided, lent, dst_slots, group, t0)
         if table is not None and self.run_tables and self.copy_threads > 1:
             if self._two is None:
                 self._two = TwoThreadCopy()
@@ -147,6 +158,34 @@ class LentRestore:
             log.info("kvtier: a lent restore of %d blocks ended past its lease; the engine recomputes them", n)
             return 0
         self.lent_blocks += n
+        return n
+
+    def _copy_by_layers(self, layers: LayerCopies, strided: StridedCopy, lent: Lent, dst_slots: list[int],
+                        group: int, t0: float) -> int:
+        """The first tensor's pieces now, the rest deferred (the contract's ``layers``)."""
+        pieces = strided.tensor_arrays(lent.slots, dst_slots)
+        first = min(t for t, _, _ in pieces)
+        later = [p for p in pieces if p[0] != first]
+        for tensor, dst, src in pieces:
+            if tensor == first:
+                np.copyto(dst, src)
+        n = len(lent.slots)
+
+        def finish() -> bool:
+            intact = lent.intact()
+            self._done(lent.id)
+            if not intact:
+                self.late_copies += 1
+                log.info("kvtier: a lent restore of %d blocks ended past its lease; the engine recomputes them", n)
+            return intact
+
+        self.copies += 1
+        self.copy_seconds_total += time.perf_counter() - t0
+        self.lent_blocks += n
+        if later:
+            layers.defer(group, list(dst_slots), later, finish)
+        elif not finish():
+            return 0
         return n
 
     def _strides(self, strided: StridedCopy, src_slots: list[int], dst_slots: list[int]) -> bool:
@@ -347,3 +386,4 @@ class _Runs:
             self._done += took
             if self._done == n:
                 self.finished.set()
+

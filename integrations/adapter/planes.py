@@ -24,7 +24,8 @@ arena.
   On KV in host memory (``lend``) a restore asks for a lend: blocks in
   kvtierd's CPU tier are copied by the worker itself, from its read-only
   mapping of the tier's file (``lent_restore.py``), faster than a copy by
-  kvtierd's process; others kvtierd copies as before.
+  kvtierd's process; others kvtierd copies as before. With ``layers`` (a
+  ``LayerCopies``) such a copy may finish beside the forward, layer by layer.
 - ``StagedPlane``: for KV memory that cannot be shared (CUDA's expandable
   segments, a backend whose storage cannot move): the worker copies blocks
   through a shared-memory arena, ``staging_blocks`` at a time. One call at a
@@ -52,6 +53,7 @@ from kvtier.client.client import Client
 from kvtier.client.kv_share import KvShareError, export_kv, share_kv_in_place
 from kvtier.client.protocol import Hints
 from kvtier.client.shm_arena import SHM_DIR
+from kvtier.integrations.adapter.layer_copies import LayerCopies
 from kvtier.integrations.adapter.lent_restore import LentRestore
 
 if TYPE_CHECKING:
@@ -100,7 +102,7 @@ class RegisteredPlane:
     name = "registered"
 
     def __init__(self, tensors: GroupTensors, block_dims: GroupDims, deadline: CopyDeadline, registration: str, *,
-                 lend: bool | str = False) -> None:
+                 lend: bool | str = False, layers: LayerCopies | None = None) -> None:
         self._deadline = deadline
         self._tensors = {g: list(ts) for g, ts in tensors.items()}
         self._dims = {g: list(block_dims[g]) for g in tensors}
@@ -115,6 +117,7 @@ class RegisteredPlane:
             # Device KV: a copy from host memory by this process would not beat kvtierd's (pinned, CUDA IPC).
             self._lent = LentRestore({g: BlockLayout(ts, self._dims[g]) for g, ts in self._tensors.items()},
                                      always=lend is True)
+            self._lent.layers = layers
 
     def connect(self, client: Client) -> None:
         for g, ts in self._tensors.items():
@@ -217,11 +220,11 @@ def _check_arena_fits(staging_blocks: int, block_bytes: int, setting_prefix: str
 
 def make_plane(choice: str, tensors: GroupTensors, block_dims: GroupDims, staging_blocks: int,
                deadline: CopyDeadline, *, registration: str, setting_prefix: str = "",
-               lend: bool | str = False) -> Plane:
+               lend: bool | str = False, layers: LayerCopies | None = None) -> Plane:
     """The plane ``choice`` names (``auto``, ``registered``, ``staged``; see the contract)."""
     if choice in ("auto", "registered"):
         try:
-            return RegisteredPlane(tensors, block_dims, deadline, registration, lend=lend)
+            return RegisteredPlane(tensors, block_dims, deadline, registration, lend=lend, layers=layers)
         except KvShareError as exc:
             if choice == "registered":
                 raise

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 # Blocks restored, blocks that were not (recomputed), loads run beside the
 # forward, seconds the forward waited for synchronous loads, blocks handed to
-# kvtierd to store.
-STAT_NAMES = ("blocks_loaded", "blocks_load_failed", "loads_background", "load_s", "blocks_stored")
+# kvtierd to store, and blocks whose synchronous restore finished beside the forward, layer by layer.
+STAT_NAMES = ("blocks_loaded", "blocks_load_failed", "loads_background", "load_s", "blocks_stored",
+              "blocks_loaded_by_layer")
 
 STAT_DOCS = {
     "blocks_loaded": "KV blocks kvtier restored into this engine (prefill it skipped).",
@@ -25,5 +26,6 @@ STAT_DOCS = {
     "loads_background": "Requests whose kvtier restore ran beside the forward (vLLM's async loads).",
     "load_s": "Seconds the forward waited for synchronous kvtier restores.",
     "blocks_stored": "KV blocks this engine handed to kvtierd to store.",
+    "blocks_loaded_by_layer": "KV blocks whose restore finished beside the forward, layer by layer (layer_overlap).",
 }
 assert set(STAT_DOCS) == set(STAT_NAMES)

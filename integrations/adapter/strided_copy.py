@@ -20,6 +20,9 @@ its tensor's storage; the caller copies by memmoves.
   ``RunTable.copy``'s contract, byte for byte its result.
 - ``arrays(src_slots, dst_slots, max_piece_bytes=None)``: those pieces as
   (engine view, slab view) pairs, for sharing between threads.
+- ``tensor_arrays(src_slots, dst_slots)``: the same pieces as (engine tensor
+  index, engine view, slab view): which of the group's tensors (a layer's
+  KV) each writes, for copying layer by layer (``layer_copies``).
 - ``pieces(src_slots, dst_slots) -> int``: how many copies ``copy`` makes
   (the caller's choice between this and memmoves).
 - ``block_bytes``: one block's bytes.
@@ -57,6 +60,7 @@ class StridedCopy:
     src_runs: tuple[np.ndarray, ...]  # per run: [slab rows, run elements], a view of the mapped slab
     dst_runs: tuple[np.ndarray, ...]  # per run: [engine blocks, run elements], a view of its engine tensor
     block_bytes: int
+    run_tensors: tuple[int, ...] = ()  # per run: the index of the engine tensor it writes
 
     @classmethod
     def build(cls, table: RunTable) -> StridedCopy | None:
@@ -68,7 +72,9 @@ class StridedCopy:
         src_off = table.src_off + (slab.data_ptr() - src_storage.data_ptr())
         # Each run's engine tensor: the storage that holds every block's bytes of it.
         storages = [t.untyped_storage() for t in table.dst.tensors]
-        owner = []
+        # And the tensor (a layer's KV) whose bytes it writes: vLLM's layers may all be views of one storage.
+        spans = [(t.data_ptr(), t.data_ptr() + _extent_bytes(t)) for t in table.dst.tensors]
+        owner, tensor = [], []
         for addr, size, stride in zip(table.dst_addr.tolist(), table.sizes.tolist(), table.dst_stride.tolist()):
             if stride < 0:
                 return None  # not a layout vLLM makes; memmoves copy it
@@ -77,16 +83,17 @@ class StridedCopy:
             if not hit:
                 return None
             owner.append(hit[0])
+            tensor.append(next((i for i, (lo, hi) in enumerate(spans) if lo <= addr < hi), hit[0]))
         if _aliases(table.dst_addr, table.dst_stride, table.sizes, n_blocks):
             return None
         dst_off = table.dst_addr - np.array([storages[i].data_ptr() for i in owner], np.int64)
         # Merged where one run continues the one before in both memories, with the same stride per block.
-        runs = [[int(s), int(d), int(k), int(z), i] for s, d, k, z, i in
-                zip(src_off, dst_off, table.dst_stride, table.sizes, owner)]
+        runs = [[int(s), int(d), int(k), int(z), i, t] for s, d, k, z, i, t in
+                zip(src_off, dst_off, table.dst_stride, table.sizes, owner, tensor)]
         merged = [runs[0]]
         for r in runs[1:]:
             p = merged[-1]
-            if r[4] == p[4] and r[2] == p[2] and r[0] == p[0] + p[3] and r[1] == p[1] + p[3]:
+            if r[4:] == p[4:] and r[2] == p[2] and r[0] == p[0] + p[3] and r[1] == p[1] + p[3]:
                 p[3] += r[3]
             else:
                 merged.append(r)
@@ -100,10 +107,10 @@ class StridedCopy:
         src_flat = _flat(src_storage, dtype)
         dst_flat = [_flat(s, dtype) for s in storages]
         src_runs = tuple(as_strided(src_flat[so // element:], (rows, z // element), (table.row_bytes, element),
-                                    writeable=False) for so, _, _, z, _ in merged)
+                                    writeable=False) for so, _, _, z, _, _ in merged)
         dst_runs = tuple(as_strided(dst_flat[i][do // element:], (n_blocks, z // element), (ds, element))
-                         for _, do, ds, z, i in merged)
-        return cls(src_runs, dst_runs, table.row_bytes)
+                         for _, do, ds, z, i, _ in merged)
+        return cls(src_runs, dst_runs, table.row_bytes, tuple(t for *_, t in merged))
 
     def pieces(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> int:
         return len(_groups(src_slots, dst_slots)) * len(self.src_runs)
@@ -112,6 +119,11 @@ class StridedCopy:
                max_piece_bytes: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """The copy's pieces, (engine view, slab view) pairs: ``copy``'s checks and errors. ``max_piece_bytes``:
         a group's rows cut so that no piece is much larger (for sharing between threads)."""
+        return [(dst, src) for _, dst, src in self.tensor_arrays(src_slots, dst_slots, max_piece_bytes=max_piece_bytes)]
+
+    def tensor_arrays(self, src_slots: Sequence[int], dst_slots: Sequence[int], *,
+                      max_piece_bytes: int | None = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """``arrays``' pieces, each with the index of the engine tensor it writes."""
         n = len(src_slots)
         if n != len(dst_slots):
             raise ValueError(f"{n} source slots but {len(dst_slots)} engine blocks")
@@ -124,13 +136,14 @@ class StridedCopy:
             raise IndexError(f"engine blocks must be in [0, {blocks})")
         if len(set(dst_slots)) != n:
             raise ValueError("duplicate engine blocks: the copy would write one block twice")
+        tensors = self.run_tensors or (0,) * len(self.src_runs)
         out = []
         for s0, d0, k in _groups(src_slots, dst_slots):
-            for src, dst in zip(self.src_runs, self.dst_runs):
+            for src, dst, t in zip(self.src_runs, self.dst_runs, tensors):
                 step = k if max_piece_bytes is None else max(1, max_piece_bytes // (src.shape[1] * src.itemsize))
                 for a in range(0, k, step):
                     b = min(k, a + step)
-                    out.append((dst[d0 + a: d0 + b], src[s0 + a: s0 + b]))
+                    out.append((t, dst[d0 + a: d0 + b], src[s0 + a: s0 + b]))
         return out
 
     def copy(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> int:
@@ -178,6 +191,13 @@ def _aliases(addr: np.ndarray, stride: np.ndarray, sizes: np.ndarray, n_blocks: 
     lengths = np.broadcast_to(sizes, (n_blocks, sizes.size)).reshape(-1)
     order = np.argsort(starts, kind="stable")
     return bool(np.any(starts[order[1:]] < starts[order[:-1]] + lengths[order[:-1]]))
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (strides >= 0)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def _flat(storage: torch.UntypedStorage, dtype: np.dtype) -> np.ndarray:

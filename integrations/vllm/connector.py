@@ -107,7 +107,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._w().start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv restored every layer before the forward
+        self._w().wait_for_layer_load(layer_name)  # at once unless layer_overlap deferred that layer's restore
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:

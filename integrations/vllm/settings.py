@@ -55,6 +55,8 @@ class ConnectorSettings:
     # registered plane, CPU KV: copy CPU-tier blocks kvtierd lends, in this process (lent_restore.py);
     # "auto": where vLLM's layout takes a block in runs of 16 KiB or more; true: always; false: never
     lend: bool | str = "auto"
+    # lent restores before the forward: the first layer at once, the rest beside the forward (layer_copies.py)
+    layer_overlap: bool = False
     token: str | None = None  # tenant token, when kvtierd serves tenants
     curve_server_key: str | None = None  # kvtierd's public key (tcp:// with CURVE)
     curve_secret_key_file: str | None = None  # this engine's secret key file
@@ -104,6 +106,8 @@ class ConnectorSettings:
             fail("data_plane", f"one of {', '.join(DATA_PLANES)}")
         if self.lend not in (True, False, "auto") or (self.lend in (0, 1) and not isinstance(self.lend, bool)):
             fail("lend", "true, false or 'auto'")
+        if not isinstance(self.layer_overlap, bool):
+            fail("layer_overlap", "true or false")
         if self.load_mode not in LOAD_MODES:
             fail("load_mode", f"one of {', '.join(LOAD_MODES)}")
         if isinstance(self.async_extra_steps, bool) or not isinstance(self.async_extra_steps, (int, float)) \

@@ -28,6 +28,12 @@ session on the rank's pool.
   synchronous load would have been right) runs in ``start_load_kv`` itself,
   which vLLM calls after the step's forward when it has no synchronous load,
   and is reported as any background load is.
+  With ``layer_overlap`` (one KV-cache group, lent restores: ``layer_copies.py``) a synchronous
+  load's first layer is copied before the forward and the others beside it:
+  ``wait_for_layer_load`` waits for one layer's, and ``wait_for_save`` (or,
+  at the latest, ``get_block_ids_with_load_errors``) waits for all and reports
+  the blocks of a deferred copy that failed, in the same step: vLLM drops
+  that step's output for their requests and recomputes.
   A hybrid engine's (several KV-cache groups) are reported by request
   instead, with the request (``take_failed`` after ``get_finished``: vLLM's
   ``failed_recving``), since vLLM takes no failed block ids from such an
@@ -60,9 +66,11 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from kvtier.integrations.adapter.background import Background
+from kvtier.integrations.adapter.layer_copies import LayerCopies
 from kvtier.integrations.adapter.link import DaemonLink
 from kvtier.integrations.adapter.planes import CopyDeadline, Plane, make_plane
 from kvtier.integrations.adapter.stats import STAT_NAMES
@@ -87,6 +95,8 @@ class WorkerSide:
         self._plane: Plane | None = None
         self._link: DaemonLink | None = None
         self._stores = Background("kvtier-stores")
+        self._layers: LayerCopies | None = None  # layer_overlap: lent copies finished beside the forward
+        self._layer_of: dict[str, tuple[int, int]] = {}  # vLLM's layer name -> (group, tensor index)
         self._loads = Background("kvtier-loads")  # background loads, in order
         # What loads left for vLLM to collect; the loads thread adds to them.
         self._results_lock = threading.Lock()
@@ -100,6 +110,7 @@ class WorkerSide:
         self.blocks_load_failed = 0
         self.loads_background = 0
         self.blocks_stored = 0
+        self.blocks_loaded_by_layer = 0
         self.load_s = 0.0  # the forward waited this long for loads, in all
         # Restores since the last take_load_timing (both kinds): the scheduler's load mode weighs them.
         self._timed_blocks = 0
@@ -117,9 +128,12 @@ class WorkerSide:
         tensors = [t for ts in by_group.values() for t in ts]
         dims = [d for ds in dims_by_group.values() for d in ds]
         deadline = CopyDeadline(self._settings.timeout_s, self._pool.layout.block_bytes)
+        if self._settings.layer_overlap and not self._pool.hybrid:
+            self._layers = LayerCopies()
+            self._layer_of = {n: (g.index, i) for g in self._pool.groups for i, n in enumerate(g.layer_names)}
         self._plane = plane = make_plane(self._settings.data_plane, by_group, dims_by_group,
                                          self._settings.staging_blocks, deadline, registration=REGISTRATION,
-                                         setting_prefix=SETTING_PREFIX, lend=self._settings.lend)
+                                         setting_prefix=SETTING_PREFIX, lend=self._settings.lend, layers=self._layers)
         self._link = DaemonLink(self._settings.socket, self._pool.name, self._pool.layout,
                                 retry_s=self._settings.retry_s, client_kwargs=self._settings.client_kwargs(),
                                 on_connect=plane.connect, client_name=CLIENT_NAME, socket_setting=SOCKET_SETTING)
@@ -139,7 +153,8 @@ class WorkerSide:
         if now:
             self.wait_for_stores()
             t0 = time.perf_counter()
-            failed = sum(self._load(load) for load in now)
+            with self._layers.deferring() if self._layers is not None else nullcontext():
+                failed = sum(self._load(load) for load in now)
             self.load_s += time.perf_counter() - t0
             if failed:
                 log.info("kvtier: %d of %d blocks to load were not restored; vLLM recomputes them",
@@ -155,6 +170,29 @@ class WorkerSide:
             # Done once every store queued so far is (one thread, in order).
             stores_before = self._stores.submit(lambda: None)
             self._loads.submit(lambda: self._load_in_background(later, stores_before))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Until that layer's deferred copies landed (``layer_overlap``; at once otherwise)."""
+        key = self._layer_of.get(layer_name)
+        if self._layers is None or key is None:
+            return
+        t0 = time.perf_counter()
+        self._layers.wait(*key)
+        self.load_s += time.perf_counter() - t0
+
+    def _settle_layers(self) -> None:
+        """Every deferred copy of the step landed; the blocks of those that failed are load errors now."""
+        if self._layers is None:
+            return
+        failed = self._layers.settle()
+        self.blocks_loaded_by_layer = self._layers.blocks_landed
+        if failed:
+            with self._results_lock:
+                self._load_errors |= failed
+                self.blocks_loaded -= len(failed)
+                self.blocks_load_failed += len(failed)
+            log.info("kvtier: %d blocks restored beside the forward did not land intact; vLLM recomputes them",
+                     len(failed))
 
     def _load_in_background(self, loads: list[BlockTransfer], stores_before: Future[None]) -> None:
         failed = 0
@@ -228,6 +266,7 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Taken after get_finished in each step (vLLM's order): a request it
         # reported has its errors in here already.
+        self._settle_layers()
         with self._results_lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -256,6 +295,7 @@ class WorkerSide:
     # ---- stores ------------------------------------------------------------------------
 
     def wait_for_save(self, meta: StepTransfers) -> None:
+        self._settle_layers()  # the forward is over: no store may read a block still being restored
         if not meta.stores or self._plane is None or self._link is None or not self._pool.stores:
             return
         if not self._link.is_up():
@@ -279,6 +319,10 @@ class WorkerSide:
         self._stores.close(timeout_s=1.0)
         if self._link is not None:
             self._link.close()
+        if self._layers is not None:
+            self._layers.settle()
+            self._layers.close()
         close = getattr(self._plane, "close", None)  # RegisteredPlane's lent restores: their thread, mappings
         if close is not None:
             close()
+

@@ -254,6 +254,27 @@ def test_two_engines_on_one_daemon_reuse_each_others_prefixes(lab: dict[str, Any
     assert moved["kvtier_blocks_stored"] >= 1, moved
 
 
+def test_restores_beside_the_forward_answer_as_recompute(lab: dict[str, Any]) -> None:
+    # layer_overlap: a lent restore's first layer is copied before the forward, the others beside it, each
+    # waited for by its layer's attention (vLLM's wait_for_layer_load). Answers are the baseline's, the
+    # restores did go layer by layer, and no layer was read without its wait (which would end the overlap).
+    endpoint = lab["daemon"].endpoint
+    base = lab.get("baseline") or lab["start"](("baseline", None))[0]
+    (o,) = lab["start"](("o", endpoint), layer_overlap=True, load_mode="sync")
+    try:
+        o_prompts, o_out, o_cached = _run_turns(o, Conversations(77, 3), 3)
+        base_prompts, base_out, _ = _run_turns(base, Conversations(77, 3), 3)
+        assert o_prompts == base_prompts
+        assert o_out == base_out, "greedy outputs differ with restores beside the forward"
+        assert sum(o_cached) > 0, o_cached
+        by_layer = sum(v for _, _, v in metrics(o, "vllm:kvtier_blocks_loaded_by_layer"))
+        failed = sum(v for _, _, v in metrics(o, "vllm:kvtier_blocks_load_failed"))
+        assert by_layer > 0 and failed == 0, (by_layer, failed)
+        assert "without waiting" not in o.log_text()
+    finally:
+        o.close()
+
+
 def test_restarted_engine_finds_its_prefixes_in_kvtierd(lab: dict[str, Any]) -> None:
     endpoint = lab["daemon"].endpoint
     if "workload" not in lab:  # alone (with -k): the engine to restart computes its prefixes here first

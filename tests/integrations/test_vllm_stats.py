@@ -17,7 +17,7 @@ def test_stats_add_up_over_workers_and_reduce_to_named_values() -> None:
     assert isinstance(b, KvtierStats) and set(a.data) == set(STAT_NAMES)
     total = a.aggregate(b)
     assert total.reduce() == {"kvtier_blocks_loaded": 5, "kvtier_blocks_load_failed": 0, "kvtier_loads_background": 1,
-                              "kvtier_load_s": 0.03, "kvtier_blocks_stored": 5}
+                              "kvtier_load_s": 0.03, "kvtier_blocks_stored": 5, "kvtier_blocks_loaded_by_layer": 0}
     assert not total.is_empty()
     total.reset()
     assert total.is_empty() and KvtierConnector.build_kv_connector_stats(None).is_empty()  # type: ignore[union-attr]

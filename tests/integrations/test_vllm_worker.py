@@ -254,7 +254,8 @@ def test_transfer_counters_are_taken_as_growth_since_the_last_take(daemon: Any) 
     assert _wait_finished(w)[0] == {"r3"}
     got = w.take_stats()
     assert {k: got[k] for k in STAT_NAMES if k != "load_s"} == {
-        "blocks_loaded": 5, "blocks_load_failed": 1, "loads_background": 1, "blocks_stored": 3}
+        "blocks_loaded": 5, "blocks_load_failed": 1, "loads_background": 1, "blocks_stored": 3,
+        "blocks_loaded_by_layer": 0}
     assert got["load_s"] > 0
     assert w.take_stats() == dict.fromkeys(STAT_NAMES, 0.0)
     w.shutdown()
