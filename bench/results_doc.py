@@ -773,6 +773,24 @@ def render_vllm(d: Result) -> str:
     return out
 
 
+def render_layer_overlap(d: Result) -> str:
+    """bench/vllm.py with ``--cases kvtier,kvtier_layers,prefix_cache --kvtierd-gpu-bytes 0``: lent restores, with
+    and without the later layers copied beside the forward."""
+    s = d["ttft"]["summary"]
+    med, bd = s["median_ttft_s"], s.get("median_breakdown_ms", {})
+    base = med.get("prefix_cache")
+    labels = {"kvtier": "restored before the forward (default)", "kvtier_layers": "`layer_overlap = true`",
+              "prefix_cache": "vLLM's own prefix cache"}
+    rows = [[label, ms(med[case]), f"{bd.get(case, {}).get('load_ms', 0):.1f} ms" if case != "prefix_cache" else "–",
+             f"{bd.get(case, {}).get('forward_step_ms', 0):,.1f} ms", f"{med[case] / base:.3f}×" if base else "–"]
+            for case, label in labels.items() if case in med]
+    t = d["ttft"]
+    return (f"Lent restores of a {num(t['prefix_tokens'])}-token prefix ({mib(t['prefix_kv_bytes'])} of KV; kvtierd "
+            f"without a GPU tier, so every block is in its CPU tier and the worker copies it), median of "
+            f"{t['reps']} repetitions; one engine alive at a time.\n\n"
+            + md_table(["case", "TTFT", "load (forward waits)", "forward step", "vs prefix cache"], rows, "lrrrr"))
+
+
 def render_vllm_busy(d: Result) -> str:
     s = d["summary"]
     labels = {"sync": "load before the forward (`load_mode=sync`)", "adaptive": "adaptive (the default)",
@@ -1323,6 +1341,11 @@ RENDERERS: list[Renderer] = [
              "TTFT of a prefix restored by `KvtierConnector` against vLLM recomputing it, vLLM's own prefix "
              "cache and vLLM's `ExampleConnector`; and the scheduler half's cost per call.",
              "python bench/vllm.py --rounds 2", render_vllm),
+    Renderer("layer-overlap-*.json", "layer-overlap", "vLLM: restores beside the forward (`layer_overlap`)",
+             "`bench/vllm.py` with lent restores: the default (every layer before the forward) against "
+             "`layer_overlap` (the first layer before, the others beside it) and vLLM's own prefix cache.",
+             "python bench/vllm.py --cases kvtier,kvtier_layers,prefix_cache --reps 12 --skip-sched "
+             "--kvtierd-gpu-bytes 0", render_layer_overlap),
     Renderer("vllm-*-cpu.json", "vllm-families", "vLLM: model families (Llama, Gemma 3 hybrid, MLA)",
              "`bench/vllm.py --model FAMILY`: TTFT of a 4,096-token prefix restored by `KvtierConnector` against "
              "recompute and vLLM's prefix cache, per model family (docs/vllm.md, 3.9).",

@@ -30,6 +30,9 @@ the end (SIGTERM, exit status checked).
    f. ``kvtier_staged`` (for information): as (a) with ``data_plane="staged"`` (vLLM's KV tensors stay
       in vLLM's own memory, blocks go through a shared arena) instead of the registered plane (KV
       tensors moved to /dev/shm, kvtierd copies in place).
+   g. ``kvtier_layers`` (for information): as (a) with ``layer_overlap=true``: the worker copies the
+      restore's first layer before the forward and the others beside it, each waited for by its layer's
+      attention (``wait_for_layer_load``).
 
    Fairness: every engine (one ``LLM`` per configuration, (b) and (c) share one) is a child process of
    the bench, answering JSON commands on stdin (one tagged JSON line on stdout each). By default
@@ -168,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole sequence of engines this many times, odd rounds in reverse order, each engine "
                         "a fresh process (default 1); the medians cover every round")
+    p.add_argument("--kvtierd-gpu-bytes", default="256MiB",
+                   help="kvtierd's GPU-tier size (default 256MiB: the prefix stays there, and kvtierd copies each "
+                        "restore); 0: every block lies in the CPU tier, whose restores the worker copies itself (lends)")
     p.add_argument("--reserved-cpus", type=int, default=1,
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default 1: vLLM's own choice without a "
                         "connector; with one it reserves another core, which 2 cores cannot give)")
@@ -213,11 +219,11 @@ def numeric_diff(after: Any, before: Any) -> Any:
 # 1. TTFT: one long-lived child process per LLM configuration, all alive at once
 # ---------------------------------------------------------------------------
 
-ENGINES = ("vllm", "kvtier", "example", "kvtier_pc", "kvtier_staged")  # engine configurations (child processes)
+ENGINES = ("vllm", "kvtier", "example", "kvtier_pc", "kvtier_staged", "kvtier_layers")  # engine configurations (child processes)
 # Timed cases -> the engine serving them. Each repetition runs every case once (round robin).
 CASES = {"kvtier": "kvtier", "recompute": "vllm", "prefix_cache": "vllm", "example": "example",
-         "kvtier_pc_evicted": "kvtier_pc", "kvtier_staged": "kvtier_staged"}
-KVTIER_CASES = ("kvtier", "kvtier_pc_evicted", "kvtier_staged")
+         "kvtier_pc_evicted": "kvtier_pc", "kvtier_staged": "kvtier_staged", "kvtier_layers": "kvtier_layers"}
+KVTIER_CASES = ("kvtier", "kvtier_pc_evicted", "kvtier_staged", "kvtier_layers")
 
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -275,6 +281,10 @@ def child_main(spec: dict[str, Any]) -> int:
         kw["enable_prefix_caching"] = False
         kw["kv_transfer_config"] = kvtier_cfg | {"kv_connector_extra_config": {
             **kvtier_cfg["kv_connector_extra_config"], "data_plane": "staged"}}
+    elif engine == "kvtier_layers":  # the restore's later layers beside the forward
+        kw["enable_prefix_caching"] = False
+        kw["kv_transfer_config"] = kvtier_cfg | {"kv_connector_extra_config": {
+            **kvtier_cfg["kv_connector_extra_config"], "layer_overlap": True}}
     elif engine == "example":
         kw["enable_prefix_caching"] = False
         kw["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -797,7 +807,8 @@ def print_tables(report: dict[str, Any]) -> None:
         names = {"kvtier": "a. KvtierConnector (prefix caching off)", "recompute": "b. recompute (no connector, salted)",
                  "prefix_cache": "c. vLLM prefix cache", "example": "d. ExampleConnector (prefix caching off)",
                  "kvtier_pc_evicted": "e. KvtierConnector, prefix caching on, prefix evicted",
-                 "kvtier_staged": "f. KvtierConnector, staged data plane (prefix caching off)"}
+                 "kvtier_staged": "f. KvtierConnector, staged data plane (prefix caching off)",
+                 "kvtier_layers": "g. KvtierConnector, layers restored beside the forward (prefix caching off)"}
         print(f"\nTTFT (generate, max_tokens=1), {t['prefix_tokens']}-token prefix + {t['suffix_tokens']} new tokens, "
               f"median of {t['reps']} x {t.get('rounds', 1)} round(s) ({t.get('case_order', 'round robin, all engines alive')}); {t['model']['parameters'] / 1e6:.0f}M-parameter "
               f"random {t.get('family', 'llama')}, {t['model']['torch_dtype']}, prefix KV {t['prefix_kv_bytes'] / 2**20:.0f} MiB; "
@@ -894,7 +905,7 @@ def main(argv: list[str] | None = None) -> int:
     log_path = args.log or Path(tempfile.gettempdir()) / "kvtier-bench-vllm.log"
     log_path.write_text("")
     # cwd: the repository, wherever the bench is run from.
-    daemon = KvtierDaemon.start(workdir, flags={"device": "cpu", "gpu_bytes": "256MiB", "cpu_bytes": "1GiB",
+    daemon = KvtierDaemon.start(workdir, flags={"device": "cpu", "gpu_bytes": args.kvtierd_gpu_bytes, "cpu_bytes": "1GiB",
                                                 "log_level": "warning"}, cwd=REPO)
     report["kvtierd"] = {"argv": daemon.argv[2:]}
     progress(f"kvtierd pid {daemon.pid} on {daemon.endpoint}; vLLM logs in {log_path}")

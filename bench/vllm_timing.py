@@ -72,7 +72,10 @@ def kvtier_worker_stats(worker: Any) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     side = get_kv_transfer_group()._worker
-    return {"blocks_loaded": side.blocks_loaded, "blocks_stored": side.blocks_stored, "load_s": side.load_s}
+    layers = side._layers  # layer_overlap: what went beside the forward, and how long the forward waited for it
+    return {"blocks_loaded": side.blocks_loaded, "blocks_stored": side.blocks_stored, "load_s": side.load_s,
+            "blocks_loaded_by_layer": side.blocks_loaded_by_layer,
+            "layer_wait_s": layers.wait_s if layers is not None else 0.0}
 
 
 def _patch_scheduler_side(path: str) -> None:
