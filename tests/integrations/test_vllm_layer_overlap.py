@@ -18,14 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.client.hashing import hash_token_blocks
 from kvtier.integrations.adapter.layer_copies import LayerCopies
 from kvtier.integrations.adapter.planes import RegisteredPlane
 from kvtier.integrations.adapter.transfers import BlockTransfer, StepTransfers
 from kvtier.integrations.vllm.settings import ConnectorSettings
 from kvtier.integrations.vllm.worker import WorkerSide
-from tests.integrations.test_vllm_lent import _lent_blocks, _store
-from tests.integrations.test_vllm_worker import BS, LAYERS, LAYOUTS, NUM_BLOCKS, _block, _kv, _pool
+from tests.integrations.test_vllm_lent import _lent_blocks, _stored
+from tests.integrations.test_vllm_worker import LAYERS, LAYOUTS, NUM_BLOCKS, _block, _kv, _pool
 
 DST = [0, 1, 2, 6, 11]
 
@@ -56,10 +55,7 @@ def _one_storage(engine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_each_layer_is_whole_once_its_wait_returns(kvtierd_factory: Callable[..., Any], layout: str,
                                                    storage: str) -> None:
-    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20)
-    shape = LAYOUTS[layout]()
-    keys = hash_token_blocks(list(range(5 * BS)), BS)
-    want = _store(daemon.endpoint, shape, keys, [3, 5, 7, 8, 10])
+    daemon, shape, keys, want = _stored(kvtierd_factory, layout)
     engine = _kv(shape, "cpu", torch.bfloat16, seed=2)
     if storage != "per layer":
         engine = _one_storage(engine)
@@ -83,10 +79,7 @@ def test_a_layer_the_forward_never_waited_for_is_a_load_error_and_ends_the_overl
         kvtierd_factory: Callable[..., Any]) -> None:
     # A model whose attention skipped wait_for_layer_load may have read a layer before its bytes landed:
     # its blocks are recomputed, and from then on every restore copies all layers before the forward.
-    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20)
-    shape = LAYOUTS["cpu_attn [0]"]()
-    keys = hash_token_blocks(list(range(5 * BS)), BS)
-    want = _store(daemon.endpoint, shape, keys, [3, 5, 7, 8, 10])
+    daemon, shape, keys, want = _stored(kvtierd_factory, "cpu_attn [0]")
     engine = _kv(shape, "cpu", torch.bfloat16, seed=2)
     w = _overlapping_worker(daemon.endpoint)
     layers = _start(w, engine, keys)
@@ -107,10 +100,7 @@ def test_a_layer_the_forward_never_waited_for_is_a_load_error_and_ends_the_overl
 
 
 def test_a_deferred_copy_past_the_lease_is_a_load_error(kvtierd_factory: Callable[..., Any]) -> None:
-    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20, lend_lease_s=0.001)
-    shape = LAYOUTS["cpu_attn [0]"]()
-    keys = hash_token_blocks(list(range(5 * BS)), BS)
-    _store(daemon.endpoint, shape, keys, [3, 5, 7, 8, 10])
+    daemon, shape, keys, _ = _stored(kvtierd_factory, "cpu_attn [0]", lend_lease_s=0.001)
     w = _overlapping_worker(daemon.endpoint)
     _start(w, _kv(shape, "cpu", torch.bfloat16, seed=2), keys)
     for i in range(LAYERS):

@@ -48,15 +48,22 @@ def _store(endpoint: str, shape: tuple[int, ...], keys: list[bytes], src_blocks:
     return [_block(engine, b) for b in src_blocks]
 
 
+def _stored(kvtierd_factory: Callable[..., Any], layout: str, **daemon_flags: Any
+            ) -> tuple[Any, tuple[int, ...], list[bytes], list[list[torch.Tensor]]]:
+    """A daemon without a GPU tier (every block lent) holding 5 blocks of ``layout``: (daemon, shape, keys,
+    each block's layers as stored)."""
+    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20, **daemon_flags)
+    shape = LAYOUTS[layout]()
+    keys = hash_token_blocks(list(range(5 * BS)), BS)
+    return daemon, shape, keys, _store(daemon.endpoint, shape, keys, [3, 5, 7, 8, 10])
+
+
 @pytest.mark.parametrize("copy_engine", ["strided", "memmove"])
 @pytest.mark.parametrize("copy_threads", [1, 2])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_lent_restore_is_byte_exact(kvtierd_factory: Callable[..., Any], layout: str, copy_threads: int,
                                       copy_engine: str) -> None:
-    daemon = kvtierd_factory(gpu_bytes=0, cpu_bytes=4 << 20)
-    shape = LAYOUTS[layout]()
-    keys = hash_token_blocks(list(range(5 * BS)), BS)
-    want = _store(daemon.endpoint, shape, keys, [3, 5, 7, 8, 10])
+    daemon, shape, keys, want = _stored(kvtierd_factory, layout)
     engine = _kv(shape, "cpu", torch.bfloat16, seed=2)
     before = {n: t.clone() for n, t in engine.items()}
     w = _worker(daemon.endpoint)
