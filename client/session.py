@@ -45,8 +45,9 @@ subclass may wrap it, and recovery's requests must go through that too).
   did not run the request either: the socket is dropped, the session
   counts as gone (a successor does not know it), and the request is sent
   again on a new connection, at once the first time, then after a pause
-  that doubles from ``SHUTDOWN_PAUSE_S`` (at most ``MAX_SHUTDOWN_PAUSE_S``),
-  until the call's deadline; past it the SHUTTING_DOWN error is raised.
+  that doubles from ``SHUTDOWN_PAUSE_S`` (at most ``MAX_SHUTDOWN_PAUSE_S``,
+  and at most half the time the call has left), until the call's deadline;
+  past it the SHUTTING_DOWN error is raised.
   Otherwise raises what ``Transport`` raises.
 - ``call_many(op, fields_list, deadline_s) -> reply headers``: the same for
   ``Client._call_many`` (pipelined): every request's reply header, error
@@ -110,9 +111,12 @@ log = logging.getLogger(__name__)
 
 DEADLINE_ROUNDING_NS = 1_000
 # After a SHUTTING_DOWN the request goes again at once on a new connection (a successor that took the socket over
-# accepts it); if the daemon still says so (a stop with nobody after it yet), after this pause, doubling.
+# accepts it); if the daemon still says so (a stop with nobody after it yet), after this pause, doubling up to the
+# most. In a hand-over both daemons accept on the socket and the old one answers SHUTTING_DOWN for up to a second
+# (daemon.process.upgrade.REDIRECT_MAX_S): each new connection lands on either, so the client tries ~10 times a
+# second rather than 2, and never pauses past half the time its call has left (the last try needs time to answer).
 SHUTDOWN_PAUSE_S = 0.02
-MAX_SHUTDOWN_PAUSE_S = 0.5
+MAX_SHUTDOWN_PAUSE_S = 0.1
 
 
 class SessionLost(DaemonError):
@@ -292,7 +296,7 @@ class Session:
         if left_s <= 0:
             raise exc
         if resends:
-            time.sleep(min(SHUTDOWN_PAUSE_S * 2 ** (resends - 1), MAX_SHUTDOWN_PAUSE_S, left_s))
+            time.sleep(min(SHUTDOWN_PAUSE_S * 2 ** (resends - 1), MAX_SHUTDOWN_PAUSE_S, left_s / 2))
         else:
             log.info("kvtier %s: the daemon at %s is shutting down or handing over; resending on a new connection",
                      op, self._transport.endpoint)
