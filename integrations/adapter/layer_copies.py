@@ -31,9 +31,10 @@ synchronous loads inside ``deferring()``; a lent copy made there
 Why: on vLLM's CPU build the worker restores before the forward, which waits
 for all of a 32 MiB restore (3.3 ms of a 67 ms TTFT in bench/peers.py) though
 it reads layer 0 first. vLLM reserves a core for a KV connector's transfers
-(``ompmultiprocessing``: one more per rank); the helper thread widens its CPU
-affinity (vLLM binds the worker's threads to its compute cores, and a new
-thread inherits that) so the kernel runs it there, beside the forward.
+(``ompmultiprocessing``: one more per rank); the helper thread moves itself off
+the cores of the thread that started it (vLLM binds the worker's threads to its
+compute cores, and a new thread inherits that), so the kernel runs it on
+another core, beside the forward.
 """
 
 from __future__ import annotations
@@ -181,12 +182,11 @@ class LayerCopies:
             ok = True
             done = 0
             try:
-                for _, dst, src in job.pieces:
+                for tensor, dst, src in job.pieces:
                     copyto(dst, src)  # the GIL let go for the copy
                     done += 1
                     with self._cv:
-                        key = (job.group, job.pieces[done - 1][0])
-                        self._pending[key] -= 1
+                        self._pending[(job.group, tensor)] -= 1
                         self._cv.notify_all()
                 ok = job.finish()
             except Exception:

@@ -49,13 +49,18 @@ def hello_reply(sock: zmq.Socket, identity: bytes, req: dict[str, Any], sid: str
     ok(sock, identity, req, sid=sid, lease_s=10.0, heartbeat_s=3.0, pool={}, limits={}, features=[])
 
 
-def test_a_request_answered_shutting_down_reaches_the_successor_even_if_the_old_daemon_drops_the_resend(
-        tmp_path: Path) -> None:
+def listening_socket(tmp_path: Path) -> tuple[socket.socket, str]:
+    """The one listening socket both scripted daemons accept on, and its endpoint."""
     path = tmp_path / "kvtierd.sock"
     held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     held.bind(str(path))
     held.listen(64)
-    endpoint = f"ipc://{path}"
+    return held, f"ipc://{path}"
+
+
+def test_a_request_answered_shutting_down_reaches_the_successor_even_if_the_old_daemon_drops_the_resend(
+        tmp_path: Path) -> None:
+    held, endpoint = listening_socket(tmp_path)
     zctx = zmq.Context()
     old = router(zctx, held, endpoint)
     result: dict[str, Any] = {}
@@ -110,11 +115,7 @@ def test_a_call_bounced_by_shutting_down_for_most_of_its_deadline_still_gets_thr
     # second (REDIRECT_MAX_S): a client's new connections may all land on it. Here every one does for 0.8 s of
     # a 1 s call: the client must keep trying often enough to reach a daemon that serves before its deadline
     # (the pauses once grew to 0.32 s and 0.5 s, and such a call ran out of time; CI, stop 43).
-    path = tmp_path / "kvtierd.sock"
-    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    held.bind(str(path))
-    held.listen(64)
-    endpoint = f"ipc://{path}"
+    held, endpoint = listening_socket(tmp_path)
     zctx = zmq.Context()
     sock = router(zctx, held, endpoint)
     bounce_until = [0.0]
